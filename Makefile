@@ -1,0 +1,32 @@
+# The only two set-up commands a fresh machine needs: `make run` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# A CPU build of torch that lies on the development machines' disk; the package
+# itself accepts any torch >= 2.4.
+TORCH  ?= torch==2.13.0
+
+.PHONY: run test lint install clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/posbench demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: $(STAMP) lint
+	$(PY) -m pytest -n 2 -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,1 @@
+"""The Streamlit dashboard: submit, queue, compare, explore."""

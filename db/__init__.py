@@ -1,0 +1,1 @@
+"""The results database: SQLAlchemy models, sessions, migrations and read queries."""

@@ -1,0 +1,159 @@
+"""ALiBi, T5, KERPLE and FIRE: attention biases pinned to their papers and x-transformers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import dims
+from x_transformers.x_transformers import AlibiPositionalBias, RelativePositionBias
+
+from worker.encodings import REGISTRY, build
+from worker.encodings.alibi import alibi_slopes
+from worker.encodings.t5 import t5_bucket
+
+BIAS_ENCODINGS = sorted(name for name, e in REGISTRY.items() if e.family == "bias")
+
+
+def test_alibi_slopes_for_8_heads_are_halvings() -> None:
+    assert alibi_slopes(8) == pytest.approx([2.0**-i for i in range(1, 9)])
+
+
+def test_alibi_slopes_for_12_heads_follow_the_papers_rule() -> None:
+    expected = [2.0**-i for i in range(1, 9)] + [0.7071, 0.3536, 0.1768, 0.0884]
+    assert alibi_slopes(12) == pytest.approx(expected, abs=1e-4)
+
+
+@pytest.mark.parametrize("n_heads", [1, 2, 3, 4, 5, 6, 8, 12, 16, 20, 24])
+def test_alibi_matches_x_transformers(n_heads: int) -> None:
+    ours = build("alibi", n_heads=n_heads, head_dim=8, d_model=8 * n_heads, train_length=16)
+    reference = AlibiPositionalBias(heads=n_heads)
+    torch.testing.assert_close(ours.slopes, reference.slopes.flatten())
+    for q_len, k_len in [(40, 40), (7, 40), (1, 33)]:
+        torch.testing.assert_close(ours.bias(q_len, k_len), reference(q_len, k_len))
+
+
+def test_alibi_bias_is_minus_slope_times_distance() -> None:
+    ours = build("alibi", **dims(n_heads=4))  # slopes 1/4, 1/16, 1/64, 1/256
+    bias = ours.bias(5, 5)
+    assert float(bias[0, 4, 0]) == pytest.approx(-4 * 0.25)
+    assert float(bias[1, 3, 1]) == pytest.approx(-2 / 16)
+    assert float(bias[3, 2, 2]) == 0.0
+
+
+def test_t5_buckets_by_hand() -> None:
+    # 32 buckets, max_distance 128: exact below 16, then 16 + floor(16 log(n/16) / log 8).
+    distance = torch.tensor([0, 1, 15, 16, 22, 32, 64, 127, 128, 1000, 10**6, -5])
+    expected = torch.tensor([0, 1, 15, 16, 18, 21, 26, 31, 31, 31, 31, 0])
+    assert torch.equal(t5_bucket(distance), expected)
+
+
+def test_t5_buckets_match_x_transformers() -> None:
+    distance = torch.arange(-50, 5000)
+    for num_buckets, max_distance in [(32, 128), (64, 256), (16, 64)]:
+        theirs = RelativePositionBias._relative_position_bucket(
+            -distance, causal=True, num_buckets=num_buckets, max_distance=max_distance
+        )
+        assert torch.equal(t5_bucket(distance, num_buckets, max_distance), theirs)
+
+
+def test_t5_bias_matches_x_transformers_with_the_same_table() -> None:
+    ours = build("t5", **dims(n_heads=4))
+    reference = RelativePositionBias(scale=1.0, causal=True, heads=4)
+    with torch.no_grad():
+        reference.relative_attention_bias.weight.copy_(ours.table)
+    for q_len, k_len in [(300, 300), (10, 300)]:
+        torch.testing.assert_close(ours.bias(q_len, k_len), reference(q_len, k_len))
+
+
+def test_t5_far_distances_share_the_last_bucket() -> None:
+    ours = build("t5", **dims(n_heads=4))
+    bias = ours.bias(1, 2000)[:, 0]  # one query at position 1999
+    torch.testing.assert_close(bias[:, 0], ours.table[31])
+    torch.testing.assert_close(bias[:, 1999 - 500], ours.table[31])
+
+
+def test_kerple_log_formula() -> None:
+    kerple = build("kerple_log", **dims(n_heads=4))
+    bias = kerple.bias(6, 6).detach()
+    r1, r2 = kerple.r1.detach(), kerple.r2.detach()
+    for h in range(4):
+        for i, j in [(5, 0), (3, 1), (2, 2)]:
+            expected = -r1[h] * math.log(1 + r2[h] * (i - j))
+            assert float(bias[h, i, j]) == pytest.approx(float(expected), rel=1e-5, abs=1e-7)
+
+
+def test_kerple_power_formula_and_bounds() -> None:
+    kerple = build("kerple_power", **dims(n_heads=4))
+    bias = kerple.bias(6, 6).detach()
+    r1, r2 = kerple.r1.detach(), kerple.r2.detach()
+    assert bool((r2 > 0).all() and (r2 <= 2).all())
+    for h in range(4):
+        for i, j in [(5, 0), (3, 1)]:
+            assert float(bias[h, i, j]) == pytest.approx(float(-r1[h] * (i - j) ** r2[h]), rel=1e-5)
+        assert float(bias[h, 2, 2]) == 0.0
+
+
+@pytest.mark.parametrize("name", ["kerple_log", "kerple_power"])
+def test_kerple_parameters_stay_positive_under_adversarial_training(name: str) -> None:
+    kerple = build(name, **dims(n_heads=4))
+    optimizer = torch.optim.SGD(kerple.parameters(), lr=10.0)
+    for _ in range(50):
+        # Minimising the bias magnitude drives r1 and r2 toward zero and beyond.
+        loss = kerple.bias(8, 8).abs().sum() - kerple.r2.sum() * (1 if name == "kerple_log" else -1)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        assert all(torch.isfinite(p).all() for p in kerple.parameters())
+    assert bool((kerple.r1 > 0).all() and (kerple.r2 > 0).all())
+    if name == "kerple_power":
+        assert bool((kerple.r2 <= 2).all())
+
+
+def test_kerple_power_gradient_is_finite_at_distance_zero() -> None:
+    kerple = build("kerple_power", **dims(n_heads=4))
+    kerple.bias(4, 4).sum().backward()
+    assert torch.isfinite(kerple.raw_r2.grad).all()
+
+
+def test_fire_normalised_distance_by_hand() -> None:
+    fire = build("fire", init_c=1.0, init_threshold=4.0, **dims(n_heads=4))
+    normalized = fire.normalized_distance(6, 6).detach()
+    # psi(x) = log(x + 1); normaliser psi(max(4, i))
+    assert float(normalized[5, 1]) == pytest.approx(math.log(5) / math.log(6), rel=1e-5)
+    assert float(normalized[2, 0]) == pytest.approx(math.log(3) / math.log(5), rel=1e-5)
+    assert float(normalized[3, 3]) == 0.0
+    # Past keys map into [0, 1] at any length: interpolation, not extrapolation.
+    long = fire.normalized_distance(1, 10_000).detach()
+    assert float(long.max()) <= 1.0 and float(long.min()) >= 0.0
+
+
+def test_fire_bias_is_its_mlp_of_the_normalised_distance() -> None:
+    fire = build("fire", **dims(n_heads=4))
+    normalized = fire.normalized_distance(5, 9)
+    expected = fire.mlp(normalized[..., None]).permute(2, 0, 1)
+    torch.testing.assert_close(fire.bias(5, 9), expected)
+    assert fire.bias(5, 9).shape == (4, 5, 9)
+    # c and the threshold are learned.
+    fire.bias(5, 9).sum().backward()
+    assert fire.c.grad is not None and fire.threshold_multiplier.grad is not None
+
+
+@pytest.mark.parametrize("name", BIAS_ENCODINGS)
+def test_bias_rows_for_the_last_queries_match_the_full_matrix(name: str) -> None:
+    encoding = build(name, **dims(n_heads=4))
+    full = encoding.bias(50, 50)
+    assert full.shape == (4, 50, 50) and full.dtype == torch.float32
+    torch.testing.assert_close(encoding.bias(7, 50), full[:, -7:, :])
+    torch.testing.assert_close(encoding.bias(20, 30), full[:, 10:30, :30])
+
+
+@pytest.mark.parametrize("name", BIAS_ENCODINGS)
+def test_bias_never_favours_distant_keys_at_init_for_fixed_kernels(name: str) -> None:
+    encoding = build(name, **dims(n_heads=4))
+    bias = encoding.bias(1, 64)[:, 0].detach()
+    assert torch.isfinite(bias).all()
+    if name in ("alibi", "kerple_log", "kerple_power"):
+        # Monotone kernels: the further back, the lower the bias.
+        assert bool((bias[:, 1:] >= bias[:, :-1]).all())

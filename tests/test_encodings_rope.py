@@ -1,0 +1,225 @@
+"""RoPE, xPos and the inference-time scalings: formulas, properties and x-transformers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import dims
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from x_transformers.x_transformers import RotaryEmbedding, apply_rotary_pos_emb
+
+from worker.encodings import EncodingConfigError, build
+from worker.encodings.rope import yarn_attention_factor
+from worker.encodings.xpos import xpos_zeta
+
+
+def to_interleaved(x: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """Our rotate-half layout (pairs j, j + r/2) -> GPT-J's interleaved pairs (2j, 2j+1)."""
+    first, second = x[..., : rotary_dim // 2], x[..., rotary_dim // 2 : rotary_dim]
+    paired = torch.stack((first, second), dim=-1).flatten(-2)
+    return torch.cat((paired, x[..., rotary_dim:]), dim=-1)
+
+
+def test_rope_rotates_pairs_by_position_times_frequency_by_hand() -> None:
+    # head_dim 4: frequencies 1 and 10000^(-1/2) = 0.01; pairs are (0, 2) and (1, 3).
+    rope = build("rope", n_heads=1, head_dim=4, d_model=4, train_length=8)
+    q = torch.tensor([1.0, 0.0, 0.0, 1.0]).view(1, 1, 1, 4).repeat(1, 1, 3, 1)
+    rotated, _ = rope.rotate(q, q, torch.arange(3))
+    for m in range(3):
+        a, b = m * 1.0, m * 0.01
+        # pair (x0, x2) = (1, 0) -> (cos a, sin a); pair (x1, x3) = (0, 1) -> (-sin b, cos b)
+        expected = torch.tensor([math.cos(a), -math.sin(b), math.sin(a), math.cos(b)])
+        torch.testing.assert_close(rotated[0, 0, m], expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5, 1.0])
+def test_rope_matches_x_transformers_up_to_the_pair_convention(fraction: float) -> None:
+    head_dim, length = 32, 200
+    rope = build("rope", rotary_fraction=fraction, **dims(head_dim=head_dim))
+    rotary_dim = rope.rotary_dim
+    assert rotary_dim == int(head_dim * fraction)
+    q, k = torch.randn(2, 4, length, head_dim), torch.randn(2, 4, length, head_dim)
+    ours_q, ours_k = rope.rotate(q, k, torch.arange(length))
+    reference = RotaryEmbedding(rotary_dim)
+    freqs, _ = reference.forward_from_seq_len(length)
+    theirs_q = apply_rotary_pos_emb(to_interleaved(q, rotary_dim), freqs)
+    torch.testing.assert_close(to_interleaved(ours_q, rotary_dim), theirs_q, atol=1e-5, rtol=0)
+    # Partial rotary: the dimensions past the rotated ones pass through untouched.
+    torch.testing.assert_close(ours_k[..., rotary_dim:], k[..., rotary_dim:])
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    m=st.integers(0, 5000),
+    n=st.integers(0, 5000),
+    shift=st.integers(0, 5000),
+    seed=st.integers(0, 2**16),
+)
+def test_rope_dot_product_depends_only_on_the_offset(m: int, n: int, shift: int, seed: int) -> None:
+    rope = build("rope", n_heads=1, head_dim=32, d_model=32, train_length=64)
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 1, 1, 32, generator=generator, dtype=torch.float64).float()
+    k = torch.randn(1, 1, 1, 32, generator=generator, dtype=torch.float64).float()
+
+    def logit(query_pos: int, key_pos: int) -> float:
+        rq, _ = rope.rotate(q, q, torch.tensor([query_pos]))
+        rk, _ = rope.rotate(k, k, torch.tensor([key_pos]))
+        return float((rq * rk).sum())
+
+    assert logit(m, n) == pytest.approx(logit(m + shift, n + shift), abs=2e-3)
+
+
+def test_rope_phases_stay_float32_under_bf16_autocast() -> None:
+    rope = build("rope", **dims())
+    q = torch.randn(1, 4, 8, 16)
+    positions = torch.arange(10_000, 10_008)
+    exact, _ = rope.rotate(q, q, positions)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert rope.phases(positions).dtype == torch.float32
+        under_autocast, _ = rope.rotate(q, q, positions)
+    torch.testing.assert_close(under_autocast, exact)
+
+
+def test_xpos_decay_constants() -> None:
+    # zeta_j = (2j/r + 0.4) / 1.4 for r = 8: 0.4/1.4, 0.65/1.4, 0.9/1.4, 1.15/1.4
+    expected = torch.tensor([0.4, 0.65, 0.9, 1.15]) / 1.4
+    torch.testing.assert_close(xpos_zeta(8), expected)
+
+
+def test_xpos_matches_x_transformers_logits() -> None:
+    head_dim, length = 32, 100
+    xpos = build("xpos", scale_base=64.0, **dims(head_dim=head_dim))
+    q, k = torch.randn(1, 4, length, head_dim), torch.randn(1, 4, length, head_dim)
+    ours_q, ours_k = xpos.rotate(q, k, torch.arange(length))
+    reference = RotaryEmbedding(head_dim, use_xpos=True, scale_base=64)
+    freqs, scale = reference.forward_from_seq_len(length)
+    theirs_q = apply_rotary_pos_emb(to_interleaved(q, head_dim), freqs, scale)
+    theirs_k = apply_rotary_pos_emb(to_interleaved(k, head_dim), freqs, scale**-1)
+    # The centring differs by at most one position, which cancels in q.k.
+    torch.testing.assert_close(
+        ours_q @ ours_k.transpose(-1, -2),
+        theirs_q @ theirs_k.transpose(-1, -2),
+        atol=1e-3,
+        rtol=1e-4,
+    )
+
+
+def test_xpos_logit_decays_with_distance_like_zeta_power() -> None:
+    xpos = build("xpos", n_heads=1, head_dim=2, d_model=2, train_length=8, scale_base=4.0)
+    q = torch.tensor([1.0, 0.0]).view(1, 1, 1, 2).repeat(1, 1, 9, 1)
+    rq, rk = xpos.rotate(q, q, torch.arange(9))
+    logits = (rq @ rk.transpose(-1, -2))[0, 0]
+    zeta = 0.4 / 1.4
+    # head_dim 2: one pair with frequency 1, so q.k = zeta^((n-m)/4) cos(n - m)
+    for n, m in [(8, 0), (5, 3), (4, 4)]:
+        assert float(logits[n, m]) == pytest.approx(
+            zeta ** ((n - m) / 4) * math.cos(n - m), rel=1e-4
+        )
+
+
+def test_xpos_stays_finite_at_long_lengths() -> None:
+    xpos = build("xpos", **dims(head_dim=32))
+    q = torch.randn(1, 4, 32_768, 32)
+    rq, rk = xpos.rotate(q, q, torch.arange(32_768))
+    assert torch.isfinite(rq).all() and torch.isfinite(rk).all()
+
+
+# -- inference-time scalings -------------------------------------------------------------
+
+
+def test_pi_divides_positions_by_the_factor() -> None:
+    rope = build("rope", **dims())
+    q = torch.randn(1, 4, 1, 16)
+    pi = rope.with_scaling("pi", 4.0)
+    torch.testing.assert_close(
+        pi.rotate(q, q, torch.tensor([8]))[0], rope.rotate(q, q, torch.tensor([2]))[0]
+    )
+    # x-transformers calls the same thing interpolation_factor.
+    theirs = RotaryEmbedding(16, interpolation_factor=4.0).forward(torch.arange(8))[0]
+    torch.testing.assert_close(pi.phases(torch.arange(8)), theirs[0, :, 0::2])
+
+
+def test_ntk_multiplies_the_base_by_factor_to_d_over_d_minus_2() -> None:
+    rope = build("rope", n_heads=1, head_dim=8, d_model=8, train_length=32)
+    ntk = rope.with_scaling("ntk", 4.0)
+    new_base = 10000 * 4 ** (8 / 6)
+    expected = torch.tensor([new_base ** (-j / 8) for j in (0, 2, 4, 6)])
+    torch.testing.assert_close(ntk.inv_freq, expected)
+    theirs = RotaryEmbedding(8, base_rescale_factor=4.0).inv_freq
+    torch.testing.assert_close(ntk.inv_freq, theirs)
+    # The trained model is untouched.
+    torch.testing.assert_close(
+        rope.inv_freq, torch.tensor([10000 ** (-j / 8) for j in (0, 2, 4, 6)])
+    )
+
+
+def test_dynamic_ntk_recomputes_the_factor_per_length() -> None:
+    rope = build("rope", n_heads=1, head_dim=8, d_model=8, train_length=32)
+    dynamic = rope.with_scaling("dynamic_ntk")
+    torch.testing.assert_close(dynamic.frequencies(32), rope.inv_freq)  # s = 1 within L
+    torch.testing.assert_close(dynamic.frequencies(16), rope.inv_freq)
+    torch.testing.assert_close(dynamic.frequencies(128), rope.with_scaling("ntk", 4.0).inv_freq)
+    torch.testing.assert_close(dynamic.frequencies(48), rope.with_scaling("ntk", 1.5).inv_freq)
+
+
+def test_yarn_ramp_by_hand() -> None:
+    # head_dim 8, L = 2048: frequencies 1, 0.1, 0.01, 0.001 make
+    # r = 2048 f / 2pi = 325.9, 32.6, 3.26, 0.326 rotations over L.
+    rope = build("rope", n_heads=1, head_dim=8, d_model=8, train_length=2048)
+    yarn = rope.with_scaling("yarn", 4.0)
+    rotations = [2048 * f / (2 * math.pi) for f in (1.0, 0.1, 0.01, 0.001)]
+    gamma = [min(1.0, max(0.0, (r - 1) / 31)) for r in rotations]
+    assert gamma[0] == 1.0 and gamma[1] == 1.0 and 0 < gamma[2] < 1 and gamma[3] == 0.0
+    expected = [
+        (1 - g) * f / 4 + g * f for g, f in zip(gamma, (1.0, 0.1, 0.01, 0.001), strict=True)
+    ]
+    torch.testing.assert_close(yarn.inv_freq, torch.tensor(expected), rtol=1e-5, atol=0)
+    # High frequencies extrapolate (unchanged), the lowest interpolates (divided by s).
+    assert float(yarn.inv_freq[0]) == pytest.approx(1.0)
+    assert float(yarn.inv_freq[3]) == pytest.approx(0.001 / 4)
+
+
+def test_yarn_temperature_scales_logits_by_its_square() -> None:
+    rope = build("rope", n_heads=1, head_dim=8, d_model=8, train_length=2048)
+    yarn = rope.with_scaling("yarn", 4.0)
+    factor = 0.1 * math.log(4.0) + 1
+    assert yarn_attention_factor(4.0) == pytest.approx(factor)
+    assert yarn_attention_factor(1.0) == 1.0
+    q = torch.randn(1, 1, 1, 8)
+    # At position 0 there is no rotation, so only the temperature remains.
+    rq, rk = yarn.rotate(q, q, torch.tensor([0]))
+    assert float((rq * rk).sum()) == pytest.approx(float((q * q).sum()) * factor**2, rel=1e-5)
+
+
+def test_yarn_measures_rotations_over_the_original_length() -> None:
+    rope = build("rope", n_heads=1, head_dim=8, d_model=8, train_length=2048)
+    assert not torch.equal(
+        rope.with_scaling("yarn", 4.0, original_length=64).inv_freq,
+        rope.with_scaling("yarn", 4.0).inv_freq,
+    )
+
+
+@pytest.mark.parametrize(
+    ("method", "factor", "params", "message"),
+    [
+        ("stretch", 2.0, {}, r"unknown RoPE scaling 'stretch'"),
+        ("pi", None, {}, r"'pi' needs a factor"),
+        ("ntk", 0.5, {}, r"factor must be in \[1, 1024\]"),
+        ("yarn", 4.0, {"gamma": 1.0}, r"no parameter 'gamma' \(allowed: alpha, beta\)"),
+        ("yarn", 4.0, {"alpha": 40.0}, r"beta > alpha"),
+    ],
+)
+def test_bad_scalings_are_refused(
+    method: str, factor: float | None, params: dict[str, float], message: str
+) -> None:
+    with pytest.raises(EncodingConfigError, match=message):
+        build("rope", **dims()).with_scaling(method, factor, **params)
+
+
+def test_scalings_do_not_stack() -> None:
+    rope = build("rope", **dims())
+    twice = rope.with_scaling("ntk", 4.0).with_scaling("pi", 2.0)
+    torch.testing.assert_close(twice.inv_freq, rope.inv_freq)

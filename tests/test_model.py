@@ -1,0 +1,165 @@
+"""The transformer the encodings plug into: symmetry, training, long inputs, fairness."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import dims
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from worker.encodings import REGISTRY, build
+from worker.encodings.base import PositionOutOfRange
+from worker.model import PRESETS, AttentionBias, ModelConfig, build_model
+from worker.probes import equivariance_error
+
+ALL = sorted(REGISTRY)
+TRAIN_LENGTH = 16
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), length=st.integers(2, 24))
+def test_attention_without_positions_is_permutation_equivariant(seed: int, length: int) -> None:
+    assert equivariance_error(build("nope", **dims()), length=length, seed=seed) < 1e-5
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16))
+def test_sinusoidal_positions_break_equivariance(seed: int) -> None:
+    assert equivariance_error(build("sinusoidal", **dims()), length=16, seed=seed) > 0.05
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16))
+def test_the_causal_mask_alone_breaks_equivariance(seed: int) -> None:
+    # Why NoPE can work in a decoder: token t sees exactly t predecessors.
+    assert equivariance_error(build("nope", **dims()), length=16, causal=True, seed=seed) > 0.05
+
+
+@pytest.mark.parametrize("name", ["rope", "alibi", "t5", "fire"])
+def test_every_position_signal_breaks_equivariance(name: str) -> None:
+    assert equivariance_error(build(name, **dims()), length=16) > 0.01
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_each_encoding_trains_the_tiny_model_without_nan(name: str) -> None:
+    model = build_model("tiny", name, train_length=TRAIN_LENGTH, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(1)
+    # A repeated batch of a periodic byte pattern: learnable only from context.
+    pattern = torch.randint(0, 256, (8, 5), generator=generator)
+    batch = pattern.repeat(1, 4)[:, : TRAIN_LENGTH + 1]
+    losses = []
+    for _ in range(25):
+        logits = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        assert torch.isfinite(loss)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_forward_at_16x_the_training_length(name: str) -> None:
+    model = build_model("tiny", name, train_length=TRAIN_LENGTH, seed=0).eval()
+    tokens = torch.randint(0, 256, (1, 16 * TRAIN_LENGTH))
+    if name == "learned":
+        with pytest.raises(
+            PositionOutOfRange, match=rf"position {16 * TRAIN_LENGTH - 1} is beyond"
+        ):
+            model(tokens)
+        return
+    with torch.no_grad():
+        logits = model(tokens)
+    assert logits.shape == (1, 16 * TRAIN_LENGTH, 256)
+    assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("name", sorted(n for n, e in REGISTRY.items() if e.family == "bias"))
+def test_query_blocks_give_the_same_logits_as_the_full_bias(name: str) -> None:
+    model = build_model("tiny", name, train_length=TRAIN_LENGTH, seed=0).eval()
+    tokens = torch.randint(0, 256, (2, 100))
+    with torch.no_grad():
+        full = model(tokens)
+        model.attention_score_budget = 2 * 4 * 100 * 7  # blocks of 7 query rows
+        blocked = model(tokens)
+    torch.testing.assert_close(blocked, full, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_bias_blocks_bound_the_score_memory() -> None:
+    encoding = build("alibi", **dims(n_heads=4))
+    bias = AttentionBias(encoding, 32_768, 1, torch.float32, torch.device("cpu"))
+    assert bias.full is None
+    assert bias.block_rows * 4 * 32_768 <= 1 << 24
+    rows = bias.rows(1000, 1000 + bias.block_rows)
+    assert rows.shape == (4, bias.block_rows, 1000 + bias.block_rows)
+    # Causal: query 1000 sees keys up to 1000 and nothing after.
+    assert torch.isinf(rows[:, 0, 1001:]).all() and torch.isfinite(rows[:, 0, :1001]).all()
+
+
+def test_causal_mask_hides_the_future() -> None:
+    for name in ("nope", "alibi"):
+        model = build_model("tiny", name, train_length=TRAIN_LENGTH, seed=0).eval()
+        tokens = torch.randint(0, 256, (1, 20))
+        changed = tokens.clone()
+        changed[0, 10:] = (changed[0, 10:] + 1) % 256
+        with torch.no_grad():
+            torch.testing.assert_close(model(tokens)[:, :10], model(changed)[:, :10])
+
+
+def test_same_seed_gives_every_encoding_the_same_starting_weights() -> None:
+    models = [build_model("tiny", name, train_length=TRAIN_LENGTH, seed=7) for name in ALL]
+    reference = {k: v for k, v in models[0].state_dict().items() if not k.startswith("encoding.")}
+    for model in models[1:]:
+        for key, value in model.state_dict().items():
+            if not key.startswith("encoding."):
+                assert torch.equal(value, reference[key]), key
+    other_seed = build_model("tiny", "nope", train_length=TRAIN_LENGTH, seed=8)
+    assert not torch.equal(other_seed.token_embedding.weight, models[0].token_embedding.weight)
+
+
+@pytest.mark.parametrize("name", ["rope", "alibi", "t5", "sinusoidal"])
+def test_bf16_autocast_forward(name: str) -> None:
+    model = build_model("tiny", name, train_length=TRAIN_LENGTH, seed=0).eval()
+    tokens = torch.randint(0, 256, (2, 64))
+    with torch.no_grad():
+        exact = model(tokens)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = model(tokens)
+    assert low.dtype == torch.bfloat16
+    assert (low.float() - exact).abs().mean() < 0.1 * exact.abs().mean()
+
+
+def test_rope_scaling_is_scoped_to_the_context() -> None:
+    model = build_model("tiny", "rope", train_length=TRAIN_LENGTH, seed=0).eval()
+    tokens = torch.randint(0, 256, (1, 64))
+    with torch.no_grad():
+        plain = model(tokens)
+        with model.scaled("pi", 4.0) as scaled:
+            interpolated = scaled(tokens)
+        again = model(tokens)
+    assert not torch.allclose(plain, interpolated)
+    torch.testing.assert_close(plain, again)
+    with pytest.raises(ValueError, match="rotary encodings only, not 'alibi'"):
+        build_model("tiny", "alibi", train_length=TRAIN_LENGTH).scaled("pi", 2.0).__enter__()
+
+
+def test_presets_and_bad_shapes() -> None:
+    assert PRESETS["small"] == ModelConfig(d_model=128, n_layers=4, n_heads=4)
+    assert PRESETS["small"].head_dim == 32
+    with pytest.raises(ValueError, match="unknown model preset 'huge'"):
+        build_model("huge", "nope", train_length=8)
+    with pytest.raises(ValueError, match="divisible"):
+        ModelConfig(d_model=100, n_heads=3)
+
+
+def test_parameter_count_and_flops() -> None:
+    model = build_model("small", "nope", train_length=128)
+    # 4 layers x (qkv 3d^2 + proj d^2 + mlp 8d^2) + embedding 256 d, with d = 128
+    matmul = 4 * 12 * 128**2 + 256 * 128
+    norms = (2 * 4 + 1) * 128
+    assert model.num_parameters() == matmul + norms
+    assert model.flops_per_token(128) == 6 * matmul + 12 * 4 * 128 * 128

@@ -1,0 +1,1 @@
+"""Everything that runs on a GPU node: encodings, the model, training and evaluation."""

@@ -1,0 +1,73 @@
+"""Position encodings, registered by name.
+
+    from worker.encodings import REGISTRY, build
+    enc = build("alibi", n_heads=8, head_dim=64, d_model=512, train_length=512)
+
+Importing this package does not import torch; :func:`build` does.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from worker.encodings.registry import (
+    REGISTRY,
+    SCALINGS,
+    EncodingConfigError,
+    EncodingInfo,
+    Param,
+    ScalingInfo,
+    info,
+    scaling_info,
+)
+
+if TYPE_CHECKING:
+    from worker.encodings.base import PositionEncoding
+
+__all__ = [
+    "REGISTRY",
+    "SCALINGS",
+    "EncodingConfigError",
+    "EncodingInfo",
+    "Param",
+    "ScalingInfo",
+    "build",
+    "info",
+    "scaling_info",
+]
+
+
+def _check_dims(n_heads: int, head_dim: int, d_model: int, train_length: int) -> None:
+    for label, value in (
+        ("n_heads", n_heads),
+        ("head_dim", head_dim),
+        ("d_model", d_model),
+        ("train_length", train_length),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise EncodingConfigError(f"{label} must be a positive integer, got {value!r}")
+
+
+def build(
+    name: str,
+    *,
+    n_heads: int,
+    head_dim: int,
+    d_model: int,
+    train_length: int,
+    **params: Any,
+) -> PositionEncoding:
+    """Instantiate the encoding ``name`` for a model of the given shape.
+
+    Parameters are checked against the registry (unknown names and out-of-range
+    values raise :class:`EncodingConfigError` with the allowed range).
+    """
+    entry = info(name)
+    _check_dims(n_heads, head_dim, d_model, train_length)
+    resolved = entry.resolve(params)
+    module_name, class_name = entry.implementation.split(":")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    return cls(
+        n_heads=n_heads, head_dim=head_dim, d_model=d_model, train_length=train_length, **resolved
+    )

@@ -1,0 +1,84 @@
+"""The position-encoding protocol: the three places an encoding may touch the model.
+
+- ``embed(x, positions)``: absolute encodings add to the token embedding;
+- ``rotate(q, k, positions)``: RoPE-family encodings rotate queries and keys;
+- ``bias(q_len, k_len)``: relative encodings return an additive attention bias
+  ``[heads, q_len, k_len]`` for queries that are the *last* ``q_len`` of
+  ``k_len`` positions, so the model can ask for one block of query rows at a time.
+
+Every hook defaults to "do nothing"; a family overrides only what it needs.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from worker.encodings.registry import EncodingConfigError
+
+
+class PositionOutOfRange(ValueError):
+    """A sequence is longer than an encoding can represent (e.g. a learned table)."""
+
+
+class PositionEncoding(nn.Module):
+    """Base class: the identity on every hook. ``positions`` are ``[T]`` or ``[B, T]``."""
+
+    name: ClassVar[str] = ""
+    has_bias: ClassVar[bool] = False
+
+    def __init__(self, *, n_heads: int, head_dim: int, d_model: int, train_length: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.head_dim = head_dim
+        self.d_model = d_model
+        self.train_length = train_length
+
+    @property
+    def max_length(self) -> int | None:
+        """The longest sequence this encoding can represent; None when unbounded."""
+        return None
+
+    def positions(self, batch_size: int, length: int, device: torch.device) -> Tensor:
+        """Integer positions of a batch of sequences: ``[T]`` shared, or ``[B, T]``."""
+        self.check_length(length)
+        return torch.arange(length, device=device)
+
+    def check_length(self, length: int) -> None:
+        limit = self.max_length
+        if limit is not None and length > limit:
+            raise PositionOutOfRange(
+                f"encoding {self.name!r} represents positions 0..{limit - 1} only "
+                f"(max_length={limit}); a sequence of {length} tokens does not fit"
+            )
+
+    def embed(self, x: Tensor, positions: Tensor) -> Tensor:
+        return x
+
+    def rotate(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        return q, k
+
+    def bias(self, q_len: int, k_len: int) -> Tensor | None:
+        return None
+
+    def extra_repr(self) -> str:
+        return f"n_heads={self.n_heads}, head_dim={self.head_dim}, train_length={self.train_length}"
+
+
+def relative_distance(q_len: int, k_len: int, device: torch.device) -> Tensor:
+    """``[q_len, k_len]`` float distances i - j for queries at the last q_len of k_len positions.
+
+    Positive for keys in the past; the causal mask hides the negative (future) half.
+    """
+    if q_len > k_len:
+        raise ValueError(f"q_len={q_len} cannot exceed k_len={k_len}")
+    q_pos = torch.arange(k_len - q_len, k_len, device=device, dtype=torch.float32)
+    k_pos = torch.arange(k_len, device=device, dtype=torch.float32)
+    return q_pos[:, None] - k_pos[None, :]
+
+
+def check_even(owner: str, what: str, value: int) -> None:
+    if value % 2:
+        raise EncodingConfigError(f"encoding {owner!r} needs an even {what}, got {value}")

@@ -1,0 +1,60 @@
+"""FIRE (Li et al. 2023): a learned function of the *normalised* relative distance.
+
+    bias(i, j) = f( psi(i - j) / psi(max(L, i)) ),   psi(x) = log(c x + 1)
+
+f is a small MLP (1 -> width -> heads, ReLU) shared by every layer, c > 0 and
+the threshold L are learned. Dividing by the log query position maps every
+query's context into [0, 1], so a longer sequence interpolates inside the range
+seen in training instead of extrapolating past it; L keeps the normaliser from
+blowing up short-range distances for early queries. Initial values follow the
+paper's code: c = 0.1, L = 512.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from worker.encodings.base import PositionEncoding, relative_distance
+
+
+class FIRE(PositionEncoding):
+    name = "fire"
+    has_bias = True
+    eps = 1e-6
+
+    def __init__(
+        self,
+        *,
+        mlp_width: int = 32,
+        init_c: float = 0.1,
+        init_threshold: float = 512.0,
+        **dims: int,
+    ) -> None:
+        super().__init__(**dims)
+        self.mlp = nn.Sequential(
+            nn.Linear(1, mlp_width), nn.ReLU(), nn.Linear(mlp_width, self.n_heads)
+        )
+        self.c = nn.Parameter(torch.tensor(float(init_c)))
+        # L = |multiplier| * init_threshold: a learned multiplier keeps the gradient
+        # well scaled whatever the initial threshold is.
+        self.register_buffer("init_threshold", torch.tensor(float(init_threshold)))
+        self.threshold_multiplier = nn.Parameter(torch.tensor(1.0))
+
+    @property
+    def threshold(self) -> Tensor:
+        return (self.threshold_multiplier * self.init_threshold).abs()
+
+    def psi(self, x: Tensor) -> Tensor:
+        return torch.log(torch.abs(self.c * x) + 1)
+
+    def normalized_distance(self, q_len: int, k_len: int) -> Tensor:
+        """``[q_len, k_len]``: psi(i - j) / psi(max(L, i)), in [0, 1] for past keys."""
+        distance = relative_distance(q_len, k_len, self.c.device).clamp(min=0)
+        query_pos = torch.arange(k_len - q_len, k_len, device=self.c.device, dtype=torch.float32)
+        normaliser = self.psi(torch.maximum(query_pos, self.threshold)) + self.eps
+        return self.psi(distance) / normaliser[:, None]
+
+    def bias(self, q_len: int, k_len: int) -> Tensor:
+        normalized = self.normalized_distance(q_len, k_len)
+        return self.mlp(normalized[..., None]).permute(2, 0, 1)

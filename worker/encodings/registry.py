@@ -1,0 +1,376 @@
+"""The catalogue of position encodings and RoPE inference-time scalings.
+
+This module is deliberately free of torch: the CLI, the spec validation and the
+dashboard read it on their hot path. Each entry names the class that implements
+it as ``"module:Class"``; :func:`worker.encodings.build` imports it on demand.
+
+Adding an encoding = one module next to this file + one entry below + its
+reference test.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Family = Literal["none", "absolute", "rotary", "bias"]
+
+
+class EncodingConfigError(ValueError):
+    """A user asked for an encoding, parameter or scaling that does not exist or is out of range."""
+
+
+@dataclass(frozen=True)
+class Param:
+    """One tunable parameter of an encoding, with its type, default and bounds."""
+
+    name: str
+    type: type
+    default: Any
+    help: str
+    low: float | None = None
+    high: float | None = None
+    choices: tuple[Any, ...] | None = None
+    # A default of None means "derived from the model" (e.g. the training length).
+    derived: str | None = None
+
+    def allowed(self) -> str:
+        if self.choices is not None:
+            return "one of " + ", ".join(repr(c) for c in self.choices)
+        kind = self.type.__name__
+        if self.low is not None and self.high is not None:
+            return f"{kind} in [{self.low:g}, {self.high:g}]"
+        if self.low is not None:
+            return f"{kind} >= {self.low:g}"
+        if self.high is not None:
+            return f"{kind} <= {self.high:g}"
+        return kind
+
+    def check(self, owner: str, value: Any) -> Any:
+        """Return ``value`` coerced to this parameter's type, or raise a readable error."""
+        where = f"{owner}: parameter {self.name!r}"
+        if self.type is bool:
+            if not isinstance(value, bool):
+                raise EncodingConfigError(f"{where} must be true or false, got {value!r}")
+        elif self.type is int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                if isinstance(value, float) and value.is_integer():
+                    value = int(value)
+                else:
+                    raise EncodingConfigError(
+                        f"{where} must be an integer ({self.allowed()}), got {value!r}"
+                    )
+        elif self.type is float:
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise EncodingConfigError(
+                    f"{where} must be a number ({self.allowed()}), got {value!r}"
+                )
+            value = float(value)
+            if not math.isfinite(value):
+                raise EncodingConfigError(f"{where} must be finite, got {value!r}")
+        elif self.type is str and not isinstance(value, str):
+            raise EncodingConfigError(f"{where} must be a string ({self.allowed()}), got {value!r}")
+        if self.choices is not None and value not in self.choices:
+            raise EncodingConfigError(f"{where} must be {self.allowed()}, got {value!r}")
+        if self.low is not None and value < self.low:
+            raise EncodingConfigError(f"{where} must be {self.allowed()}, got {value!r}")
+        if self.high is not None and value > self.high:
+            raise EncodingConfigError(f"{where} must be {self.allowed()}, got {value!r}")
+        return value
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "type": self.type.__name__,
+            "default": self.default,
+            "derived_from": self.derived,
+            "min": self.low,
+            "max": self.high,
+            "choices": list(self.choices) if self.choices is not None else None,
+            "help": self.help,
+        }
+
+
+@dataclass(frozen=True)
+class EncodingInfo:
+    """A registry entry: what an encoding is, where it comes from and what it takes."""
+
+    name: str
+    family: Family
+    summary: str
+    reference: str
+    implementation: str
+    params: tuple[Param, ...] = ()
+    # Whether RoPE inference-time scalings (PI, NTK, YaRN) apply to a trained model.
+    scalable: bool = False
+    # Whether the encoding's own length limit is the training length.
+    bounded_by_train_length: bool = False
+
+    def param(self, name: str) -> Param:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def resolve(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """Validate user parameters and fill in defaults (derived defaults stay None)."""
+        known = {p.name for p in self.params}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            allowed = ", ".join(sorted(known)) or "none"
+            raise EncodingConfigError(
+                f"encoding {self.name!r} has no parameter {unknown[0]!r} (allowed: {allowed})"
+            )
+        out: dict[str, Any] = {}
+        for p in self.params:
+            if p.name in params and params[p.name] is not None:
+                out[p.name] = p.check(self.name, params[p.name])
+            else:
+                out[p.name] = p.default
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "family": self.family,
+            "summary": self.summary,
+            "reference": self.reference,
+            "params": [p.to_json() for p in self.params],
+            "scalable": self.scalable,
+            "max_length": "train_length" if self.bounded_by_train_length else None,
+        }
+
+
+@dataclass(frozen=True)
+class ScalingInfo:
+    """A RoPE inference-time scaling: applied to an already trained model, no retraining."""
+
+    name: str
+    summary: str
+    reference: str
+    needs_factor: bool
+    params: tuple[Param, ...] = field(default=())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "summary": self.summary,
+            "reference": self.reference,
+            "needs_factor": self.needs_factor,
+            "params": [p.to_json() for p in self.params],
+        }
+
+
+_ROPE_BASE = Param("base", float, 10000.0, "base of the geometric frequency ladder", low=2.0)
+_ROTARY_FRACTION = Param(
+    "rotary_fraction",
+    float,
+    1.0,
+    "fraction of each head's dimensions that is rotated (GPT-NeoX uses 0.25)",
+    choices=(0.25, 0.5, 1.0),
+)
+
+REGISTRY: dict[str, EncodingInfo] = {
+    info.name: info
+    for info in (
+        EncodingInfo(
+            name="nope",
+            family="none",
+            summary="No position signal at all; the causal mask alone breaks permutation symmetry.",
+            reference="Kazemnejad et al. 2023, The Impact of Positional Encoding on Length "
+            "Generalization in Transformers (arXiv:2305.19466)",
+            implementation="worker.encodings.nope:NoPE",
+        ),
+        EncodingInfo(
+            name="sinusoidal",
+            family="absolute",
+            summary="Fixed sines and cosines of geometric frequencies, added to the token "
+            "embedding.",
+            reference="Vaswani et al. 2017, Attention Is All You Need (arXiv:1706.03762), §3.5",
+            implementation="worker.encodings.sinusoidal:Sinusoidal",
+            params=(Param("base", float, 10000.0, "wavelength base", low=2.0),),
+        ),
+        EncodingInfo(
+            name="learned",
+            family="absolute",
+            summary="A trained table of one vector per position (GPT-2); undefined past the table.",
+            reference="Radford et al. 2019, Language Models are Unsupervised Multitask Learners",
+            implementation="worker.encodings.learned:Learned",
+            bounded_by_train_length=True,
+        ),
+        EncodingInfo(
+            name="rope",
+            family="rotary",
+            summary="Rotates query/key pairs by position-proportional angles; q·k depends on m-n.",
+            reference="Su et al. 2021, RoFormer: Enhanced Transformer with Rotary Position "
+            "Embedding (arXiv:2104.09864)",
+            implementation="worker.encodings.rope:Rope",
+            params=(_ROPE_BASE, _ROTARY_FRACTION),
+            scalable=True,
+        ),
+        EncodingInfo(
+            name="xpos",
+            family="rotary",
+            summary="RoPE with a per-dimension exponential decay of q·k with distance.",
+            reference="Sun et al. 2022, A Length-Extrapolatable Transformer (arXiv:2212.10554)",
+            implementation="worker.encodings.xpos:XPos",
+            params=(
+                _ROPE_BASE,
+                _ROTARY_FRACTION,
+                Param("scale_base", float, 512.0, "distance over which the decay acts", low=1.0),
+            ),
+            scalable=True,
+        ),
+        EncodingInfo(
+            name="alibi",
+            family="bias",
+            summary="Adds -slope·distance to attention logits, one geometric slope per head.",
+            reference="Press et al. 2022, Train Short, Test Long: Attention with Linear Biases "
+            "Enables Input Length Extrapolation (arXiv:2108.12409)",
+            implementation="worker.encodings.alibi:ALiBi",
+        ),
+        EncodingInfo(
+            name="t5",
+            family="bias",
+            summary="A learned scalar per (distance bucket, head); log-spaced buckets, shared "
+            "across layers.",
+            reference="Raffel et al. 2020, Exploring the Limits of Transfer Learning with a "
+            "Unified Text-to-Text Transformer (arXiv:1910.10683)",
+            implementation="worker.encodings.t5:T5Bias",
+            params=(
+                Param("num_buckets", int, 32, "number of distance buckets", low=4, high=1024),
+                Param(
+                    "max_distance",
+                    int,
+                    128,
+                    "distance from which every pair shares the last bucket",
+                    low=8,
+                    high=1 << 20,
+                ),
+            ),
+        ),
+        EncodingInfo(
+            name="kerple_log",
+            family="bias",
+            summary="Adds -r1·log(1 + r2·distance), r1 and r2 learned per head and kept positive.",
+            reference="Chi et al. 2022, KERPLE: Kernelized Relative Positional Embedding for "
+            "Length Extrapolation (arXiv:2205.09921)",
+            implementation="worker.encodings.kerple:KerpleLog",
+        ),
+        EncodingInfo(
+            name="kerple_power",
+            family="bias",
+            summary="Adds -r1·distance^r2 with 0 < r2 <= 2, learned per head.",
+            reference="Chi et al. 2022, KERPLE: Kernelized Relative Positional Embedding for "
+            "Length Extrapolation (arXiv:2205.09921)",
+            implementation="worker.encodings.kerple:KerplePower",
+        ),
+        EncodingInfo(
+            name="fire",
+            family="bias",
+            summary="An MLP of the log distance normalised by the log query position, with a "
+            "learned threshold.",
+            reference="Li et al. 2023, Functional Interpolation for Relative Positions Improves "
+            "Long Context Transformers (arXiv:2310.04418)",
+            implementation="worker.encodings.fire:FIRE",
+            params=(
+                Param("mlp_width", int, 32, "hidden width of the bias MLP", low=4, high=512),
+                Param("init_c", float, 0.1, "initial c of psi(x) = log(c·x + 1)", low=1e-4),
+                Param(
+                    "init_threshold",
+                    float,
+                    512.0,
+                    "initial threshold L of the normaliser psi(max(L, i))",
+                    low=1.0,
+                ),
+            ),
+        ),
+        EncodingInfo(
+            name="randomized",
+            family="absolute",
+            summary="Positions are a sorted random sample of [0, max_position) for every "
+            "sequence, fed to a base encoding.",
+            reference="Ruoss et al. 2023, Randomized Positional Encodings Boost Length "
+            "Generalization of Transformers (arXiv:2305.16843)",
+            implementation="worker.encodings.randomized:Randomized",
+            params=(
+                Param(
+                    "base_encoding",
+                    str,
+                    "rope",
+                    "the encoding that receives the sampled positions",
+                    choices=("sinusoidal", "rope"),
+                ),
+                Param(
+                    "max_position",
+                    int,
+                    None,
+                    "positions are drawn from [0, max_position); must exceed the longest "
+                    "evaluation length (default: 64 x the training length)",
+                    low=2,
+                    high=1 << 22,
+                    derived="64 * train_length",
+                ),
+            ),
+        ),
+    )
+}
+
+SCALINGS: dict[str, ScalingInfo] = {
+    info.name: info
+    for info in (
+        ScalingInfo(
+            name="pi",
+            summary="Position interpolation: positions multiplied by L/L' = 1/factor.",
+            reference="Chen et al. 2023, Extending Context Window of Large Language Models via "
+            "Positional Interpolation (arXiv:2306.15595)",
+            needs_factor=True,
+        ),
+        ScalingInfo(
+            name="ntk",
+            summary="NTK-aware: RoPE base multiplied by factor^(d/(d-2)).",
+            reference="bloc97 2023, NTK-Aware Scaled RoPE; Peng et al. 2023 "
+            "(arXiv:2309.00071) §3.1",
+            needs_factor=True,
+        ),
+        ScalingInfo(
+            name="dynamic_ntk",
+            summary="NTK-aware with factor = max(1, length / L) recomputed for each length.",
+            reference="emozilla 2023, Dynamically Scaled RoPE; Peng et al. 2023 §3.3",
+            needs_factor=False,
+        ),
+        ScalingInfo(
+            name="yarn",
+            summary="Per-dimension ramp between interpolation and extrapolation (alpha=1, beta=32) "
+            "plus attention temperature sqrt(1/t) = 0.1·ln(factor) + 1.",
+            reference="Peng et al. 2023, YaRN: Efficient Context Window Extension of Large "
+            "Language Models (arXiv:2309.00071)",
+            needs_factor=True,
+            params=(
+                Param("alpha", float, 1.0, "below alpha rotations in L: interpolate", low=0.0),
+                Param("beta", float, 32.0, "above beta rotations in L: extrapolate", low=0.0),
+            ),
+        ),
+    )
+}
+
+
+def info(name: str) -> EncodingInfo:
+    """The registry entry for ``name``, or a readable error listing what exists."""
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise EncodingConfigError(
+            f"unknown encoding {name!r} (available: {', '.join(REGISTRY)})"
+        ) from None
+
+
+def scaling_info(name: str) -> ScalingInfo:
+    try:
+        return SCALINGS[name]
+    except KeyError:
+        raise EncodingConfigError(
+            f"unknown RoPE scaling {name!r} (available: {', '.join(SCALINGS)})"
+        ) from None

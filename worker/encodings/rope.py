@@ -1,0 +1,197 @@
+"""Rotary position embedding (Su et al. 2021) and its inference-time scalings.
+
+Convention: "rotate half" (GPT-NeoX, LLaMA): dimension j of the rotated part is
+paired with dimension j + r/2, where r is the rotated width, and the pair is
+rotated by the angle ``position * base^(-2j/r)``. With ``rotary_fraction < 1``
+only the first r = fraction x head_dim dimensions rotate (GPT-NeoX, GPT-J).
+
+Phases and the rotation itself run in float32 whatever the autocast dtype:
+bf16 has 8 mantissa bits, so ``position * inv_freq`` would be wrong by whole
+radians at positions in the thousands.
+
+Scalings change the frequencies of a model trained with plain RoPE, at
+evaluation time only, without retraining:
+
+- ``pi``: positions multiplied by 1/s (Chen et al. 2023);
+- ``ntk``: base multiplied by s^(r/(r-2)) (bloc97);
+- ``dynamic_ntk``: the same with s = max(1, length / L) for each evaluated length;
+- ``yarn``: per-dimension blend of interpolation and extrapolation by how many
+  rotations a dimension makes over the original length L (ramp from alpha=1 to
+  beta=32 rotations), plus the attention temperature sqrt(1/t) = 0.1 ln(s) + 1
+  (Peng et al. 2023). The factor multiplies both q and k, so logits scale by its
+  square, which is the paper's 1/t.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from worker.encodings.base import PositionEncoding, check_even
+from worker.encodings.registry import EncodingConfigError, scaling_info
+
+MAX_SCALING_FACTOR = 1024.0
+
+
+def rope_inv_freq(base: float, rotary_dim: int) -> Tensor:
+    """``[rotary_dim / 2]`` float32 frequencies base^(-2j/r)."""
+    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
+    return (base**-exponent).to(torch.float32)
+
+
+def yarn_inv_freq(
+    inv_freq: Tensor, factor: float, original_length: int, alpha: float, beta: float
+) -> Tensor:
+    """YaRN's "NTK-by-parts" frequencies: interpolate dimensions that rotate fewer
+    than alpha times over the original length, keep those that rotate more than
+    beta times, and blend linearly in between."""
+    rotations = original_length * inv_freq.double() / (2 * math.pi)
+    gamma = ((rotations - alpha) / (beta - alpha)).clamp(0.0, 1.0)
+    blended = (1 - gamma) * inv_freq.double() / factor + gamma * inv_freq.double()
+    return blended.to(torch.float32)
+
+
+def yarn_attention_factor(factor: float) -> float:
+    """sqrt(1/t) of YaRN: 0.1 ln(s) + 1, and exactly 1 without extension."""
+    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    method: str
+    factor: float
+    original_length: int
+    alpha: float = 1.0
+    beta: float = 32.0
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate the leading ``cos.shape[-1]`` dimensions of ``x`` in float32; keep the rest."""
+    rotary_dim = cos.shape[-1]
+    rotated, passed = x[..., :rotary_dim], x[..., rotary_dim:]
+    rotated = rotated.float()
+    out = rotated * cos + rotate_half(rotated) * sin
+    return torch.cat((out.to(x.dtype), passed), dim=-1)
+
+
+class Rope(PositionEncoding):
+    name = "rope"
+
+    def __init__(self, *, base: float = 10000.0, rotary_fraction: float = 1.0, **dims: int) -> None:
+        super().__init__(**dims)
+        rotary_dim = int(self.head_dim * rotary_fraction) // 2 * 2
+        if rotary_dim < 2:
+            raise EncodingConfigError(
+                f"encoding {self.name!r}: rotary_fraction={rotary_fraction} of head_dim="
+                f"{self.head_dim} leaves fewer than 2 dimensions to rotate"
+            )
+        check_even(self.name, "head_dim", self.head_dim)
+        self.base = base
+        self.rotary_fraction = rotary_fraction
+        self.rotary_dim = rotary_dim
+        self.scaling: RopeScaling | None = None
+        self.register_buffer("inv_freq", rope_inv_freq(base, rotary_dim), persistent=False)
+
+    # -- scalings ---------------------------------------------------------------------------
+
+    def with_scaling(
+        self,
+        method: str,
+        factor: float | None = None,
+        original_length: int | None = None,
+        **params: float,
+    ) -> Rope:
+        """A copy of this encoding with an inference-time scaling; this one is unchanged."""
+        spec = scaling_info(method)
+        original_length = original_length or self.train_length
+        if spec.needs_factor:
+            if factor is None:
+                raise EncodingConfigError(f"RoPE scaling {method!r} needs a factor (e.g. 4.0)")
+            if not 1.0 <= factor <= MAX_SCALING_FACTOR:
+                raise EncodingConfigError(
+                    f"RoPE scaling {method!r}: factor must be in [1, {MAX_SCALING_FACTOR:g}], "
+                    f"got {factor}"
+                )
+        else:
+            factor = 1.0
+        resolved = {p.name: p.default for p in spec.params}
+        for key, value in params.items():
+            if key not in resolved:
+                allowed = ", ".join(resolved) or "none"
+                raise EncodingConfigError(
+                    f"RoPE scaling {method!r} has no parameter {key!r} (allowed: {allowed})"
+                )
+            resolved[key] = next(p for p in spec.params if p.name == key).check(method, value)
+        if method == "yarn" and resolved["beta"] <= resolved["alpha"]:
+            raise EncodingConfigError("RoPE scaling 'yarn' needs beta > alpha")
+        scaled = copy.deepcopy(self)
+        scaled.scaling = RopeScaling(method, float(factor), int(original_length), **resolved)
+        # Always derive from the trained frequencies, never stack scalings.
+        base_freq = rope_inv_freq(self.base, self.rotary_dim).to(self.inv_freq.device)
+        scaled.inv_freq = base_freq
+        if method == "ntk":
+            ntk_base = self.base * factor ** (self.rotary_dim / (self.rotary_dim - 2))
+            scaled.inv_freq = rope_inv_freq(ntk_base, self.rotary_dim).to(base_freq.device)
+        elif method == "yarn":
+            scaled.inv_freq = yarn_inv_freq(
+                base_freq, factor, original_length, resolved["alpha"], resolved["beta"]
+            )
+        return scaled
+
+    def frequencies(self, length: int) -> Tensor:
+        """The frequencies in force for a sequence of ``length`` tokens."""
+        scaling = self.scaling
+        if scaling is not None and scaling.method == "dynamic_ntk":
+            factor = max(1.0, length / scaling.original_length)
+            dyn_base = self.base * factor ** (self.rotary_dim / (self.rotary_dim - 2))
+            return rope_inv_freq(dyn_base, self.rotary_dim).to(self.inv_freq.device)
+        return self.inv_freq
+
+    @property
+    def attention_factor(self) -> float:
+        """Multiplier applied to both q and k (YaRN's temperature); 1 otherwise."""
+        if self.scaling is not None and self.scaling.method == "yarn":
+            return yarn_attention_factor(self.scaling.factor)
+        return 1.0
+
+    # -- the hook ---------------------------------------------------------------------------
+
+    def phases(self, positions: Tensor) -> Tensor:
+        """``[..., T, r/2]`` float32 rotation angles of ``positions`` (``[T]`` or ``[B, T]``)."""
+        length = int(positions.max()) + 1 if positions.numel() else 0
+        inv_freq = self.frequencies(length)
+        pos = positions.to(torch.float32)
+        if self.scaling is not None and self.scaling.method == "pi":
+            pos = pos / self.scaling.factor
+        # Elementwise product, never a matmul: autocast leaves it in float32.
+        return pos[..., None] * inv_freq
+
+    def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos and sin broadcastable against ``[B, H, T, r]`` (a head axis is inserted for
+        per-sequence positions)."""
+        angle = self.phases(positions)
+        angle = torch.cat((angle, angle), dim=-1)
+        if angle.dim() == 3:
+            angle = angle[:, None]
+        factor = self.attention_factor
+        return angle.cos() * factor, angle.sin() * factor
+
+    def rotate(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        with torch.autocast(q.device.type, enabled=False):
+            cos, sin = self.cos_sin(positions)
+            return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+    def extra_repr(self) -> str:
+        text = f"{super().extra_repr()}, base={self.base:g}, rotary_dim={self.rotary_dim}"
+        if self.scaling is not None:
+            text += f", scaling={self.scaling}"
+        return text

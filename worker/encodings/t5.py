@@ -1,0 +1,45 @@
+"""T5 relative position bias (Raffel et al. 2020), causal variant.
+
+A learned scalar per (bucket, head), one table shared by every layer. The
+distance n = i - j >= 0 falls in its own bucket while n < num_buckets/2; from
+there to max_distance buckets are log-spaced; everything at or beyond
+max_distance shares the last bucket, which is why T5 extrapolates: far-away
+tokens all look alike.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from worker.encodings.base import PositionEncoding, relative_distance
+
+
+def t5_bucket(distance: Tensor, num_buckets: int = 32, max_distance: int = 128) -> Tensor:
+    """Causal bucket of each ``distance`` (i - j; future keys, negative, go to bucket 0)."""
+    n = distance.clamp(min=0)
+    max_exact = num_buckets // 2
+    # Log-spaced between max_exact and max_distance; clamped into the last bucket.
+    log_ratio = torch.log(n.float().clamp(min=1) / max_exact) / math.log(max_distance / max_exact)
+    large = max_exact + (log_ratio * (num_buckets - max_exact)).to(torch.long)
+    large = large.clamp(max=num_buckets - 1)
+    return torch.where(n < max_exact, n.to(torch.long), large)
+
+
+class T5Bias(PositionEncoding):
+    name = "t5"
+    has_bias = True
+
+    def __init__(self, *, num_buckets: int = 32, max_distance: int = 128, **dims: int) -> None:
+        super().__init__(**dims)
+        self.num_buckets = num_buckets
+        self.max_distance = max_distance
+        # T5 initialises this table with std d_model^-0.5.
+        self.table = nn.Parameter(torch.randn(num_buckets, self.n_heads) * self.d_model**-0.5)
+
+    def bias(self, q_len: int, k_len: int) -> Tensor:
+        distance = relative_distance(q_len, k_len, self.table.device).to(torch.long)
+        bucket = t5_bucket(distance, self.num_buckets, self.max_distance)
+        return self.table[bucket].permute(2, 0, 1)

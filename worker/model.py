@@ -1,0 +1,304 @@
+"""The transformer every encoding plugs into.
+
+A pre-norm, decoder-only, byte-level transformer. Its one variation point is the
+position encoding (``worker.encodings``): everything else is fixed and boring so
+that two curves differ only by how the model is told where a token sits.
+
+Reading order: config and presets, the attention bias helper, attention, MLP,
+block, the model, then ``build_model``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from worker.encodings import build
+from worker.encodings.base import PositionEncoding
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    vocab_size: int = 256  # bytes
+    mlp_ratio: int = 4
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(d_model=64, n_layers=2, n_heads=4),  # tests: seconds
+    "small": ModelConfig(d_model=128, n_layers=4, n_heads=4),  # CPU: minutes
+    "base": ModelConfig(d_model=512, n_layers=8, n_heads=8),  # one GPU
+    "large": ModelConfig(d_model=768, n_layers=12, n_heads=12),  # one GPU, longer
+}
+
+# How many attention-score elements (batch x heads x query rows x keys) one
+# biased attention call may materialise. Above it, queries go in blocks.
+ATTENTION_SCORE_BUDGET = 1 << 24
+
+
+class AttentionBias:
+    """An encoding's bias plus the causal mask, for one forward pass.
+
+    When the whole ``[heads, T, T]`` matrix fits the budget it is built once and
+    shared by every layer (the encoding's parameters are shared across layers).
+    Otherwise layers ask for one block of query rows at a time, so evaluation at
+    long lengths never holds heads x T^2 scores.
+    """
+
+    def __init__(
+        self,
+        encoding: PositionEncoding,
+        length: int,
+        batch_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        budget: int = ATTENTION_SCORE_BUDGET,
+        causal: bool = True,
+    ) -> None:
+        self.encoding = encoding
+        self.causal = causal
+        self.length = length
+        self.dtype = dtype
+        self.device = device
+        per_row = batch_size * encoding.n_heads * length
+        self.block_rows = max(1, min(length, budget // per_row))
+        self.full = self.rows(0, length) if self.block_rows == length else None
+
+    def rows(self, start: int, end: int) -> Tensor:
+        """``[heads, end-start, end]``: bias for queries start..end-1 over keys 0..end-1."""
+        bias = self.encoding.bias(end - start, end)
+        assert bias is not None, "AttentionBias needs an encoding with a bias"
+        if self.causal:
+            future = torch.ones(end - start, end, dtype=torch.bool, device=self.device)
+            bias = bias.masked_fill(future.triu(diagonal=start + 1), float("-inf"))
+        return bias.to(self.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.head_dim = config.head_dim
+        # One fused projection for q, k and v: a single matmul instead of three.
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
+        self.proj = nn.Linear(config.d_model, config.d_model, bias=False)
+
+    def forward(
+        self,
+        x: Tensor,
+        encoding: PositionEncoding,
+        positions: Tensor,
+        attn_bias: AttentionBias | None,
+        causal: bool = True,
+    ) -> Tensor:
+        """Causal self-attention; ``causal=False`` (probes only) attends both ways,
+        with ``attn_bias`` built non-causal to match."""
+        batch, length, d_model = x.shape
+        qkv = self.qkv(x).view(batch, length, 3, self.n_heads, self.head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each [B, H, T, head_dim]
+        q, k = encoding.rotate(q, k, positions)
+        if attn_bias is None:
+            # No bias: the fused causal kernel (flash on GPU) serves.
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        elif attn_bias.full is not None or not causal:
+            if attn_bias.full is None:
+                raise ValueError("non-causal attention needs the whole bias matrix")
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias.full)
+        else:
+            # Queries in blocks; block i only needs keys up to its last row.
+            blocks = []
+            for start in range(0, length, attn_bias.block_rows):
+                end = min(length, start + attn_bias.block_rows)
+                blocks.append(
+                    F.scaled_dot_product_attention(
+                        q[:, :, start:end],
+                        k[:, :, :end],
+                        v[:, :, :end],
+                        attn_mask=attn_bias.rows(start, end),
+                    )
+                )
+            y = torch.cat(blocks, dim=2)
+        y = y.transpose(1, 2).reshape(batch, length, d_model)
+        return self.proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden = config.mlp_ratio * config.d_model
+        self.up = nn.Linear(config.d_model, hidden, bias=False)
+        self.down = nn.Linear(hidden, config.d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(config.d_model, bias=False)
+        self.attn = CausalSelfAttention(config)
+        self.mlp_norm = nn.LayerNorm(config.d_model, bias=False)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        x: Tensor,
+        encoding: PositionEncoding,
+        positions: Tensor,
+        attn_bias: AttentionBias | None,
+    ) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), encoding, positions, attn_bias)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    """``forward(tokens [B, T]) -> logits [B, T, vocab]``."""
+
+    def __init__(self, config: ModelConfig, encoding: PositionEncoding, seed: int = 0) -> None:
+        super().__init__()
+        if (encoding.n_heads, encoding.head_dim, encoding.d_model) != (
+            config.n_heads,
+            config.head_dim,
+            config.d_model,
+        ):
+            raise ValueError("the encoding was built for a different model shape")
+        self.config = config
+        self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.final_norm = nn.LayerNorm(config.d_model, bias=False)
+        self.encoding = encoding
+        # Tests lower this to exercise the query-block path on short sequences.
+        self.attention_score_budget = ATTENTION_SCORE_BUDGET
+        self._init_weights(seed)
+
+    def _init_weights(self, seed: int) -> None:
+        # A private generator: the model's own weights depend on the seed alone,
+        # never on how many random numbers the encoding drew. Same seed, same
+        # starting point for every encoding.
+        generator = torch.Generator().manual_seed(seed)
+        d = self.config.d_model
+        # Embeddings with std d^-1/2, multiplied by sqrt(d) in forward (Vaswani
+        # §3.4): tokens enter at unit RMS, the scale of the sinusoidal table, and
+        # the tied output layer starts with unit-scale logits.
+        self._normal(self.token_embedding.weight, d**-0.5, generator)
+        # Residual projections are scaled down by depth (GPT-2) so the residual
+        # stream's variance does not grow with the number of layers.
+        residual_scale = (2 * self.config.n_layers) ** -0.5
+        for block in self.blocks:
+            for linear in (block.attn.qkv, block.mlp.up):
+                self._normal(linear.weight, linear.in_features**-0.5, generator)
+            for linear in (block.attn.proj, block.mlp.down):
+                self._normal(linear.weight, linear.in_features**-0.5 * residual_scale, generator)
+
+    @staticmethod
+    def _normal(weight: Tensor, std: float, generator: torch.Generator) -> None:
+        with torch.no_grad():
+            values = torch.randn(weight.shape, generator=generator) * std
+            weight.copy_(values.to(weight.device, weight.dtype))
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        batch, length = tokens.shape
+        positions = self.encoding.positions(batch, length, tokens.device)
+        x = self.token_embedding(tokens) * math.sqrt(self.config.d_model)
+        x = self.encoding.embed(x, positions)
+        attn_bias = None
+        if self.encoding.has_bias:
+            dtype = (
+                torch.get_autocast_dtype(tokens.device.type)
+                if torch.is_autocast_enabled(tokens.device.type)
+                else x.dtype
+            )
+            attn_bias = AttentionBias(
+                self.encoding, length, batch, dtype, tokens.device, self.attention_score_budget
+            )
+        for block in self.blocks:
+            x = block(x, self.encoding, positions, attn_bias)
+        x = self.final_norm(x)
+        # Weight tying: the output layer is the token embedding (Press & Wolf 2017).
+        return F.linear(x, self.token_embedding.weight)
+
+    @contextlib.contextmanager
+    def scaled(
+        self, method: str, factor: float | None = None, original_length: int | None = None
+    ) -> Iterator[Transformer]:
+        """Evaluate with a RoPE inference-time scaling (PI, NTK, YaRN) for the duration."""
+        with_scaling = getattr(self.encoding, "with_scaling", None)
+        if with_scaling is None:
+            raise ValueError(
+                f"RoPE scalings apply to rotary encodings only, not {self.encoding.name!r}"
+            )
+        trained = self.encoding
+        self.encoding = with_scaling(method, factor, original_length)
+        try:
+            yield self
+        finally:
+            self.encoding = trained
+
+    def num_parameters(self, include_embedding: bool = True) -> int:
+        total = sum(p.numel() for p in self.parameters())
+        if not include_embedding:
+            total -= self.token_embedding.weight.numel()
+        return total
+
+    def flops_per_token(self, length: int) -> float:
+        """Training FLOPs per token: 6 x the weights of every matmul (the tied output
+        layer included) plus attention scores (PaLM appendix B: 6N + 12 L d T, causal
+        halving ignored as usual)."""
+        cfg = self.config
+        matmul = sum(
+            module.weight.numel()
+            for module in self.blocks.modules()
+            if isinstance(module, nn.Linear)
+        )
+        matmul += self.token_embedding.weight.numel()
+        return 6 * matmul + 12 * cfg.n_layers * cfg.d_model * length
+
+
+def build_model(
+    config: ModelConfig | str,
+    encoding: str,
+    *,
+    train_length: int,
+    seed: int = 0,
+    **encoding_params: object,
+) -> Transformer:
+    """A model with ``encoding``; weights the encoding does not own depend on ``seed`` only."""
+    if isinstance(config, str):
+        try:
+            config = PRESETS[config]
+        except KeyError:
+            raise ValueError(
+                f"unknown model preset {config!r} (available: {', '.join(PRESETS)})"
+            ) from None
+    with torch.random.fork_rng(devices=[]):
+        # The encoding's own parameters get a stream of their own, derived from the seed.
+        torch.manual_seed(seed + 0x5EED)
+        position_encoding = build(
+            encoding,
+            n_heads=config.n_heads,
+            head_dim=config.head_dim,
+            d_model=config.d_model,
+            train_length=train_length,
+            **encoding_params,
+        )
+    return Transformer(config, position_encoding, seed=seed)
