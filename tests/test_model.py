@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from worker.encodings import REGISTRY, build
 from worker.encodings.base import PositionOutOfRange
-from worker.model import PRESETS, AttentionBias, ModelConfig, build_model
+from worker.model import PRESETS, AttentionBias, CausalSelfAttention, ModelConfig, build_model
 from worker.probes import equivariance_error
 
 ALL = sorted(REGISTRY)
@@ -163,3 +163,24 @@ def test_parameter_count_and_flops() -> None:
     norms = (2 * 4 + 1) * 128
     assert model.num_parameters() == matmul + norms
     assert model.flops_per_token(128) == 6 * matmul + 12 * 4 * 128 * 128
+
+
+def test_bias_is_added_to_the_logits_unscaled_by_sqrt_d() -> None:
+    # q = k = 0 leaves the bias as the only logit, so the attention weights must be
+    # exactly softmax(-m * distance), not softmax(-m * distance / sqrt(head_dim)).
+    config = ModelConfig(d_model=16, n_layers=1, n_heads=1, vocab_size=1)
+    encoding = build("alibi", n_heads=1, head_dim=16, d_model=16, train_length=8)
+    attention = CausalSelfAttention(config)
+    with torch.no_grad():
+        attention.qkv.weight.zero_()
+        attention.qkv.weight[32:].copy_(torch.eye(16))  # v = x
+        attention.proj.weight.copy_(torch.eye(16))
+    length = 6
+    x = torch.randn(1, length, 16)
+    bias = AttentionBias(encoding, length, 1, torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        out = attention(x, encoding, torch.arange(length), bias)
+    slope = 2.0**-8  # one head: slope 2^(-8/1)
+    for t in range(length):
+        weights = torch.softmax(-slope * torch.arange(t, -1, -1, dtype=torch.float32), dim=0)
+        torch.testing.assert_close(out[0, t], weights @ x[0, : t + 1])
