@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/posbench demo
+	$(VENV)/bin/posbench run --preset smoke --out .posbench/runs/smoke
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -6,7 +6,8 @@ Exit codes: 0 success, 2 bad input (one-line reason on stderr), 1 failure.
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, NoReturn
 
 import typer
 from rich.console import Console
@@ -56,18 +57,42 @@ def encodings(
 
 
 @app.command()
-def demo(
-    steps: Annotated[int, typer.Option(min=1, max=5000, help="Training steps per encoding.")] = 150,
+def run(
+    spec_file: Annotated[
+        Path | None, typer.Argument(help="A study spec (YAML or JSON).", show_default=False)
+    ] = None,
+    preset: Annotated[
+        str | None, typer.Option("--preset", help="A named study: smoke, quick or paper.")
+    ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print every result as JSON on stdout.")
+    ] = False,
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", help="Folder for results.json, curves.png and table.md."),
+    ] = None,
+    device: Annotated[
+        str | None, typer.Option("--device", help="cpu, cuda or cuda:N (default: auto).")
+    ] = None,
 ) -> None:
-    """Train a tiny model per encoding on the CPU and print perplexity at 1x-8x its length."""
-    from worker.demo import DEMO_ENCODINGS
-    from worker.demo import demo as run_demo
+    """Run a study in this process (no broker, no database): train, evaluate, report."""
+    from jobs.spec import SpecError, load_spec, preset_spec
 
-    console.print(
-        f"training the tiny model for {steps} steps with {', '.join(DEMO_ENCODINGS)} "
-        "(train length 64, Python stdlib bytes)"
-    )
-    run_demo(steps=steps, report=console.print)
+    if (spec_file is None) == (preset is None):
+        fail("give either a spec file or --preset NAME (smoke, quick, paper)", code=2)
+    try:
+        spec = load_spec(spec_file) if spec_file is not None else preset_spec(preset or "")
+    except SpecError as err:
+        fail("invalid spec:\n  " + "\n  ".join(err.problems), code=2)
+    from jobs.runner import run_in_process
+
+    run_in_process(spec, as_json=as_json, out=out, device=device)
+
+
+def fail(message: str, code: int) -> NoReturn:
+    """One readable message on stderr and a meaningful exit code (2: bad input, 1: failure)."""
+    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(code)
 
 
 def main() -> None:

@@ -1,1 +1,19 @@
-"""Everything that runs on a GPU node: encodings, the model, training and evaluation."""
+"""Everything that runs on a GPU node: encodings, the model, training and evaluation.
+
+``worker.run_study(spec, on_progress=...)`` runs a study in-process. The import is
+lazy so that ``worker.encodings``' registry stays free of torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["run_one", "run_study"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from worker import study
+
+        return getattr(study, name)
+    raise AttributeError(f"module 'worker' has no attribute {name!r}")

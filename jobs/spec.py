@@ -1,0 +1,523 @@
+"""Study specs: what a user submits, validated at the edge.
+
+A study is one task, one model size, one training setup, a list of encodings
+(with parameters), a list of seeds, and how to evaluate: lengths, protocols and
+RoPE inference-time variants. Unknown keys are rejected and every size is
+bounded, so one spec cannot exhaust a cluster; a violation names the field, the
+value and what is allowed.
+
+Torch-free: the CLI and the dashboard validate specs without importing it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from worker.data.registry import TASKS, task_info
+from worker.encodings.registry import REGISTRY, EncodingConfigError, info
+
+# Bounds. Generous for a GPU cluster, small enough that one study cannot hog it.
+MAX_RUNS = 64
+MAX_TRAIN_LENGTH = 16_384
+MAX_EVAL_LENGTH = 131_072
+MAX_STEPS = 200_000
+MAX_PARAMETERS = 1_000_000_000
+MAX_TRAIN_TOKENS = 1 << 36  # per run: steps x batch x length
+
+MODEL_PRESETS: dict[str, dict[str, int]] = {
+    "tiny": {"d_model": 64, "n_layers": 2, "n_heads": 4},
+    "small": {"d_model": 128, "n_layers": 4, "n_heads": 4},
+    "base": {"d_model": 512, "n_layers": 8, "n_heads": 8},
+    "large": {"d_model": 768, "n_layers": 12, "n_heads": 12},
+}
+Protocol = Literal["nonoverlapping", "sliding"]
+
+
+class SpecError(ValueError):
+    """A spec that cannot run; the message lists every problem, one per line."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TaskSpec(_Strict):
+    name: str = "lm"
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        # "lm" or {"name": "lm", "corpus": "pystdlib"} are accepted as well.
+        if isinstance(value, str):
+            return {"name": value}
+        if isinstance(value, dict) and "params" not in value:
+            rest = {k: v for k, v in value.items() if k != "name"}
+            return {"name": value.get("name", "lm"), "params": rest} if rest else value
+        return value
+
+    @model_validator(mode="after")
+    def _known(self) -> TaskSpec:
+        entry = task_info(self.name)
+        object.__setattr__(self, "params", entry.resolve(self.params))
+        return self
+
+    @property
+    def metric(self) -> str:
+        return TASKS[self.name].metric
+
+
+class ModelSpec(_Strict):
+    d_model: int = Field(128, ge=16, le=4096)
+    n_layers: int = Field(4, ge=1, le=64)
+    n_heads: int = Field(4, ge=1, le=64)
+    preset: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            if value not in MODEL_PRESETS:
+                raise ValueError(
+                    f"unknown model preset {value!r} (allowed: {', '.join(MODEL_PRESETS)}, or "
+                    "d_model / n_layers / n_heads)"
+                )
+            return {**MODEL_PRESETS[value], "preset": value}
+        return value
+
+    @model_validator(mode="after")
+    def _shape(self) -> ModelSpec:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError(
+                f"head_dim = d_model / n_heads = {self.d_model // self.n_heads} must be even "
+                "(rotary encodings rotate pairs)"
+            )
+        if self.parameters > MAX_PARAMETERS:
+            raise ValueError(
+                f"{self.parameters:,} parameters exceed the limit of {MAX_PARAMETERS:,}"
+            )
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def parameters(self) -> int:
+        return self.n_layers * 12 * self.d_model**2 + 256 * self.d_model
+
+    def dims(self) -> dict[str, int]:
+        return {"d_model": self.d_model, "n_layers": self.n_layers, "n_heads": self.n_heads}
+
+
+class TrainSpec(_Strict):
+    length: int = Field(128, ge=8, le=MAX_TRAIN_LENGTH, description="training sequence length")
+    steps: int = Field(600, ge=1, le=MAX_STEPS)
+    batch_size: int = Field(16, ge=1, le=1024)
+    lr: float = Field(2e-3, gt=0, le=1.0, description="peak learning rate")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1.0, description="final lr / peak lr")
+    warmup: float = Field(0.05, ge=0, le=0.5, description="fraction of steps spent warming up")
+    weight_decay: float = Field(0.1, ge=0, le=1.0)
+    grad_clip: float = Field(1.0, gt=0, le=100.0)
+    checkpoint_every: int = Field(200, ge=1, le=MAX_STEPS)
+    progress_every: int = Field(10, ge=1, le=MAX_STEPS)
+    compile: bool = False
+
+
+class EncodingSpec(_Strict):
+    name: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return {"name": value}
+        if isinstance(value, dict) and "params" not in value and set(value) - {"name"}:
+            return {
+                "name": value.get("name"),
+                "params": {k: v for k, v in value.items() if k != "name"},
+            }
+        return value
+
+    @model_validator(mode="after")
+    def _known(self) -> EncodingSpec:
+        entry = info(self.name)
+        entry.resolve(self.params)  # raises a readable error; defaults stay implicit
+        return self
+
+    @property
+    def resolved_params(self) -> dict[str, Any]:
+        return REGISTRY[self.name].resolve(self.params)
+
+    @property
+    def label(self) -> str:
+        """``rope`` or ``rope(base=500000)``: the name plus every non-default parameter."""
+        entry = REGISTRY[self.name]
+        changed = [
+            f"{p.name}={self.params[p.name]}"
+            for p in entry.params
+            if p.name in self.params and self.params[p.name] != p.default
+        ]
+        return f"{self.name}({', '.join(changed)})" if changed else self.name
+
+
+class VariantSpec(_Strict):
+    """An inference-time RoPE scaling applied at evaluation; ``none`` is the trained model.
+
+    ``factor: auto`` uses s = max(1, eval_length / train_length) at each length.
+    """
+
+    method: Literal["none", "pi", "ntk", "dynamic_ntk", "yarn"] = "none"
+    factor: float | Literal["auto"] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        # "yarn", "yarn:4" or "pi:auto"
+        if isinstance(value, str):
+            method, _, factor = value.partition(":")
+            return {"method": method, "factor": factor or None}
+        return value
+
+    @field_validator("factor", mode="before")
+    @classmethod
+    def _number(cls, value: Any) -> Any:
+        if isinstance(value, str) and value != "auto":
+            try:
+                return float(value)
+            except ValueError:
+                raise ValueError(f"factor must be a number >= 1 or 'auto', got {value!r}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _factor(self) -> VariantSpec:
+        if self.method in ("none", "dynamic_ntk"):
+            if self.factor is not None:
+                raise ValueError(f"variant {self.method!r} takes no factor")
+        elif self.factor is None:
+            object.__setattr__(self, "factor", "auto")
+        elif self.factor != "auto" and not 1.0 <= float(self.factor) <= 1024.0:
+            raise ValueError(f"factor must be in [1, 1024] or 'auto', got {self.factor}")
+        return self
+
+    @property
+    def label(self) -> str:
+        if self.factor is None:
+            return self.method
+        factor = self.factor if self.factor == "auto" else f"{float(self.factor):g}"
+        return f"{self.method}:{factor}"
+
+    def factor_at(self, eval_length: int, train_length: int) -> float | None:
+        if self.factor is None:
+            return None
+        if self.factor == "auto":
+            return max(1.0, eval_length / train_length)
+        return float(self.factor)
+
+
+class EvalSpec(_Strict):
+    lengths: Annotated[
+        list[Annotated[int, Field(ge=2, le=MAX_EVAL_LENGTH)]], Field(min_length=1, max_length=32)
+    ] = Field(default_factory=lambda: [128, 256, 512, 1024])
+    protocols: Annotated[list[Protocol], Field(min_length=1, max_length=2)] = Field(
+        default_factory=lambda: ["nonoverlapping"]
+    )
+    stride: int | None = Field(None, ge=1, le=MAX_EVAL_LENGTH, description="sliding stride")
+    tokens: int = Field(65_536, ge=64, le=1 << 24, description="scored tokens per length (lm)")
+    examples: int = Field(100, ge=1, le=10_000, description="examples per length (synthetic)")
+    variants: Annotated[list[VariantSpec], Field(min_length=1, max_length=16)] = Field(
+        default_factory=lambda: [VariantSpec()]
+    )
+    batch_tokens: int = Field(
+        16_384, ge=256, le=1 << 22, description="tokens per evaluation batch (memory bound)"
+    )
+
+    @field_validator("lengths")
+    @classmethod
+    def _sorted_unique(cls, lengths: list[int]) -> list[int]:
+        return sorted(set(lengths))
+
+    @field_validator("protocols")
+    @classmethod
+    def _unique(cls, protocols: list[str]) -> list[str]:
+        return list(dict.fromkeys(protocols))
+
+
+class RunSpec(_Strict):
+    """One trained model of a study: (encoding, seed), with its config hash."""
+
+    encoding: EncodingSpec
+    seed: int
+    config_hash: str
+
+
+class StudySpec(_Strict):
+    name: str = Field("study", min_length=1, max_length=120)
+    task: TaskSpec = Field(default_factory=TaskSpec)
+    model: ModelSpec = Field(default_factory=lambda: ModelSpec.model_validate("small"))
+    train: TrainSpec = Field(default_factory=TrainSpec)
+    encodings: Annotated[list[EncodingSpec], Field(min_length=1, max_length=MAX_RUNS)]
+    seeds: Annotated[
+        list[Annotated[int, Field(ge=0, lt=2**31)]], Field(min_length=1, max_length=16)
+    ] = Field(default_factory=lambda: [0])
+    eval: EvalSpec = Field(default_factory=EvalSpec)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> StudySpec:
+        problems = []
+        runs = len(self.encodings) * len(self.seeds)
+        if runs > MAX_RUNS:
+            problems.append(
+                f"encodings x seeds = {len(self.encodings)} x {len(self.seeds)} = {runs} runs; "
+                f"at most {MAX_RUNS} per study"
+            )
+        labels = [e.label for e in self.encodings]
+        if len(set(labels)) != len(labels):
+            problems.append(
+                f"encodings: listed twice: {sorted({x for x in labels if labels.count(x) > 1})}"
+            )
+        if len(set(self.seeds)) != len(self.seeds):
+            problems.append("seeds: each seed may appear once")
+        train_tokens = self.train.steps * self.train.batch_size * self.train.length
+        if train_tokens > MAX_TRAIN_TOKENS:
+            problems.append(
+                f"train: steps x batch_size x length = {train_tokens:,} tokens per run; "
+                f"at most {MAX_TRAIN_TOKENS:,}"
+            )
+        task = TASKS[self.task.name]
+        shortest = min(self.train.length, *self.eval.lengths)
+        if shortest < task.min_length:
+            problems.append(
+                f"task {task.name!r} needs sequences of at least {task.min_length} bytes; "
+                f"got length {shortest}"
+            )
+        if "sliding" in self.eval.protocols:
+            if task.metric != "perplexity":
+                problems.append(
+                    f"eval.protocols: 'sliding' applies to language modelling, not {task.name!r}"
+                )
+            if self.eval.stride is None:
+                problems.append("eval.stride is required with the 'sliding' protocol")
+            elif self.eval.stride > min(self.eval.lengths):
+                problems.append(
+                    f"eval.stride = {self.eval.stride} exceeds the shortest evaluation length "
+                    f"{min(self.eval.lengths)}"
+                )
+        scalings = [v for v in self.eval.variants if v.method != "none"]
+        if scalings and not any(REGISTRY[e.name].scalable for e in self.encodings):
+            scalable = ", ".join(n for n, e in REGISTRY.items() if e.scalable)
+            problems.append(
+                f"eval.variants: {scalings[0].label!r} scales RoPE and applies to {scalable}; "
+                "this study trains none of them"
+            )
+        for encoding in self.encodings:
+            if encoding.name == "randomized":
+                limit = encoding.resolved_params["max_position"] or 64 * self.train.length
+                if limit < max(self.eval.lengths):
+                    problems.append(
+                        f"encodings: randomized max_position = {limit} must be at least the "
+                        f"longest evaluation length {max(self.eval.lengths)}"
+                    )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    # -- runs ---------------------------------------------------------------------------------
+
+    def runs(self) -> list[RunSpec]:
+        return [
+            RunSpec(encoding=encoding, seed=seed, config_hash=self.config_hash(encoding, seed))
+            for encoding in self.encodings
+            for seed in self.seeds
+        ]
+
+    def config_hash(self, encoding: EncodingSpec, seed: int) -> str:
+        """Stable hash of everything that changes a run's results (not the study's name,
+        nor the other encodings or seeds)."""
+        payload = {
+            "task": {"name": self.task.name, "params": self.task.params},
+            "model": self.model.dims(),
+            "train": self.train.model_dump(exclude={"checkpoint_every", "progress_every"}),
+            "encoding": {"name": encoding.name, "params": encoding.resolved_params},
+            "seed": seed,
+            "eval": self.eval.model_dump(mode="json"),
+        }
+        canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
+        return hashlib.sha256(canonical.encode()).hexdigest()[:24]
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json", exclude_defaults=False), sort_keys=False)
+
+
+# -- loading and error wording ----------------------------------------------------------------
+
+
+def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
+    """The keys the model at ``loc`` (minus its last element) accepts."""
+    model: Any = StudySpec
+    for item in loc[:-1]:
+        if isinstance(item, int) or model is None:
+            continue
+        field = model.model_fields.get(item)
+        if field is None:
+            return []
+        annotation = field.annotation
+        candidates = [annotation, *getattr(annotation, "__args__", ())]
+        model = next(
+            (c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None
+        )
+        if model is None:
+            for candidate in candidates:
+                inner = getattr(candidate, "__args__", ())
+                model = next(
+                    (c for c in inner if isinstance(c, type) and issubclass(c, BaseModel)), None
+                )
+                if model is not None:
+                    break
+    return list(model.model_fields) if model is not None else []
+
+
+def _location(loc: tuple[Any, ...]) -> str:
+    parts = []
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        elif not (isinstance(item, str) and ("function-" in item or item in ("str", "dict"))):
+            parts.append(("." if parts else "") + str(item))
+    return "".join(parts) or "spec"
+
+
+def describe(error: ValidationError) -> list[str]:
+    """One line per problem: the field, the value given, and what is allowed."""
+    lines = []
+    for problem in error.errors(include_url=False):
+        where = _location(problem["loc"])
+        kind = problem["type"]
+        value = problem.get("input")
+        message = problem["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
+        if kind == "extra_forbidden":
+            allowed = _allowed_keys(problem["loc"])
+            hint = f" (allowed: {', '.join(allowed)})" if allowed else ""
+            lines.append(f"{where}: unknown key{hint}")
+        elif kind == "missing":
+            lines.append(f"{where}: required")
+        elif kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than"):
+            lines.append(f"{where} = {value!r}: {message.lower().replace('input should', 'must')}")
+        elif kind in ("too_short", "too_long"):
+            lines.append(f"{where}: {message.lower().replace('list should', 'must')}")
+        elif kind == "value_error":
+            lines.append(f"{where}: {message}" if where != "spec" else message)
+        else:
+            lines.append(f"{where} = {value!r}: {message}")
+    return lines
+
+
+def parse_spec(data: Any) -> StudySpec:
+    """Validate a spec given as a mapping; raise :class:`SpecError` listing every problem."""
+    if not isinstance(data, dict):
+        raise SpecError([f"a spec is a mapping of keys to values, got {type(data).__name__}"])
+    try:
+        return StudySpec.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(describe(err)) from None
+    except EncodingConfigError as err:
+        raise SpecError([str(err)]) from None
+
+
+def load_spec(path: str | Path) -> StudySpec:
+    """Read a YAML or JSON spec file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise SpecError([f"cannot read spec file {path}: {err.strerror}"]) from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (yaml.YAMLError, json.JSONDecodeError) as err:
+        raise SpecError(
+            [f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {err}"]
+        ) from None
+    return parse_spec(data)
+
+
+PRESET_SPECS: dict[str, dict[str, Any]] = {
+    # Seconds on a CPU: what the tests and `make run` use.
+    "smoke": {
+        "name": "smoke",
+        "model": "tiny",
+        "train": {
+            "length": 32,
+            "steps": 40,
+            "batch_size": 8,
+            "lr": 3e-3,
+            "checkpoint_every": 20,
+            "progress_every": 5,
+        },
+        "encodings": ["nope", "rope", "alibi"],
+        "eval": {"lengths": [32, 64, 128], "tokens": 4096, "variants": ["none"]},
+    },
+    # Minutes on 2 CPU cores: the published ordering at small scale.
+    "quick": {
+        "name": "quick",
+        "model": "small",
+        "train": {"length": 128, "steps": 600, "batch_size": 16, "lr": 2e-3, "warmup": 0.05},
+        "encodings": ["nope", "sinusoidal", "learned", "rope", "alibi", "t5"],
+        "eval": {"lengths": [128, 256, 512, 1024, 2048, 4096], "tokens": 65_536},
+    },
+    # One GPU: the ALiBi paper's setting (train 512, evaluate to 16x) at a smaller scale.
+    "paper": {
+        "name": "paper",
+        "model": "base",
+        "train": {
+            "length": 512,
+            "steps": 20_000,
+            "batch_size": 32,
+            "lr": 6e-4,
+            "warmup": 0.02,
+            "checkpoint_every": 1000,
+            "progress_every": 50,
+        },
+        "encodings": [
+            "nope",
+            "sinusoidal",
+            "learned",
+            "rope",
+            "xpos",
+            "alibi",
+            "t5",
+            "kerple_log",
+            "fire",
+        ],
+        "eval": {
+            "lengths": [512, 1024, 2048, 4096, 8192],
+            "tokens": 262_144,
+            "variants": ["none", "pi:auto", "ntk:auto", "dynamic_ntk", "yarn:auto"],
+        },
+    },
+}
+
+
+def preset_spec(name: str) -> StudySpec:
+    if name not in PRESET_SPECS:
+        raise SpecError([f"unknown preset {name!r} (available: {', '.join(PRESET_SPECS)})"])
+    return parse_spec(PRESET_SPECS[name])

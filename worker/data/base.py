@@ -1,0 +1,67 @@
+"""What every task provides: training batches and evaluation batches of bytes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Batch:
+    """``inputs`` predict ``targets`` (the same sequences shifted by one byte).
+
+    ``scored`` marks the target positions that count (None: all of them);
+    ``groups`` labels each row for per-group accuracy (e.g. a pass key's depth).
+    """
+
+    inputs: Tensor
+    targets: Tensor
+    scored: Tensor | None = None
+    groups: list[str] | None = None
+
+    def to(self, device: torch.device) -> Batch:
+        return Batch(
+            self.inputs.to(device, non_blocking=True),
+            self.targets.to(device, non_blocking=True),
+            None if self.scored is None else self.scored.to(device, non_blocking=True),
+            self.groups,
+        )
+
+
+def from_sequences(sequences: Tensor) -> tuple[Tensor, Tensor]:
+    """``[B, T+1]`` byte sequences -> inputs and next-byte targets ``[B, T]``."""
+    return sequences[:, :-1].long(), sequences[:, 1:].long()
+
+
+class Task:
+    name: ClassVar[str]
+    metric: ClassVar[str]
+    protocols: ClassVar[tuple[str, ...]] = ("nonoverlapping",)
+
+    def prepare(self, cache_dir: Path) -> None:
+        """Load or build whatever data the task needs (called once per run)."""
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies the data, for provenance."""
+        return self.name
+
+    def train_batch(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
+        raise NotImplementedError
+
+    def eval_batches(
+        self,
+        length: int,
+        *,
+        protocol: str,
+        batch_size: int,
+        tokens: int,
+        examples: int,
+        stride: int | None = None,
+    ) -> Iterator[Batch]:
+        raise NotImplementedError

@@ -1,0 +1,265 @@
+"""Byte-level language modelling and its corpora.
+
+Corpora:
+- ``pystdlib``: the running interpreter's standard library sources (``*.py``
+  outside site-packages) - a real, multi-megabyte corpus on every machine, no
+  download;
+- ``text:<path>``: a UTF-8 file or a folder of them;
+- ``hf:<name>[:<config>]``: a HuggingFace dataset (the optional ``datasets``
+  package), hub name or local folder; its first string column is the text.
+
+Documents are read in a fixed order and split into train and validation by a
+hash of their path (a lone document is split by position), joined with a NUL
+byte, and written once to uint8 files named by the content's hash; later runs
+memory-map them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sysconfig
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from worker.data.base import Batch, Task, from_sequences
+from worker.data.registry import TaskConfigError
+
+VALID_PERCENT = 5
+DOC_SEPARATOR = b"\x00"
+
+
+class CorpusError(TaskConfigError):
+    """A corpus that cannot be read: missing, not UTF-8, empty, or an unusable dataset."""
+
+
+@dataclass(frozen=True)
+class Document:
+    path: str
+    content: bytes
+
+
+def is_validation(path: str) -> bool:
+    """Deterministic split: a stable hash of the document's path, 5% to validation."""
+    digest = hashlib.sha1(path.encode()).digest()
+    return int.from_bytes(digest[:4], "big") % 100 < VALID_PERCENT
+
+
+def _pystdlib() -> list[Document]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    paths = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+    return [Document(p.relative_to(root).as_posix(), p.read_bytes()) for p in paths]
+
+
+def _text(location: str) -> list[Document]:
+    root = Path(location).expanduser()
+    if not root.exists():
+        raise CorpusError(f"corpus text:{location}: no such file or folder")
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    docs = []
+    for path in files:
+        content = path.read_bytes()
+        try:
+            content.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise CorpusError(
+                f"corpus text:{location}: {path} is not UTF-8 (byte {err.start}); "
+                "text corpora must be UTF-8"
+            ) from None
+        name = path.name if root.is_file() else path.relative_to(root).as_posix()
+        docs.append(Document(name, content))
+    if not docs:
+        raise CorpusError(f"corpus text:{location}: the folder holds no files")
+    return docs
+
+
+def _huggingface(spec: str) -> tuple[list[Document], list[Document]]:
+    try:
+        import datasets
+    except ImportError:
+        raise CorpusError(
+            f"corpus hf:{spec} needs the optional 'datasets' package: pip install 'posbench[hf]'"
+        ) from None
+    name, _, config = spec.partition(":")
+    try:
+        loaded = datasets.load_dataset(name, config or None)
+    except Exception as err:  # the library raises many types; report any of them plainly
+        raise CorpusError(f"corpus hf:{spec}: could not load the dataset ({err})") from None
+    splits = {}
+    for wanted in (("train",), ("validation", "valid", "test")):
+        split = next((s for s in wanted if s in loaded), None)
+        if split is None:
+            raise CorpusError(
+                f"corpus hf:{spec}: needs a {wanted[0]!r} split and one of "
+                f"{', '.join(wanted if len(wanted) > 1 else ())} (has {', '.join(loaded)})"
+            )
+        table = loaded[split]
+        column = next(
+            (c for c, f in table.features.items() if getattr(f, "dtype", None) == "string"),
+            None,
+        )
+        if column is None:
+            raise CorpusError(f"corpus hf:{spec}: split {split!r} has no text column")
+        splits[wanted[0]] = [
+            Document(f"{split}/{i}", text.encode("utf-8")) for i, text in enumerate(table[column])
+        ]
+    return splits["train"], splits["validation"]
+
+
+def read_documents(corpus: str) -> tuple[list[Document], list[Document]]:
+    """The corpus' train and validation documents, in their fixed order."""
+    kind, _, rest = corpus.partition(":")
+    if corpus == "pystdlib":
+        docs = _pystdlib()
+    elif kind == "text" and rest:
+        docs = _text(rest)
+    elif kind == "hf" and rest:
+        return _huggingface(rest)
+    else:
+        raise CorpusError(
+            f"unknown corpus {corpus!r} (allowed: pystdlib, text:<path>, hf:<name>[:<config>])"
+        )
+    train = [d for d in docs if not is_validation(d.path)]
+    valid = [d for d in docs if is_validation(d.path)]
+    if not train or not valid:
+        # Too few documents for a hash split: cut the stream by position instead.
+        joined = DOC_SEPARATOR.join(d.content for d in docs)
+        cut = len(joined) * (100 - VALID_PERCENT) // 100
+        train, valid = [Document("head", joined[:cut])], [Document("tail", joined[cut:])]
+    return train, valid
+
+
+@dataclass(frozen=True)
+class Corpus:
+    name: str
+    fingerprint: str
+    train: np.ndarray
+    valid: np.ndarray
+
+
+def _content_hash(train: list[Document], valid: list[Document]) -> str:
+    digest = hashlib.sha256()
+    for label, docs in (("train", train), ("valid", valid)):
+        for doc in docs:
+            digest.update(f"{label}\0{doc.path}\0{len(doc.content)}\0".encode())
+            digest.update(doc.content)
+    return digest.hexdigest()[:20]
+
+
+def load_corpus(corpus: str, cache_dir: Path) -> Corpus:
+    """Read, hash, and (once per content) write the corpus as two uint8 files; memory-map them."""
+    train_docs, valid_docs = read_documents(corpus)
+    fingerprint = _content_hash(train_docs, valid_docs)
+    folder = Path(cache_dir) / "corpora" / fingerprint
+    if not (folder / "meta.json").exists():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".staging-"))
+        try:
+            for label, docs in (("train", train_docs), ("valid", valid_docs)):
+                (staging / f"{label}.u8").write_bytes(DOC_SEPARATOR.join(d.content for d in docs))
+            meta = {"corpus": corpus, "train_docs": len(train_docs), "valid_docs": len(valid_docs)}
+            (staging / "meta.json").write_text(json.dumps(meta))
+            try:
+                os.replace(staging, folder)  # atomic: concurrent workers agree on one copy
+            except OSError:
+                if not (folder / "meta.json").exists():
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    train = np.memmap(folder / "train.u8", dtype=np.uint8, mode="r")
+    valid = np.memmap(folder / "valid.u8", dtype=np.uint8, mode="r")
+    return Corpus(corpus, fingerprint, train, valid)
+
+
+def _windows(stream: np.ndarray, starts: np.ndarray, length: int) -> torch.Tensor:
+    """``[len(starts), length]`` int64 windows of a uint8 stream."""
+    index = starts[:, None] + np.arange(length)[None, :]
+    return torch.from_numpy(np.asarray(stream[index], dtype=np.int64))
+
+
+def window_plan(
+    valid_bytes: int, length: int, protocol: str, tokens: int, stride: int | None
+) -> tuple[np.ndarray, int]:
+    """Start offsets of the evaluation windows and how many final targets each scores.
+
+    - ``nonoverlapping``: disjoint windows from the start of the validation stream;
+      every target is scored; about ``tokens`` targets in all at every length.
+    - ``sliding``: windows every ``stride`` bytes; only the last ``stride`` targets of
+      each window are scored, so every scored byte sees ``length - stride`` or more
+      bytes of context.
+    """
+    if valid_bytes < length + 1:
+        raise CorpusError(
+            f"the validation split has {valid_bytes} bytes; evaluating at length {length} "
+            f"needs at least {length + 1}"
+        )
+    if protocol == "nonoverlapping":
+        count = min(max(1, tokens // length), (valid_bytes - 1) // length)
+        return np.arange(count, dtype=np.int64) * length, length
+    if protocol == "sliding":
+        if stride is None or not 1 <= stride <= length:
+            raise ValueError(f"sliding needs 1 <= stride <= length, got stride={stride}")
+        count = min(max(1, tokens // stride), (valid_bytes - 1 - length) // stride + 1)
+        return np.arange(count, dtype=np.int64) * stride, stride
+    raise ValueError(f"unknown protocol {protocol!r}")
+
+
+class LanguageModelling(Task):
+    name = "lm"
+    metric = "perplexity"
+    protocols = ("nonoverlapping", "sliding")
+
+    def __init__(self, corpus: str = "pystdlib") -> None:
+        self.corpus_name = corpus
+        self.corpus: Corpus | None = None
+
+    def prepare(self, cache_dir: Path) -> None:
+        if self.corpus is None:
+            self.corpus = load_corpus(self.corpus_name, cache_dir)
+
+    @property
+    def data(self) -> Corpus:
+        if self.corpus is None:
+            raise RuntimeError("call prepare() before drawing batches")
+        return self.corpus
+
+    @property
+    def fingerprint(self) -> str:
+        return f"lm:{self.corpus_name}:{self.data.fingerprint}"
+
+    def train_batch(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
+        train = self.data.train
+        if len(train) < length + 2:
+            raise CorpusError(
+                f"the training split has {len(train)} bytes; length {length} needs more"
+            )
+        starts = torch.randint(0, len(train) - length - 1, (batch_size,), generator=generator)
+        inputs, targets = from_sequences(_windows(train, starts.numpy(), length + 1))
+        return Batch(inputs, targets)
+
+    def eval_batches(
+        self,
+        length: int,
+        *,
+        protocol: str,
+        batch_size: int,
+        tokens: int,
+        examples: int,
+        stride: int | None = None,
+    ) -> Iterator[Batch]:
+        starts, scored_tail = window_plan(len(self.data.valid), length, protocol, tokens, stride)
+        for first in range(0, len(starts), batch_size):
+            chunk = starts[first : first + batch_size]
+            inputs, targets = from_sequences(_windows(self.data.valid, chunk, length + 1))
+            scored = None
+            if scored_tail < length:
+                scored = torch.zeros_like(targets, dtype=torch.bool)
+                scored[:, -scored_tail:] = True
+            yield Batch(inputs, targets, scored)

@@ -1,0 +1,111 @@
+"""The catalogue of tasks, free of torch like the encodings registry."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from worker.encodings.registry import EncodingConfigError, Param
+
+Metric = Literal["perplexity", "accuracy"]
+
+
+class TaskConfigError(EncodingConfigError):
+    """A user asked for a task or task parameter that does not exist or is out of range."""
+
+
+@dataclass(frozen=True)
+class TaskInfo:
+    name: str
+    metric: Metric
+    summary: str
+    reference: str
+    implementation: str
+    # The shortest training / evaluation sequence that can hold one example.
+    min_length: int
+    params: tuple[Param, ...] = ()
+
+    def resolve(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        known = {p.name for p in self.params}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise TaskConfigError(
+                f"task {self.name!r} has no parameter {unknown[0]!r} "
+                f"(allowed: {', '.join(sorted(known)) or 'none'})"
+            )
+        out: dict[str, Any] = {}
+        for p in self.params:
+            value = params.get(p.name, p.default)
+            out[p.name] = p.check(f"task {self.name!r}", value) if value is not None else None
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "metric": self.metric,
+            "summary": self.summary,
+            "reference": self.reference,
+            "min_length": self.min_length,
+            "params": [p.to_json() for p in self.params],
+        }
+
+
+TASKS: dict[str, TaskInfo] = {
+    info.name: info
+    for info in (
+        TaskInfo(
+            name="lm",
+            metric="perplexity",
+            summary="Byte-level language modelling; loss, perplexity and bits per byte.",
+            reference="Press et al. 2022 (ALiBi) evaluate extrapolation this way on WikiText-103",
+            implementation="worker.data.lm:LanguageModelling",
+            min_length=2,
+            params=(
+                Param(
+                    "corpus",
+                    str,
+                    "pystdlib",
+                    "pystdlib (the interpreter's own standard library sources), "
+                    "text:<path> (a UTF-8 file or folder) or hf:<name>[:<config>]",
+                ),
+            ),
+        ),
+        TaskInfo(
+            name="passkey",
+            metric="accuracy",
+            summary="Retrieve a 5-digit pass key hidden at some depth in filler text.",
+            reference="Mohtashami & Jaggi 2023, Landmark Attention (arXiv:2305.16300)",
+            implementation="worker.data.synthetic:Passkey",
+            min_length=128,
+            params=(Param("digits", int, 5, "digits in the pass key", low=1, high=12),),
+        ),
+        TaskInfo(
+            name="copy",
+            metric="accuracy",
+            summary="Copy a random string after a separator; exact match of the copy.",
+            reference="Ruoss et al. 2023; Delétang et al. 2023, Neural Networks and the Chomsky "
+            "Hierarchy (arXiv:2207.02098)",
+            implementation="worker.data.synthetic:Copy",
+            min_length=8,
+            params=(Param("alphabet", int, 26, "distinct symbols in the string", low=2, high=64),),
+        ),
+        TaskInfo(
+            name="assoc_recall",
+            metric="accuracy",
+            summary="Key-value pairs, then a query key; answer its value.",
+            reference="Ba et al. 2016, Using Fast Weights to Attend to the Recent Past; "
+            "Arora et al. 2023, Zoology (arXiv:2312.04927)",
+            implementation="worker.data.synthetic:AssociativeRecall",
+            min_length=32,
+            params=(Param("key_length", int, 3, "letters per key", low=1, high=8),),
+        ),
+    )
+}
+
+
+def task_info(name: str) -> TaskInfo:
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise TaskConfigError(f"unknown task {name!r} (available: {', '.join(TASKS)})") from None

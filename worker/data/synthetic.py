@@ -1,0 +1,158 @@
+"""Synthetic retrieval tasks: the model must find something at a distance.
+
+Every example is exactly ``length + 1`` bytes so that inputs have the evaluated
+length; only the answer bytes are trained on and scored. Evaluation examples
+come from a generator seeded by the task and the length alone, so every
+encoding and seed is scored on the same examples.
+"""
+
+from __future__ import annotations
+
+import string
+import zlib
+from collections.abc import Iterator
+
+import torch
+
+from worker.data.base import Batch, Task, from_sequences
+
+FILLER = (
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+)
+QUESTION = "What is the pass key? The pass key is "
+PASSKEY_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+def _eval_generator(task: str, length: int) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(f"{task}:{length}".encode()))
+
+
+def _digits(count: int, generator: torch.Generator) -> str:
+    return "".join(str(int(d)) for d in torch.randint(0, 10, (count,), generator=generator))
+
+
+class _Synthetic(Task):
+    metric = "accuracy"
+
+    def example(
+        self, length: int, generator: torch.Generator, group: int | None
+    ) -> tuple[bytes, int, str]:
+        """One sequence of ``length + 1`` bytes, the size of its answer, and its group label."""
+        raise NotImplementedError
+
+    def groups(self) -> tuple[int | None, ...]:
+        return (None,)
+
+    def _batch(self, rows: list[tuple[bytes, int, str]]) -> Batch:
+        sequences = torch.tensor([list(seq) for seq, _, _ in rows], dtype=torch.uint8)
+        inputs, targets = from_sequences(sequences)
+        scored = torch.zeros_like(targets, dtype=torch.bool)
+        for row, (_, answer, _) in enumerate(rows):
+            scored[row, -answer:] = True
+        return Batch(inputs, targets, scored, [label for _, _, label in rows])
+
+    def train_batch(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
+        # Training draws every free choice (a pass key's depth too) at random.
+        return self._batch([self.example(length, generator, None) for _ in range(batch_size)])
+
+    def eval_batches(
+        self,
+        length: int,
+        *,
+        protocol: str,
+        batch_size: int,
+        tokens: int,
+        examples: int,
+        stride: int | None = None,
+    ) -> Iterator[Batch]:
+        generator = _eval_generator(self.name, length)
+        groups = self.groups()
+        per_group = max(1, examples // len(groups))
+        rows = [self.example(length, generator, g) for g in groups for _ in range(per_group)]
+        for start in range(0, len(rows), batch_size):
+            yield self._batch(rows[start : start + batch_size])
+
+
+class Passkey(_Synthetic):
+    """Filler sentences, "The pass key is NNNNN. Remember it. NNNNN is the pass key.",
+    more filler, then "What is the pass key? The pass key is " and the digits."""
+
+    name = "passkey"
+
+    def __init__(self, digits: int = 5) -> None:
+        self.digits = digits
+
+    def groups(self) -> tuple[float | None, ...]:
+        return PASSKEY_DEPTHS
+
+    def example(
+        self, length: int, generator: torch.Generator, group: float | None
+    ) -> tuple[bytes, int, str]:
+        key = _digits(self.digits, generator)
+        needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
+        filler_bytes = length + 1 - len(needle) - len(QUESTION) - self.digits
+        if filler_bytes < 0:
+            raise ValueError(f"passkey needs sequences of at least {length - filler_bytes} bytes")
+        depth = float(torch.rand((), generator=generator)) if group is None else group
+        filler = (FILLER * (filler_bytes // len(FILLER) + 1))[:filler_bytes]
+        # Insert at the sentence boundary nearest below the requested depth.
+        cut = round(depth * filler_bytes)
+        if 0 < cut < filler_bytes:
+            boundary = filler.rfind(". ", 0, cut + 1)
+            cut = 0 if boundary < 0 else boundary + 2
+        text = filler[:cut] + needle + filler[cut:] + QUESTION + key
+        return text.encode(), self.digits, f"depth={depth:g}" if group is not None else ""
+
+
+class Copy(_Synthetic):
+    """A random string, a separator, then the same string again."""
+
+    name = "copy"
+
+    def __init__(self, alphabet: int = 26) -> None:
+        symbols = string.ascii_lowercase + string.ascii_uppercase + string.digits + "+/"
+        self.symbols = symbols[:alphabet]
+
+    def example(
+        self, length: int, generator: torch.Generator, group: int | None
+    ) -> tuple[bytes, int, str]:
+        half = length // 2
+        picks = torch.randint(0, len(self.symbols), (half,), generator=generator)
+        source = "".join(self.symbols[int(i)] for i in picks)
+        pad = " " * (length + 1 - (2 * half + 1))
+        return (pad + source + "|" + source).encode(), half, ""
+
+
+class AssociativeRecall(_Synthetic):
+    """``key=vv;`` pairs with distinct keys, then ``?key=`` and the key's two-digit value."""
+
+    name = "assoc_recall"
+
+    def __init__(self, key_length: int = 3) -> None:
+        self.key_length = key_length
+
+    def _key(self, code: int) -> str:
+        letters = (string.ascii_lowercase[(code // 26**i) % 26] for i in range(self.key_length))
+        return "".join(letters)
+
+    def example(
+        self, length: int, generator: torch.Generator, group: int | None
+    ) -> tuple[bytes, int, str]:
+        pair = self.key_length + 4  # key, '=', two digits, ';'
+        query = self.key_length + 4  # '?', key, '=', two digits
+        count = (length + 1 - query) // pair
+        space = 26**self.key_length
+        if count < 1:
+            raise ValueError(f"assoc_recall needs sequences of at least {pair + query} bytes")
+        if count > space:
+            raise ValueError(
+                f"assoc_recall with key_length={self.key_length} has only {space} distinct keys; "
+                f"length {length} needs {count}"
+            )
+        codes = torch.randperm(space, generator=generator)[:count]
+        keys = [self._key(int(code)) for code in codes]
+        values = [_digits(2, generator) for _ in keys]
+        asked = int(torch.randint(0, count, (1,), generator=generator))
+        body = "".join(f"{k}={v};" for k, v in zip(keys, values, strict=True))
+        pad = " " * (length + 1 - len(body) - query)
+        return (pad + body + f"?{keys[asked]}={values[asked]}").encode(), 2, ""

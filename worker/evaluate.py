@@ -1,0 +1,244 @@
+"""Extrapolation evaluation: one trained model, every (variant x protocol x length).
+
+For language modelling the metrics are mean loss (nats per byte), perplexity and
+bits per byte, plus the loss in log-spaced bins of position inside the window;
+synthetic tasks report exact-match accuracy (per group too, e.g. a pass key's
+depth). Every row records tokens/s and peak memory. A length an encoding cannot
+represent (a learned table past its end) is recorded as *not applicable*, never
+clamped and never a crash.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import resource
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from jobs.spec import EvalSpec, VariantSpec
+from worker.data.base import Batch, Task
+from worker.model import Transformer
+
+NONE = VariantSpec()
+
+
+@dataclass
+class PositionBin:
+    start: int  # inclusive
+    end: int  # exclusive
+    loss: float
+    tokens: int
+
+
+@dataclass
+class Evaluation:
+    variant: str
+    protocol: str
+    length: int
+    loss: float | None = None
+    perplexity: float | None = None
+    bits_per_byte: float | None = None
+    accuracy: float | None = None
+    tokens: int = 0
+    tokens_per_second: float | None = None
+    peak_memory_bytes: int | None = None
+    not_applicable: str | None = None
+    factor: float | None = None
+    position_bins: list[PositionBin] = field(default_factory=list)
+    groups: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def log_bins(length: int) -> list[tuple[int, int]]:
+    """[0, 1), [1, 2), [2, 4), [4, 8), ... up to ``length``: positions on a log scale."""
+    edges = [0, 1]
+    while edges[-1] < length:
+        edges.append(min(length, edges[-1] * 2))
+    return [(a, b) for a, b in itertools.pairwise(edges) if a < length]
+
+
+def _peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    # On the CPU: the process' high-water resident set (Linux reports KiB).
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class _Accumulator:
+    def __init__(self, length: int) -> None:
+        self.loss_sum = 0.0
+        self.tokens = 0
+        self.position_loss = torch.zeros(length, dtype=torch.float64)
+        self.position_tokens = torch.zeros(length, dtype=torch.float64)
+        self.inputs = 0
+        self.exact = 0
+        self.examples = 0
+        self.group_exact: dict[str, list[int]] = {}
+
+    def add(self, logits: torch.Tensor, batch: Batch) -> None:
+        logits = logits.float()
+        token_loss = F.cross_entropy(
+            logits.flatten(0, 1), batch.targets.flatten(), reduction="none"
+        ).view_as(batch.targets)
+        scored = (
+            batch.scored
+            if batch.scored is not None
+            else torch.ones_like(batch.targets, dtype=torch.bool)
+        )
+        masked = token_loss * scored
+        self.inputs += batch.inputs.numel()
+        self.loss_sum += float(masked.sum(dtype=torch.float64))
+        self.tokens += int(scored.sum())
+        self.position_loss += masked.sum(0).double().cpu()
+        self.position_tokens += scored.sum(0).double().cpu()
+        if batch.scored is not None:
+            correct = (logits.argmax(-1) == batch.targets) | ~scored
+            exact = correct.all(-1).cpu()
+            self.exact += int(exact.sum())
+            self.examples += len(exact)
+            for label, hit in zip(batch.groups or [], exact.tolist(), strict=False):
+                if label:
+                    tally = self.group_exact.setdefault(label, [0, 0])
+                    tally[0] += int(hit)
+                    tally[1] += 1
+
+    def bins(self) -> list[PositionBin]:
+        out = []
+        for start, end in log_bins(len(self.position_loss)):
+            count = float(self.position_tokens[start:end].sum())
+            if count:
+                loss = float(self.position_loss[start:end].sum()) / count
+                out.append(PositionBin(start, end, loss, int(count)))
+        return out
+
+
+def _run_batches(
+    model: Transformer, batches: Iterator[Batch], length: int, device: torch.device
+) -> _Accumulator:
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    accumulator = _Accumulator(length)
+    with torch.inference_mode(), autocast:
+        for batch in batches:
+            batch = batch.to(device)
+            accumulator.add(model(batch.inputs), batch)
+    return accumulator
+
+
+def evaluate_length(
+    model: Transformer,
+    task: Task,
+    spec: EvalSpec,
+    *,
+    length: int,
+    protocol: str,
+    variant: VariantSpec,
+    train_length: int,
+    device: torch.device,
+) -> Evaluation:
+    row = Evaluation(variant=variant.label, protocol=protocol, length=length)
+    limit = model.encoding.max_length
+    if limit is not None and length > limit:
+        row.not_applicable = f"not applicable: {model.encoding.name} positions end at {limit}" + (
+            f" (L={train_length})" if limit == train_length else ""
+        )
+        return row
+    row.factor = variant.factor_at(length, train_length)
+    batch_size = max(1, spec.batch_tokens // length)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    started = time.perf_counter()
+    while True:
+        batches = task.eval_batches(
+            length,
+            protocol=protocol,
+            batch_size=batch_size,
+            tokens=spec.tokens,
+            examples=spec.examples,
+            stride=spec.stride,
+        )
+        try:
+            if variant.method == "none":
+                result = _run_batches(model, batches, length, device)
+            else:
+                with model.scaled(variant.method, row.factor, train_length):
+                    result = _run_batches(model, batches, length, device)
+            break
+        except torch.OutOfMemoryError:
+            # Halve the batch and start this length again; one sequence that does not
+            # fit is a real failure and is reported as such.
+            if batch_size == 1:
+                raise
+            batch_size //= 2
+            torch.cuda.empty_cache()
+    elapsed = time.perf_counter() - started
+    row.tokens = result.tokens
+    # Throughput counts every token the model read, scored or not.
+    row.tokens_per_second = result.inputs / max(elapsed, 1e-9)
+    row.peak_memory_bytes = _peak_memory(device)
+    row.loss = result.loss_sum / max(1, result.tokens)
+    if task.metric == "perplexity":
+        row.perplexity = math.exp(row.loss)
+        row.bits_per_byte = row.loss / math.log(2)
+        row.position_bins = result.bins()
+    else:
+        row.accuracy = result.exact / max(1, result.examples)
+        row.groups = {
+            label: hit / total for label, (hit, total) in sorted(result.group_exact.items())
+        }
+    return row
+
+
+def evaluation_plan(spec: EvalSpec, scalable: bool) -> list[tuple[VariantSpec, str, int]]:
+    """Every (variant, protocol, length) to evaluate for one run, shortest lengths first.
+    The trained model itself (variant ``none``) always comes first; scalings apply to
+    rotary encodings only."""
+    variants = [NONE] + [v for v in spec.variants if v.method != "none"] if scalable else [NONE]
+    return [
+        (variant, protocol, length)
+        for variant in variants
+        for protocol in spec.protocols
+        for length in spec.lengths
+    ]
+
+
+def evaluate(
+    model: Transformer,
+    task: Task,
+    spec: EvalSpec,
+    *,
+    train_length: int,
+    scalable: bool,
+    device: torch.device,
+    on_evaluation: Callable[[Evaluation], None] | None = None,
+    skip: set[tuple[str, str, int]] | None = None,
+) -> list[Evaluation]:
+    """Evaluate at every point of the plan; ``skip`` holds (variant, protocol, length)
+    keys already stored (a resumed run does not redo them)."""
+    model.to(device)
+    model.eval()
+    rows = []
+    for variant, protocol, length in evaluation_plan(spec, scalable):
+        if skip and (variant.label, protocol, length) in skip:
+            continue
+        row = evaluate_length(
+            model,
+            task,
+            spec,
+            length=length,
+            protocol=protocol,
+            variant=variant,
+            train_length=train_length,
+            device=device,
+        )
+        rows.append(row)
+        if on_evaluation is not None:
+            on_evaluation(row)
+    return rows

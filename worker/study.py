@@ -1,0 +1,222 @@
+"""Run a study in-process: train every (encoding, seed), evaluate each at every length.
+
+``run_one`` is the unit the Celery task wraps; ``run_study`` loops it for the
+CLI, notebooks and demos (no broker, no database).
+"""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from jobs.settings import get_settings
+from jobs.spec import RunSpec, StudySpec
+from worker.data import build_task
+from worker.encodings import REGISTRY
+from worker.evaluate import Evaluation, evaluate
+from worker.model import ModelConfig, build_model
+from worker.train import TrainPoint, TrainResult, train
+
+
+def resolve_device(requested: str | None = None) -> torch.device:
+    name = requested or get_settings().device
+    if name:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@lru_cache(maxsize=1)
+def _git_commit() -> str | None:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def provenance(device: torch.device, seed: int, data: str) -> dict[str, Any]:
+    """What produced a result: code, libraries, hardware, seed and data."""
+    try:
+        version = metadata.version("posbench")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    if device.type == "cuda":
+        device_name = torch.cuda.get_device_name(device)
+    else:
+        device_name = platform.processor() or platform.machine() or "cpu"
+    return {
+        "posbench_version": version,
+        "git_commit": _git_commit(),
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda,
+        "python_version": sys.version.split()[0],
+        "device": str(device),
+        "device_name": device_name,
+        "seed": seed,
+        "data": data,
+    }
+
+
+@dataclass
+class RunResult:
+    label: str
+    encoding: str
+    params: dict[str, Any]
+    seed: int
+    config_hash: str
+    train: TrainResult
+    evaluations: list[Evaluation]
+    provenance: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "encoding": self.encoding,
+            "params": self.params,
+            "seed": self.seed,
+            "config_hash": self.config_hash,
+            "train": self.train.to_dict(),
+            "evaluations": [e.to_dict() for e in self.evaluations],
+            "provenance": self.provenance,
+        }
+
+
+def run_one(
+    spec: StudySpec,
+    run: RunSpec,
+    *,
+    device: torch.device | None = None,
+    checkpoint: Path | None = None,
+    on_progress: Callable[[TrainPoint], None] | None = None,
+    on_evaluation: Callable[[Evaluation], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    skip_evaluations: set[tuple[str, str, int]] | None = None,
+) -> RunResult:
+    """Train one (encoding, seed) of ``spec`` and evaluate it at every planned point."""
+    device = device or resolve_device()
+    task = build_task(spec.task.name, **spec.task.params)
+    task.prepare(get_settings().corpus_cache)
+    config = ModelConfig(**spec.model.dims())
+    model = build_model(
+        config,
+        run.encoding.name,
+        train_length=spec.train.length,
+        seed=run.seed,
+        **run.encoding.params,
+    )
+    trained = train(
+        model,
+        task,
+        spec.train,
+        seed=run.seed,
+        device=device,
+        checkpoint=checkpoint,
+        on_progress=on_progress,
+        should_stop=should_stop,
+    )
+    rows = evaluate(
+        model,
+        task,
+        spec.eval,
+        train_length=spec.train.length,
+        scalable=REGISTRY[run.encoding.name].scalable,
+        device=device,
+        on_evaluation=on_evaluation,
+        skip=skip_evaluations,
+    )
+    return RunResult(
+        label=run.encoding.label,
+        encoding=run.encoding.name,
+        params=run.encoding.resolved_params,
+        seed=run.seed,
+        config_hash=run.config_hash,
+        train=trained,
+        evaluations=rows,
+        provenance=provenance(device, run.seed, task.fingerprint),
+    )
+
+
+@dataclass
+class StudyResult:
+    spec: StudySpec
+    runs: list[RunResult] = field(default_factory=list)
+
+    @property
+    def metric(self) -> str:
+        return self.spec.task.metric
+
+    def curves(self, protocol: str | None = None) -> dict[str, dict[int, float | None]]:
+        """``{line label: {length: metric averaged over seeds}}``; None where not applicable."""
+        protocol = protocol or self.spec.eval.protocols[0]
+        sums: dict[str, dict[int, list[float]]] = {}
+        for run in self.runs:
+            for row in run.evaluations:
+                if row.protocol != protocol:
+                    continue
+                label = run.label if row.variant == "none" else f"{run.label} + {row.variant}"
+                value = row.perplexity if self.metric == "perplexity" else row.accuracy
+                bucket = sums.setdefault(label, {}).setdefault(row.length, [])
+                if value is not None:
+                    bucket.append(value)
+        return {
+            label: {
+                length: (sum(v) / len(v) if v else None) for length, v in sorted(points.items())
+            }
+            for label, points in sums.items()
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "spec": self.spec.model_dump(mode="json"),
+            "metric": self.metric,
+            "runs": [run.to_dict() for run in self.runs],
+        }
+
+
+def run_study(
+    spec: StudySpec,
+    *,
+    device: torch.device | None = None,
+    checkpoint_dir: Path | None = None,
+    on_progress: Callable[[RunSpec, TrainPoint], None] | None = None,
+    on_run_start: Callable[[RunSpec], None] | None = None,
+    on_evaluation: Callable[[RunSpec, Evaluation], None] | None = None,
+) -> StudyResult:
+    """Every run of ``spec``, one after another, in this process."""
+    result = StudyResult(spec)
+    for run in spec.runs():
+        if on_run_start is not None:
+            on_run_start(run)
+        checkpoint = checkpoint_dir / f"{run.config_hash}.pt" if checkpoint_dir else None
+
+        def progress(point: TrainPoint, run: RunSpec = run) -> None:
+            if on_progress is not None:
+                on_progress(run, point)
+
+        def evaluated(row: Evaluation, run: RunSpec = run) -> None:
+            if on_evaluation is not None:
+                on_evaluation(run, row)
+
+        result.runs.append(
+            run_one(
+                spec,
+                run,
+                device=device,
+                checkpoint=checkpoint,
+                on_progress=progress,
+                on_evaluation=evaluated,
+            )
+        )
+    return result
