@@ -42,6 +42,9 @@ def plot_curves(curves: Curves, metric: str, train_length: int, path: Path, titl
         if xs:
             axis.plot(xs, ys, marker="o", label=label)
     axis.set_xscale("log", base=2)
+    lengths = sorted({n for points in curves.values() for n in points})
+    axis.set_xticks(lengths, [str(n) for n in lengths])
+    axis.minorticks_off()
     if metric == "perplexity":
         axis.set_yscale("log")
     axis.axvline(train_length, color="grey", linestyle="--", linewidth=1)
@@ -49,7 +52,7 @@ def plot_curves(curves: Curves, metric: str, train_length: int, path: Path, titl
     axis.set_xlabel("evaluation length (bytes)")
     axis.set_ylabel(metric)
     axis.set_title(title)
-    axis.grid(True, which="both", alpha=0.3)
+    axis.grid(True, alpha=0.3)
     axis.legend(fontsize="small")
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,14 @@
 from __future__ import annotations
 
 import os
+import tempfile
+
+# Isolate every test process: its own posbench home (prepared corpora) and an
+# offline HuggingFace cache. Set before anything reads them.
+os.environ["POSBENCH_HOME"] = tempfile.mkdtemp(prefix="posbench-test-")
+os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="posbench-hf-")
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 import pytest
 import torch

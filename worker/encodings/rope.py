@@ -167,8 +167,10 @@ class Rope(PositionEncoding):
 
     def phases(self, positions: Tensor) -> Tensor:
         """``[..., T, r/2]`` float32 rotation angles of ``positions`` (``[T]`` or ``[B, T]``)."""
-        length = int(positions.max()) + 1 if positions.numel() else 0
-        inv_freq = self.frequencies(length)
+        inv_freq = self.inv_freq
+        if self.scaling is not None and self.scaling.method == "dynamic_ntk":
+            # Only dynamic NTK needs the length (a host sync; a graph break under compile).
+            inv_freq = self.frequencies(int(positions.max()) + 1)
         pos = positions.to(torch.float32)
         if self.scaling is not None and self.scaling.method == "pi":
             pos = pos / self.scaling.factor

@@ -1,0 +1,236 @@
+"""Tasks and corpora: generators, scorers, splits and the evaluation protocols."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from worker.data import build_task
+from worker.data.lm import CorpusError, is_validation, load_corpus, read_documents, window_plan
+from worker.data.synthetic import PASSKEY_DEPTHS, QUESTION
+from worker.evaluate import _Accumulator, log_bins
+
+
+def decode(row: torch.Tensor) -> str:
+    return bytes(row.tolist()).decode()
+
+
+# -- corpora ------------------------------------------------------------------------------
+
+
+def test_pystdlib_split_is_deterministic_and_disjoint(tmp_path: Path) -> None:
+    train, valid = read_documents("pystdlib")
+    again_train, again_valid = read_documents("pystdlib")
+    assert [d.path for d in train] == [d.path for d in again_train]
+    assert [d.path for d in valid] == [d.path for d in again_valid]
+    assert not {d.path for d in train} & {d.path for d in valid}
+    assert all(is_validation(d.path) for d in valid)
+    assert 0.02 < len(valid) / (len(train) + len(valid)) < 0.10
+    corpus = load_corpus("pystdlib", tmp_path)
+    assert len(corpus.train) > 5_000_000 and len(corpus.valid) > 200_000  # multi-megabyte
+    # Prepared once: the second load memory-maps the same content-addressed files.
+    assert load_corpus("pystdlib", tmp_path).fingerprint == corpus.fingerprint
+    assert len(list((tmp_path / "corpora").iterdir())) == 1
+
+
+def test_text_corpus_file_folder_and_errors(tmp_path: Path) -> None:
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for i in range(40):
+        (folder / f"doc{i:02d}.txt").write_text(f"document {i} " * 50)
+    corpus = load_corpus(f"text:{folder}", tmp_path / "cache")
+    assert len(corpus.train) + len(corpus.valid) > 40 * 500
+    single = tmp_path / "one.txt"
+    single.write_text("abcdefghij" * 1000)
+    one = load_corpus(f"text:{single}", tmp_path / "cache")
+    # A lone document is split by position: 95% / 5%.
+    assert len(one.valid) == 500 and bytes(one.train[:10]) == b"abcdefghij"
+    (folder / "binary.bin").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(CorpusError, match=r"binary.bin is not UTF-8 \(byte 0\)"):
+        load_corpus(f"text:{folder}", tmp_path / "cache")
+    with pytest.raises(CorpusError, match="no such file or folder"):
+        load_corpus(f"text:{tmp_path / 'missing'}", tmp_path / "cache")
+    with pytest.raises(CorpusError, match=r"unknown corpus 'wiki' \(allowed: pystdlib"):
+        load_corpus("wiki", tmp_path / "cache")
+
+
+def test_content_change_invalidates_the_cache(tmp_path: Path) -> None:
+    text = tmp_path / "t.txt"
+    text.write_text("first version " * 100)
+    before = load_corpus(f"text:{text}", tmp_path / "cache").fingerprint
+    text.write_text("second version " * 100)
+    assert load_corpus(f"text:{text}", tmp_path / "cache").fingerprint != before
+
+
+def test_huggingface_loader_on_a_local_dataset(tmp_path: Path) -> None:
+    dataset = tmp_path / "tiny_wiki"
+    dataset.mkdir()
+    for split, count in (("train", 30), ("validation", 5)):
+        with (dataset / f"{split}.jsonl").open("w") as handle:
+            for i in range(count):
+                handle.write(json.dumps({"id": i, "text": f"{split} article {i}. " * 20}) + "\n")
+    corpus = load_corpus(f"hf:{dataset}", tmp_path / "cache")
+    assert bytes(corpus.train[:15]) == b"train article 0"
+    assert bytes(corpus.valid[:20]) == b"validation article 0"
+    assert len(corpus.valid) == 5 * len("validation article 0. ") * 20 + 4  # 4 separators
+    (tmp_path / "no_valid").mkdir()
+    (tmp_path / "no_valid" / "train.jsonl").write_text('{"text": "x"}\n')
+    with pytest.raises(CorpusError, match="needs a 'validation' split"):
+        load_corpus(f"hf:{tmp_path / 'no_valid'}", tmp_path / "cache")
+
+
+# -- protocols ----------------------------------------------------------------------------
+
+
+def test_nonoverlapping_windows_by_hand() -> None:
+    starts, scored = window_plan(
+        valid_bytes=100, length=10, protocol="nonoverlapping", tokens=30, stride=None
+    )
+    assert starts.tolist() == [0, 10, 20] and scored == 10
+    # Capped by what the validation split holds.
+    starts, _ = window_plan(100, 10, "nonoverlapping", tokens=1000, stride=None)
+    assert starts.tolist() == [0, 10, 20, 30, 40, 50, 60, 70, 80]
+
+
+def test_sliding_windows_by_hand() -> None:
+    starts, scored = window_plan(100, 10, "sliding", tokens=12, stride=4)
+    assert starts.tolist() == [0, 4, 8] and scored == 4
+    with pytest.raises(ValueError, match="stride"):
+        window_plan(100, 10, "sliding", tokens=12, stride=11)
+    with pytest.raises(CorpusError, match="has 5 bytes; evaluating at length 10 needs at least 11"):
+        window_plan(5, 10, "nonoverlapping", tokens=12, stride=None)
+
+
+def _lm_task(tmp_path: Path):
+    stream = bytes(range(32, 127)) * 40
+    path = tmp_path / "stream.txt"
+    path.write_bytes(stream)
+    task = build_task("lm", corpus=f"text:{path}")
+    task.prepare(tmp_path / "cache")
+    return task
+
+
+def test_sliding_scores_each_byte_once_with_at_least_length_minus_stride_context(
+    tmp_path: Path,
+) -> None:
+    task = _lm_task(tmp_path)
+    valid = np.asarray(task.data.valid)
+    batches = list(
+        task.eval_batches(16, protocol="sliding", batch_size=3, tokens=40, examples=0, stride=4)
+    )
+    scored_targets = torch.cat([b.targets[b.scored] for b in batches]).tolist()
+    # Window k covers targets k*4+1 .. k*4+16 and scores the last 4 of them.
+    assert scored_targets == valid[13 : 13 + 40].tolist()
+    for batch in batches:
+        assert batch.scored[:, :12].sum() == 0 and bool(batch.scored[:, 12:].all())
+        assert torch.equal(batch.inputs[:, 1:], batch.targets[:, :-1])
+
+
+def test_nonoverlapping_scores_the_same_number_of_tokens_at_every_length(tmp_path: Path) -> None:
+    task = _lm_task(tmp_path)
+    valid = np.asarray(task.data.valid)
+    for length in (8, 16, 32):
+        batches = list(
+            task.eval_batches(
+                length, protocol="nonoverlapping", batch_size=2, tokens=64, examples=0
+            )
+        )
+        assert all(b.scored is None for b in batches)
+        targets = torch.cat([b.targets.flatten() for b in batches]).tolist()
+        assert targets == valid[1:65].tolist()
+
+
+def test_log_position_bins() -> None:
+    assert log_bins(10) == [(0, 1), (1, 2), (2, 4), (4, 8), (8, 10)]
+    assert log_bins(16) == [(0, 1), (1, 2), (2, 4), (4, 8), (8, 16)]
+    accumulator = _Accumulator(8)
+    targets = torch.zeros(2, 8, dtype=torch.long)
+    logits = torch.zeros(2, 8, 4)
+    logits[:, :4, 0] = 10.0  # confident and right on the first half, uniform after
+    from worker.data.base import Batch
+
+    accumulator.add(logits, Batch(targets, targets, None))
+    bins = accumulator.bins()
+    assert [(b.start, b.end, b.tokens) for b in bins] == [
+        (0, 1, 2),
+        (1, 2, 2),
+        (2, 4, 4),
+        (4, 8, 8),
+    ]
+    assert bins[0].loss < 1e-3 and bins[3].loss == pytest.approx(np.log(4), rel=1e-5)
+
+
+# -- synthetic tasks ----------------------------------------------------------------------
+
+
+def test_passkey_examples_by_depth() -> None:
+    task = build_task("passkey")
+    batches = list(
+        task.eval_batches(256, protocol="nonoverlapping", batch_size=50, tokens=0, examples=20)
+    )
+    rows = [
+        (decode(torch.cat([b.inputs[i, :1], b.targets[i]])), b.scored[i], b.groups[i])
+        for b in batches
+        for i in range(len(b.inputs))
+    ]
+    assert len(rows) == 20
+    assert sorted({g for _, _, g in rows}) == sorted(f"depth={d:g}" for d in PASSKEY_DEPTHS)
+    for text, scored, group in rows:
+        assert len(text) == 257
+        key = re.search(r"The pass key is (\d{5})\. Remember it\. \1 is the pass key\. ", text)
+        assert key is not None
+        assert text.endswith(QUESTION + key.group(1))
+        assert scored.sum() == 5 and bool(scored[-5:].all())
+        if group == "depth=0":
+            assert text.startswith("The pass key is")
+        if group == "depth=1":
+            assert text[key.end() :].startswith(QUESTION)
+
+
+def test_copy_and_assoc_recall_examples() -> None:
+    generator = torch.Generator().manual_seed(0)
+    copy_batch = build_task("copy", alphabet=4).train_batch(3, 21, generator)
+    for i in range(3):
+        text = decode(torch.cat([copy_batch.inputs[i, :1], copy_batch.targets[i]]))
+        source, copied = text.strip().split("|")
+        assert source == copied and len(source) == 10 and set(source) <= set("abcd")
+        assert copy_batch.scored[i].sum() == 10
+    recall = build_task("assoc_recall").train_batch(4, 100, generator)
+    for i in range(4):
+        text = decode(torch.cat([recall.inputs[i, :1], recall.targets[i]])).strip()
+        body, query = text.split("?")
+        pairs = dict(p.split("=") for p in body.strip(";").split(";"))
+        assert len(pairs) == body.count(";")  # distinct keys
+        key, value = query.split("=")
+        assert pairs[key] == value and recall.scored[i].sum() == 2
+
+
+def test_evaluation_examples_are_the_same_for_every_run() -> None:
+    task = build_task("assoc_recall")
+    first = next(
+        task.eval_batches(64, protocol="nonoverlapping", batch_size=8, tokens=0, examples=8)
+    )
+    second = next(
+        task.eval_batches(64, protocol="nonoverlapping", batch_size=8, tokens=0, examples=8)
+    )
+    assert torch.equal(first.inputs, second.inputs)
+
+
+def test_exact_match_scorer() -> None:
+    from worker.data.base import Batch
+
+    targets = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4], [5, 5, 5, 5]])
+    scored = torch.tensor([[False, False, True, True]] * 3)
+    logits = torch.nn.functional.one_hot(targets, 8).float()
+    logits[1, 3] = torch.nn.functional.one_hot(torch.tensor(0), 8).float()  # wrong in the answer
+    logits[2, 0] = torch.nn.functional.one_hot(torch.tensor(0), 8).float()  # wrong, unscored
+    accumulator = _Accumulator(4)
+    accumulator.add(logits, Batch(targets, targets, scored, ["a", "a", "b"]))
+    assert accumulator.exact == 2 and accumulator.examples == 3
+    assert accumulator.group_exact == {"a": [1, 2], "b": [1, 1]}
+    assert accumulator.tokens == 6

@@ -1,0 +1,135 @@
+"""Extrapolation evaluation through the study runner, on the tiny model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from jobs.spec import parse_spec
+from worker.encodings import REGISTRY
+from worker.evaluate import evaluation_plan
+from worker.study import run_one
+
+TINY = {"model": "tiny", "train": {"length": 16, "steps": 6, "batch_size": 4}}
+
+
+def test_learned_beyond_its_table_is_not_applicable_never_a_crash() -> None:
+    spec = parse_spec(
+        {
+            **TINY,
+            "encodings": ["learned"],
+            "eval": {
+                "lengths": [16, 32],
+                "protocols": ["nonoverlapping", "sliding"],
+                "stride": 8,
+                "tokens": 256,
+            },
+        }
+    )
+    result = run_one(spec, spec.runs()[0])
+    rows = {(r.protocol, r.length): r for r in result.evaluations}
+    assert set(rows) == {
+        ("nonoverlapping", 16),
+        ("nonoverlapping", 32),
+        ("sliding", 16),
+        ("sliding", 32),
+    }
+    for protocol in ("nonoverlapping", "sliding"):
+        assert rows[protocol, 16].not_applicable is None
+        assert math.isfinite(rows[protocol, 16].perplexity)
+        assert rows[protocol, 32].not_applicable == (
+            "not applicable: learned positions end at 16 (L=16)"
+        )
+        assert rows[protocol, 32].perplexity is None
+    assert rows["nonoverlapping", 16].tokens == 256
+    assert rows["sliding", 16].tokens == 256  # 32 windows x stride 8
+
+
+def test_lm_metrics_are_consistent() -> None:
+    spec = parse_spec(
+        {**TINY, "encodings": ["alibi"], "eval": {"lengths": [16, 64], "tokens": 512}}
+    )
+    rows = run_one(spec, spec.runs()[0]).evaluations
+    for row in rows:
+        assert row.perplexity == pytest.approx(math.exp(row.loss))
+        assert row.bits_per_byte == pytest.approx(row.loss / math.log(2))
+        assert row.tokens == 512 and row.tokens_per_second > 0 and row.peak_memory_bytes > 0
+        assert row.position_bins[0].start == 0 and row.position_bins[-1].end == row.length
+        assert sum(b.tokens for b in row.position_bins) == 512
+        weighted = sum(b.loss * b.tokens for b in row.position_bins) / 512
+        assert weighted == pytest.approx(row.loss, rel=1e-4)
+
+
+def test_rope_variants_are_evaluated_for_rotary_encodings_only() -> None:
+    spec = parse_spec(
+        {
+            **TINY,
+            "encodings": ["rope", "alibi"],
+            "eval": {
+                "lengths": [16, 64],
+                "tokens": 256,
+                "variants": ["pi", "yarn:4", "dynamic_ntk"],
+            },
+        }
+    )
+    rope_run, alibi_run = spec.runs()
+    rope = {(r.variant, r.length): r for r in run_one(spec, rope_run).evaluations}
+    assert set(rope) == {
+        (v, n) for v in ("none", "pi:auto", "yarn:4", "dynamic_ntk") for n in (16, 64)
+    }
+    assert rope["pi:auto", 64].factor == 4.0 and rope["pi:auto", 16].factor == 1.0
+    # At the training length, auto interpolation and dynamic NTK are the trained model.
+    assert rope["pi:auto", 16].loss == pytest.approx(rope["none", 16].loss, rel=1e-6)
+    assert rope["dynamic_ntk", 16].loss == pytest.approx(rope["none", 16].loss, rel=1e-6)
+    assert rope["pi:auto", 64].loss != pytest.approx(rope["none", 64].loss, rel=1e-6)
+    alibi = run_one(spec, alibi_run).evaluations
+    assert {r.variant for r in alibi} == {"none"}
+
+
+def test_passkey_accuracy_by_depth() -> None:
+    spec = parse_spec(
+        {
+            "model": "tiny",
+            "task": "passkey",
+            "train": {"length": 128, "steps": 3, "batch_size": 2},
+            "encodings": ["alibi"],
+            "eval": {"lengths": [128, 256], "examples": 10},
+        }
+    )
+    rows = run_one(spec, spec.runs()[0]).evaluations
+    for row in rows:
+        assert 0.0 <= row.accuracy <= 1.0 and row.perplexity is None
+        assert set(row.groups) == {"depth=0", "depth=0.25", "depth=0.5", "depth=0.75", "depth=1"}
+        assert row.tokens == 10 * 5  # 5 digits per example
+
+
+def test_plan_orders_variants_protocols_and_lengths() -> None:
+    spec = parse_spec(
+        {**TINY, "encodings": ["rope"], "eval": {"lengths": [64, 16], "variants": ["ntk:2"]}}
+    )
+    plan = [(v.label, p, n) for v, p, n in evaluation_plan(spec.eval, scalable=True)]
+    assert plan == [
+        ("none", "nonoverlapping", 16),
+        ("none", "nonoverlapping", 64),
+        ("ntk:2", "nonoverlapping", 16),
+        ("ntk:2", "nonoverlapping", 64),
+    ]
+    assert len(evaluation_plan(spec.eval, scalable=False)) == 2
+
+
+@pytest.mark.parametrize("encoding", sorted(REGISTRY))
+def test_every_encoding_evaluates_the_small_model_at_32x(encoding: str) -> None:
+    spec = parse_spec(
+        {
+            "model": "small",
+            "train": {"length": 128, "steps": 1, "batch_size": 1},
+            "encodings": [encoding],
+            "eval": {"lengths": [4096], "tokens": 4096},
+        }
+    )
+    row = run_one(spec, spec.runs()[0]).evaluations[0]
+    if encoding == "learned":
+        assert row.not_applicable is not None
+    else:
+        assert row.tokens == 4096 and math.isfinite(row.loss)

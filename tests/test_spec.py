@@ -1,0 +1,222 @@
+"""Study specs: every bounded field is rejected with its field, value and allowed range."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jobs.spec import PRESET_SPECS, SpecError, load_spec, parse_spec, preset_spec
+
+BASE: dict[str, Any] = {"encodings": ["rope"], "model": "tiny", "train": {"length": 32}}
+
+
+def with_value(path: str, value: Any, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    spec = copy.deepcopy(base or BASE)
+    *parents, leaf = path.split(".")
+    node = spec
+    for key in parents:
+        if isinstance(node.get(key), str):
+            node[key] = {}
+        node = node.setdefault(key, {})
+    node[leaf] = value
+    return spec
+
+
+def rejected(spec: dict[str, Any]) -> str:
+    with pytest.raises(SpecError) as caught:
+        parse_spec(spec)
+    return str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        ("model.d_model", 8, "model.d_model = 8: must be greater than or equal to 16"),
+        ("model.d_model", 8192, "model.d_model = 8192: must be less than or equal to 4096"),
+        ("model.n_layers", 0, "model.n_layers = 0: must be greater than or equal to 1"),
+        ("model.n_layers", 65, "model.n_layers = 65: must be less than or equal to 64"),
+        ("model.n_heads", 128, "model.n_heads = 128: must be less than or equal to 64"),
+        ("train.length", 4, "train.length = 4: must be greater than or equal to 8"),
+        ("train.length", 20_000, "train.length = 20000: must be less than or equal to 16384"),
+        ("train.steps", 0, "train.steps = 0: must be greater than or equal to 1"),
+        ("train.steps", 300_000, "train.steps = 300000: must be less than or equal to 200000"),
+        ("train.batch_size", 2048, "train.batch_size = 2048: must be less than or equal to 1024"),
+        ("train.lr", 0, "train.lr = 0: must be greater than 0"),
+        ("train.lr", 2.0, "train.lr = 2.0: must be less than or equal to 1"),
+        ("train.min_lr_ratio", 1.5, "train.min_lr_ratio = 1.5: must be less than or equal to 1"),
+        ("train.warmup", 0.9, "train.warmup = 0.9: must be less than or equal to 0.5"),
+        ("train.weight_decay", -1, "train.weight_decay = -1: must be greater than or equal to 0"),
+        ("train.grad_clip", 0, "train.grad_clip = 0: must be greater than 0"),
+        ("train.checkpoint_every", 0, "train.checkpoint_every = 0: must be greater than or equal"),
+        ("train.progress_every", 0, "train.progress_every = 0: must be greater than or equal"),
+        ("eval.lengths", [1], "eval.lengths[0] = 1: must be greater than or equal to 2"),
+        (
+            "eval.lengths",
+            [200_000],
+            "eval.lengths[0] = 200000: must be less than or equal to 131072",
+        ),
+        ("eval.lengths", [], "eval.lengths: must have at least 1 item"),
+        ("eval.lengths", list(range(8, 80, 2)), "eval.lengths: must have at most 32 items"),
+        (
+            "eval.protocols",
+            ["strided"],
+            "eval.protocols[0] = 'strided': Input should be 'nonoverlapping' or 'sliding'",
+        ),
+        ("eval.stride", 0, "eval.stride = 0: must be greater than or equal to 1"),
+        ("eval.tokens", 10, "eval.tokens = 10: must be greater than or equal to 64"),
+        (
+            "eval.tokens",
+            1 << 30,
+            "eval.tokens = 1073741824: must be less than or equal to 16777216",
+        ),
+        ("eval.examples", 0, "eval.examples = 0: must be greater than or equal to 1"),
+        ("eval.batch_tokens", 1, "eval.batch_tokens = 1: must be greater than or equal to 256"),
+        ("eval.variants", ["pi:2"] * 17, "eval.variants: must have at most 16 items"),
+        ("seeds", [-1], "seeds[0] = -1: must be greater than or equal to 0"),
+        ("seeds", list(range(17)), "seeds: must have at most 16 items"),
+        ("encodings", [], "encodings: must have at least 1 item"),
+        ("name", "", "name = '': String should have at least 1 character"),
+    ],
+)
+def test_every_bound_names_field_value_and_range(path: str, value: Any, message: str) -> None:
+    assert message in rejected(with_value(path, value))
+
+
+def test_cross_field_limits() -> None:
+    many = ["nope", "sinusoidal", "rope", "alibi", "t5"]
+    assert "5 x 16 = 80 runs; at most 64" in rejected(
+        {**BASE, "encodings": many, "seeds": list(range(16))}
+    )
+    assert "exceed the limit of 1,000,000,000" in rejected(
+        with_value("model", {"d_model": 4096, "n_layers": 64, "n_heads": 32})
+    )
+    huge = with_value("train", {"length": 16384, "steps": 200_000, "batch_size": 1024})
+    assert "tokens per run; at most 68,719,476,736" in rejected(huge)
+    assert "d_model=100 must be divisible by n_heads=3" in rejected(
+        with_value("model", {"d_model": 100, "n_heads": 3})
+    )
+    assert "head_dim = d_model / n_heads = 5 must be even" in rejected(
+        with_value("model", {"d_model": 20, "n_heads": 4})
+    )
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({**BASE, "trian": {}}, "trian: unknown key (allowed: name, task, model, train"),
+        (with_value("train.stepz", 3), "train.stepz: unknown key (allowed: length, steps"),
+        ({**BASE, "encodings": ["ropee"]}, "unknown encoding 'ropee' (available: nope"),
+        ({**BASE, "encodings": [{"name": "rope", "base": 1}]}, "'base' must be float >= 2, got 1"),
+        ({**BASE, "encodings": ["rope", "rope"]}, "listed twice: ['rope']"),
+        ({**BASE, "seeds": [1, 1]}, "each seed may appear once"),
+        ({**BASE, "model": "huge"}, "unknown model preset 'huge' (allowed: tiny, small"),
+        ({**BASE, "task": "sorting"}, "unknown task 'sorting' (available: lm, passkey"),
+        (
+            {**BASE, "task": {"name": "lm", "corpora": "x"}},
+            "no parameter 'corpora' (allowed: corpus)",
+        ),
+        (
+            {**BASE, "task": "passkey"},
+            "task 'passkey' needs sequences of at least 128 bytes; got length 32",
+        ),
+        (with_value("eval.protocols", ["sliding"]), "eval.stride is required"),
+        (
+            with_value("eval", {"protocols": ["sliding"], "stride": 64, "lengths": [32, 64]}),
+            "eval.stride = 64 exceeds the shortest evaluation length 32",
+        ),
+        (
+            {**BASE, "encodings": ["alibi"], "eval": {"variants": ["yarn:4"]}},
+            "'yarn:4' scales RoPE and applies to rope, xpos; this study trains none of them",
+        ),
+        (with_value("eval.variants", ["pi:0.5"]), "factor must be in [1, 1024] or 'auto', got 0.5"),
+        (with_value("eval.variants", ["pi:big"]), "factor must be a number >= 1 or 'auto'"),
+        (with_value("eval.variants", ["dynamic_ntk:2"]), "variant 'dynamic_ntk' takes no factor"),
+        (
+            {**BASE, "encodings": ["randomized"], "eval": {"lengths": [32, 4096]}},
+            "randomized max_position = 2048 must be at least the longest evaluation length 4096",
+        ),
+        (
+            {**BASE, "task": "copy", "eval": {"protocols": ["sliding"], "stride": 8}},
+            "'sliding' applies to language modelling, not 'copy'",
+        ),
+    ],
+)
+def test_cross_field_and_registry_errors(spec: dict[str, Any], message: str) -> None:
+    assert message in rejected(spec)
+
+
+def test_not_a_mapping() -> None:
+    with pytest.raises(SpecError, match="a spec is a mapping"):
+        parse_spec(["rope"])
+
+
+def test_presets_are_valid_and_bounded() -> None:
+    for name in PRESET_SPECS:
+        spec = preset_spec(name)
+        assert spec.name == name
+    quick = preset_spec("quick")
+    assert [e.name for e in quick.encodings] == [
+        "nope",
+        "sinusoidal",
+        "learned",
+        "rope",
+        "alibi",
+        "t5",
+    ]
+    assert quick.train.length == 128 and quick.eval.lengths == [128, 256, 512, 1024, 2048, 4096]
+    with pytest.raises(SpecError, match="unknown preset 'fast'"):
+        preset_spec("fast")
+
+
+def test_config_hash_is_stable_and_covers_what_changes_results() -> None:
+    spec = parse_spec({**BASE, "encodings": ["rope", "alibi"], "seeds": [0, 1]})
+    hashes = [run.config_hash for run in spec.runs()]
+    assert len(set(hashes)) == 4
+    assert hashes == [run.config_hash for run in parse_spec(spec.model_dump()).runs()]
+    # Neither the study's name nor the other runs change a run's hash...
+    renamed = parse_spec({**BASE, "name": "other", "encodings": ["rope"], "seeds": [0]})
+    assert renamed.runs()[0].config_hash == hashes[0]
+    # ...an explicit default does not either; a real change does.
+    explicit = parse_spec({**BASE, "encodings": [{"name": "rope", "base": 10000.0}]})
+    assert explicit.runs()[0].config_hash == hashes[0]
+    changed = parse_spec({**BASE, "encodings": [{"name": "rope", "base": 500000}]})
+    assert changed.runs()[0].config_hash != hashes[0]
+    longer = parse_spec(with_value("train.steps", 601, {**BASE, "encodings": ["rope"]}))
+    assert longer.runs()[0].config_hash != hashes[0]
+
+
+def test_labels_and_variants() -> None:
+    spec = parse_spec(
+        {
+            **BASE,
+            "encodings": ["rope", {"name": "rope", "base": 500000}],
+            "eval": {"variants": ["none", "pi", "yarn:4", "dynamic_ntk"]},
+        }
+    )
+    assert [e.label for e in spec.encodings] == ["rope", "rope(base=500000)"]
+    assert [v.label for v in spec.eval.variants] == ["none", "pi:auto", "yarn:4", "dynamic_ntk"]
+    pi = spec.eval.variants[1]
+    assert pi.factor_at(128, 32) == 4.0 and pi.factor_at(16, 32) == 1.0
+    assert spec.eval.variants[2].factor_at(128, 32) == 4.0
+
+
+def test_load_yaml_and_json(tmp_path: Path) -> None:
+    (tmp_path / "s.yaml").write_text("encodings: [rope, alibi]\nmodel: tiny\n")
+    assert [e.name for e in load_spec(tmp_path / "s.yaml").encodings] == ["rope", "alibi"]
+    (tmp_path / "s.json").write_text('{"encodings": ["nope"]}')
+    assert load_spec(tmp_path / "s.json").encodings[0].name == "nope"
+    (tmp_path / "bad.yaml").write_text("encodings: [rope\n")
+    with pytest.raises(SpecError, match="is not valid YAML"):
+        load_spec(tmp_path / "bad.yaml")
+    with pytest.raises(SpecError, match="cannot read spec file"):
+        load_spec(tmp_path / "missing.yaml")
+
+
+def test_yaml_round_trip() -> None:
+    import yaml
+
+    spec = preset_spec("quick")
+    assert parse_spec(yaml.safe_load(spec.to_yaml())) == spec
