@@ -76,14 +76,7 @@ def run(
     ] = None,
 ) -> None:
     """Run a study in this process (no broker, no database): train, evaluate, report."""
-    from jobs.spec import SpecError, load_spec, preset_spec
-
-    if (spec_file is None) == (preset is None):
-        fail("give either a spec file or --preset NAME (smoke, quick, paper)", code=2)
-    try:
-        spec = load_spec(spec_file) if spec_file is not None else preset_spec(preset or "")
-    except SpecError as err:
-        fail("invalid spec:\n  " + "\n  ".join(err.problems), code=2)
+    spec = _load(spec_file, preset)
     from jobs.runner import run_in_process
 
     run_in_process(spec, as_json=as_json, out=out, device=device)
@@ -93,6 +86,250 @@ def fail(message: str, code: int) -> NoReturn:
     """One readable message on stderr and a meaningful exit code (2: bad input, 1: failure)."""
     Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False)
     raise typer.Exit(code)
+
+
+def _load(spec_file: Path | None, preset: str | None):
+    from jobs.spec import SpecError, load_spec, preset_spec
+
+    if (spec_file is None) == (preset is None):
+        fail("give either a spec file or --preset NAME (smoke, quick, paper)", code=2)
+    try:
+        return load_spec(spec_file) if spec_file is not None else preset_spec(preset or "")
+    except SpecError as err:
+        fail("invalid spec:\n  " + "\n  ".join(err.problems), code=2)
+
+
+def _database() -> str:
+    from db.migrate import current
+    from jobs.settings import get_settings
+
+    url = get_settings().database
+    try:
+        revision = current(url)
+    except Exception as err:
+        fail(f"cannot reach the database {_redact(url)}: {err}", code=1)
+    if revision is None:
+        fail(f"the database {_redact(url)} has no schema yet: run `posbench db upgrade`", code=1)
+    return url
+
+
+def _redact(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
+@app.command()
+def submit(
+    spec_file: Annotated[
+        Path | None, typer.Argument(help="A study spec (YAML or JSON).", show_default=False)
+    ] = None,
+    preset: Annotated[str | None, typer.Option("--preset", help="smoke, quick or paper.")] = None,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="Train again even where a run with the same config hash already finished.",
+        ),
+    ] = False,
+    wait: Annotated[bool, typer.Option("--wait", help="Show live progress until done.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the submission as JSON.")] = False,
+) -> None:
+    """Queue a study on the service: its runs go to the workers through the broker."""
+    spec = _load(spec_file, preset)
+    _database()
+    from jobs.service import submit as submit_study
+
+    submitted = submit_study(spec, force=force)
+    payload = {
+        "study": submitted.study_id,
+        "queued": submitted.queued,
+        "reused": submitted.reused,
+        "unsent": submitted.unsent,
+    }
+    if as_json:
+        typer.echo(json.dumps(payload))
+    else:
+        console.print(
+            f"study [bold]{submitted.study_id}[/] ({spec.name}): {len(submitted.queued)} runs "
+            f"queued, {len(submitted.reused)} reused from earlier results"
+        )
+        if submitted.unsent:
+            console.print(
+                "[yellow]the broker could not be reached; the runs stay queued and "
+                "are sent when a worker's reconciler next runs[/]"
+            )
+    if wait:
+        from jobs.watch import watch
+
+        code = watch(submitted.study_id, console=Console(stderr=as_json))
+        raise typer.Exit(code)
+
+
+@app.command()
+def status(
+    study: Annotated[
+        int | None, typer.Argument(help="A study id; all studies without it.", show_default=False)
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print as JSON.")] = False,
+) -> None:
+    """Studies and their runs: status, progress, failures."""
+    from db import queries
+
+    url = _database()
+    if study is None:
+        frame = queries.studies(url)
+        shown = ["id", "name", "task", "runs", "queued", "running", "done", "failed", "cancelled"]
+    else:
+        if queries.studies(url, [study]).empty:
+            fail(f"no study with id {study}", code=2)
+        frame = queries.runs(url, study_id=study)
+        shown = [
+            "id",
+            "label",
+            "seed",
+            "status",
+            "step",
+            "total_steps",
+            "latest_loss",
+            "attempts",
+            "failure_reason",
+        ]
+    if as_json:
+        typer.echo(frame.to_json(orient="records", date_format="iso"))
+        return
+    from jobs.watch import frame_table
+
+    title = "studies" if study is None else f"study {study}"
+    console.print(frame_table(frame[shown], title=title))
+
+
+def _target(study: int | None, run: int | None) -> dict[str, int | None]:
+    if (study is None) == (run is None):
+        fail("give a study id or --run ID", code=2)
+    return {"study_id": study, "run_id": run}
+
+
+@app.command()
+def cancel(
+    study: Annotated[int | None, typer.Argument(show_default=False)] = None,
+    run: Annotated[int | None, typer.Option("--run", help="One run instead of a study.")] = None,
+) -> None:
+    """Cancel queued runs at once; running runs stop at their next progress report."""
+    from jobs.service import NotFound
+    from jobs.service import cancel as cancel_runs
+
+    target = _target(study, run)
+    _database()
+    try:
+        counts = cancel_runs(**target)
+    except NotFound as err:
+        fail(str(err), code=2)
+    console.print(f"{counts['cancelled']} cancelled, {counts['stopping']} stopping")
+
+
+@app.command()
+def retry(
+    study: Annotated[int | None, typer.Argument(show_default=False)] = None,
+    run: Annotated[int | None, typer.Option("--run", help="One run instead of a study.")] = None,
+) -> None:
+    """Queue failed or cancelled runs again; they resume from their last checkpoint."""
+    from jobs.service import NotFound
+    from jobs.service import retry as retry_runs
+
+    target = _target(study, run)
+    _database()
+    try:
+        requeued = retry_runs(**target)
+    except NotFound as err:
+        fail(str(err), code=2)
+    console.print(f"{len(requeued)} runs queued again")
+
+
+@app.command()
+def results(
+    study: Annotated[int, typer.Option("--study", help="The study id.")],
+    output: Annotated[str, typer.Option("--format", help="table, csv or json.")] = "table",
+    protocol: Annotated[str | None, typer.Option("--protocol")] = None,
+) -> None:
+    """Every evaluation of a study: metric by length, variant and protocol."""
+    from db import queries
+
+    if output not in ("table", "csv", "json"):
+        fail(f"--format must be table, csv or json, got {output!r}", code=2)
+    url = _database()
+    if queries.studies(url, [study]).empty:
+        fail(f"no study with id {study}", code=2)
+    frame = queries.curves(url, study_ids=[study], protocol=protocol)
+    if output == "csv":
+        typer.echo(frame.drop(columns=["groups"]).to_csv(index=False), nl=False)
+    elif output == "json":
+        typer.echo(frame.to_json(orient="records"))
+    else:
+        from jobs.watch import curve_table
+
+        console.print(curve_table(frame, queries.studies(url, [study]).iloc[0]))
+
+
+db_app = typer.Typer(help="The results database.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+
+
+@db_app.command("upgrade")
+def db_upgrade() -> None:
+    """Create or migrate the schema to the latest version (Alembic)."""
+    from db.migrate import upgrade
+    from jobs.settings import get_settings
+
+    url = get_settings().database
+    upgrade(url)
+    console.print(f"database {_redact(url)} is at the latest schema")
+
+
+@app.command()
+def worker(
+    queues: Annotated[str, typer.Option("--queues", help="Comma-separated queues.")] = "gpu,cpu",
+    concurrency: Annotated[
+        int, typer.Option("--concurrency", min=1, max=64, help="Pool processes (one per GPU).")
+    ] = 1,
+    name: Annotated[str | None, typer.Option("--name", help="Celery node name.")] = None,
+) -> None:
+    """Start a Celery worker: prefork, one run per pool process, then a fresh process."""
+    from jobs.celery_app import QUEUES
+    from jobs.celery_app import app as celery
+
+    unknown = [q for q in queues.split(",") if q not in QUEUES]
+    if unknown:
+        fail(f"unknown queue {unknown[0]!r} (allowed: {', '.join(QUEUES)})", code=2)
+    argv = [
+        "worker",
+        "--queues",
+        queues,
+        "--concurrency",
+        str(concurrency),
+        "--pool",
+        "prefork",
+        "--max-tasks-per-child",
+        "1",
+        "--loglevel",
+        "INFO",
+        "--without-gossip",
+        "--without-mingle",
+    ]
+    if name:
+        argv += ["--hostname", name]
+    celery.worker_main(argv)
+
+
+@app.command()
+def up(
+    dashboard: Annotated[bool, typer.Option(help="Also serve the dashboard.")] = True,
+    port: Annotated[int, typer.Option(help="Dashboard port.")] = 8501,
+) -> None:
+    """The whole service on this machine: private Redis, SQLite, one worker, dashboard."""
+    from jobs.embedded import serve
+
+    raise typer.Exit(serve(dashboard=dashboard, port=port, console=console))
 
 
 def main() -> None:

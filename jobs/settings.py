@@ -1,35 +1,68 @@
-"""One settings object, read from ``POSBENCH_*`` environment variables."""
+"""One settings object, read from ``POSBENCH_*`` environment variables.
+
+| variable | default | meaning |
+|---|---|---|
+| POSBENCH_HOME | .posbench | state of the embedded default |
+| POSBENCH_DATABASE_URL | sqlite:///<home>/posbench.db | results database (SQLite or PostgreSQL) |
+| POSBENCH_BROKER_URL | the private Redis of `posbench up` | Celery broker (Redis) |
+| POSBENCH_ARTIFACTS | <home>/artifacts | checkpoints (a folder or a file:// URL) |
+| POSBENCH_CACHE_DIR | <home>/cache | prepared corpora |
+| POSBENCH_DEVICE | cuda if available, else cpu | torch device of workers |
+| POSBENCH_HEARTBEAT_SECONDS | 10 | how often a running run proves it is alive |
+| POSBENCH_STALE_AFTER_SECONDS | 120 | a running run silent this long is requeued |
+| POSBENCH_RECONCILE_SECONDS | 30 | how often each worker looks for stranded runs |
+| POSBENCH_MAX_ATTEMPTS | 3 | a run whose worker died this many times fails |
+| POSBENCH_VISIBILITY_TIMEOUT | 172800 | Redis redelivers an unacknowledged message after this |
+| POSBENCH_DASHBOARD_PASSWORD | unset | when set, the dashboard asks for it |
+"""
 
 from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="POSBENCH_", extra="ignore")
 
-    home: Path = Field(
-        default=Path(".posbench"),
-        description="Folder for the embedded default's state (database, broker, artifacts).",
-    )
-    cache_dir: Path | None = Field(
-        default=None,
-        description="Prepared corpora (uint8 memory maps keyed by content hash); "
-        "default: <home>/cache.",
-    )
-    device: str | None = Field(
-        default=None,
-        description="Torch device for training and evaluation; default: cuda if "
-        "available, else cpu.",
-    )
+    home: Path = Field(Path(".posbench"), description="state of the embedded default")
+    database_url: str | None = Field(None, description="SQLAlchemy URL of the results database")
+    broker_url: str | None = Field(None, description="Celery broker URL (Redis)")
+    artifacts: str | None = Field(None, description="where checkpoints are written")
+    cache_dir: Path | None = Field(None, description="prepared corpora")
+    device: str | None = Field(None, description="torch device of workers")
+    heartbeat_seconds: float = Field(10.0, gt=0)
+    stale_after_seconds: float = Field(120.0, gt=0)
+    reconcile_seconds: float = Field(30.0, gt=0)
+    max_attempts: int = Field(3, ge=1, description="a run whose worker died this often fails")
+    # Longer than the longest allowed run, so Redis never redelivers a message
+    # whose run is still training; the reconciler handles dead workers sooner.
+    visibility_timeout: int = Field(172_800, gt=0)
+    dashboard_password: SecretStr | None = None
 
     @property
     def corpus_cache(self) -> Path:
         return self.cache_dir or self.home / "cache"
+
+    @property
+    def database(self) -> str:
+        return self.database_url or f"sqlite:///{(self.home / 'posbench.db').resolve()}"
+
+    @property
+    def redis_socket(self) -> Path:
+        return (self.home / "redis" / "redis.sock").resolve()
+
+    @property
+    def broker(self) -> str:
+        return self.broker_url or f"redis+socket://{self.redis_socket}"
+
+    @property
+    def artifacts_dir(self) -> Path:
+        location = self.artifacts or str(self.home / "artifacts")
+        return Path(location.removeprefix("file://")).resolve()
 
 
 @lru_cache(maxsize=1)

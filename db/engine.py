@@ -1,0 +1,108 @@
+"""Engines and sessions for SQLite (the embedded default) and PostgreSQL (the cluster).
+
+SQLite is tuned for several worker processes writing at once: WAL (readers never
+block the writer), a busy timeout (writers queue instead of failing), foreign
+keys on, and ``BEGIN IMMEDIATE`` so that a transaction takes the write lock when
+it starts rather than failing to upgrade a read lock half-way through.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, TypeVar
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+
+SQLITE_BUSY_TIMEOUT_S = 60
+T = TypeVar("T")
+
+
+def normalize_url(url: str) -> str:
+    """``postgresql://`` and ``postgres://`` mean psycopg 3 here."""
+    for prefix in ("postgres://", "postgresql://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix) :]
+    return url
+
+
+def make_engine(url: str) -> Engine:
+    url = normalize_url(url)
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        return create_engine(url, pool_pre_ping=True, future=True)
+    if parsed.database and parsed.database != ":memory:":
+        Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(
+        url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S, "check_same_thread": False}
+    )
+
+    @event.listens_for(engine, "connect")
+    def _pragmas(connection: Any, _record: Any) -> None:
+        # Let SQLAlchemy, not the driver, decide when transactions begin.
+        connection.isolation_level = None
+        cursor = connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_S * 1000}")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin_immediate(connection: Any) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+_ENGINES: dict[str, Engine] = {}
+
+
+@lru_cache(maxsize=8)
+def engine_for(url: str) -> Engine:
+    """One engine (and pool) per URL per process."""
+    engine = _ENGINES[url] = make_engine(url)
+    return engine
+
+
+def session_factory(url: str) -> sessionmaker[Session]:
+    return sessionmaker(engine_for(normalize_url(url)), expire_on_commit=False)
+
+
+@contextmanager
+def transaction(url: str) -> Iterator[Session]:
+    """A session whose work commits on success and rolls back on any error."""
+    with session_factory(url)() as session, session.begin():
+        yield session
+
+
+def with_retry(work: Callable[[], T], attempts: int = 5) -> T:
+    """Run ``work`` again when the database reports a transient lock or dropped connection."""
+    for attempt in range(attempts):
+        try:
+            return work()
+        except OperationalError as err:
+            transient = "locked" in str(err) or "busy" in str(err) or err.connection_invalidated
+            if not transient or attempt == attempts - 1:
+                raise
+            time.sleep(0.2 * 2**attempt)
+    raise AssertionError("unreachable")
+
+
+def dispose_after_fork() -> None:
+    """In a forked child: drop inherited pooled connections without closing the parent's."""
+    for engine in _engines():
+        engine.dispose(close=False)
+    engine_for.cache_clear()
+
+
+def _engines() -> list[Engine]:
+    engines = list(_ENGINES.values())
+    _ENGINES.clear()
+    return engines

@@ -1,0 +1,157 @@
+"""The results database: every status and every result lives here.
+
+Tables (documented for plain SQL in the README):
+
+- ``studies``: what a user submitted (the validated spec as JSON);
+- ``runs``: one trained model of a study, (encoding label, seed), with its status,
+  progress, heartbeat, lease, config hash, failure reason and provenance;
+- ``train_points``: the training curve (step, loss, learning rate, tokens/s);
+- ``evaluations``: one point of an extrapolation curve, (run, variant, protocol,
+  eval length) -> metrics;
+- ``position_bins``: loss by position inside the evaluation window.
+
+Every natural key is unique, so writes are idempotent upserts: a message
+delivered twice cannot duplicate a row.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any, ClassVar
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    func,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+RUN_STATUSES = ("queued", "running", "done", "failed", "cancelled")
+FINISHED = ("done", "failed", "cancelled")
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map: ClassVar[dict[Any, Any]] = {
+        dict[str, Any]: JSON,
+        dt.datetime: DateTime(timezone=True),
+    }
+
+
+class Study(Base):
+    __tablename__ = "studies"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(120))
+    task: Mapped[str] = mapped_column(String(40))
+    metric: Mapped[str] = mapped_column(String(20))
+    train_length: Mapped[int]
+    spec: Mapped[dict[str, Any]]
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow, server_default=func.now())
+
+    runs: Mapped[list[Run]] = relationship(
+        back_populates="study", cascade="all, delete-orphan", order_by="Run.id"
+    )
+
+
+class Run(Base):
+    __tablename__ = "runs"
+    __table_args__ = (
+        UniqueConstraint("study_id", "label", "seed", name="uq_runs_study_label_seed"),
+        Index("ix_runs_status_heartbeat", "status", "heartbeat_at"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    study_id: Mapped[int] = mapped_column(ForeignKey("studies.id", ondelete="CASCADE"), index=True)
+    encoding: Mapped[str] = mapped_column(String(40))
+    label: Mapped[str] = mapped_column(String(200))
+    params: Mapped[dict[str, Any]]
+    seed: Mapped[int]
+    config_hash: Mapped[str] = mapped_column(String(32), index=True)
+    status: Mapped[str] = mapped_column(String(16), default="queued")
+    step: Mapped[int] = mapped_column(default=0)
+    total_steps: Mapped[int]
+    latest_loss: Mapped[float | None]
+    tokens_per_second: Mapped[float | None]
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    attempts: Mapped[int] = mapped_column(default=0)
+    lease: Mapped[str | None] = mapped_column(String(40))
+    worker: Mapped[str | None] = mapped_column(String(200))
+    heartbeat_at: Mapped[dt.datetime | None]
+    enqueued_at: Mapped[dt.datetime | None]
+    started_at: Mapped[dt.datetime | None]
+    finished_at: Mapped[dt.datetime | None]
+    failure_reason: Mapped[str | None] = mapped_column(Text)
+    checkpoint_uri: Mapped[str | None] = mapped_column(Text)
+    provenance: Mapped[dict[str, Any] | None]
+    reused_from_run_id: Mapped[int | None] = mapped_column(
+        ForeignKey("runs.id", ondelete="SET NULL")
+    )
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow, server_default=func.now())
+
+    study: Mapped[Study] = relationship(back_populates="runs")
+
+
+class TrainPoint(Base):
+    __tablename__ = "train_points"
+    __table_args__ = (UniqueConstraint("run_id", "step", name="uq_train_points_run_step"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    step: Mapped[int]
+    loss: Mapped[float]
+    lr: Mapped[float]
+    tokens_per_second: Mapped[float]
+    elapsed: Mapped[float]
+
+
+class Evaluation(Base):
+    __tablename__ = "evaluations"
+    __table_args__ = (
+        UniqueConstraint(
+            "run_id", "variant", "protocol", "eval_length", name="uq_evaluations_point"
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    variant: Mapped[str] = mapped_column(String(40))
+    protocol: Mapped[str] = mapped_column(String(20))
+    eval_length: Mapped[int]
+    factor: Mapped[float | None]
+    loss: Mapped[float | None]
+    perplexity: Mapped[float | None]
+    bits_per_byte: Mapped[float | None]
+    accuracy: Mapped[float | None]
+    tokens: Mapped[int] = mapped_column(default=0)
+    tokens_per_second: Mapped[float | None]
+    peak_memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    not_applicable: Mapped[str | None] = mapped_column(Text)
+    groups: Mapped[dict[str, Any] | None]
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow, server_default=func.now())
+
+
+class PositionBin(Base):
+    __tablename__ = "position_bins"
+    __table_args__ = (
+        UniqueConstraint("evaluation_id", "start", name="uq_position_bins_evaluation_start"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    evaluation_id: Mapped[int] = mapped_column(ForeignKey("evaluations.id", ondelete="CASCADE"))
+    start: Mapped[int] = mapped_column(Integer)
+    end: Mapped[int] = mapped_column(Integer)
+    loss: Mapped[float] = mapped_column(Float)
+    tokens: Mapped[int]

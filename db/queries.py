@@ -1,0 +1,154 @@
+"""Read paths: every query the CLI, the dashboard and users' notebooks need, as DataFrames."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pandas as pd
+from sqlalchemy import Select, case, func, select
+
+from db.engine import engine_for, normalize_url
+from db.models import Evaluation, PositionBin, Run, Study, TrainPoint
+
+
+def _frame(url: str, statement: Select) -> pd.DataFrame:
+    with engine_for(normalize_url(url)).connect() as connection:
+        return pd.read_sql(statement, connection)
+
+
+def studies(url: str, study_ids: Sequence[int] | None = None) -> pd.DataFrame:
+    """One row per study with its run counts by status."""
+    counts = [
+        func.sum(case((Run.status == status, 1), else_=0)).label(status)
+        for status in ("queued", "running", "done", "failed", "cancelled")
+    ]
+    statement = (
+        select(
+            Study.id,
+            Study.name,
+            Study.task,
+            Study.metric,
+            Study.train_length,
+            Study.created_at,
+            func.count(Run.id).label("runs"),
+            *counts,
+        )
+        .join(Run, Run.study_id == Study.id, isouter=True)
+        .group_by(Study.id)
+        .order_by(Study.id.desc())
+    )
+    if study_ids:
+        statement = statement.where(Study.id.in_(study_ids))
+    return _frame(url, statement)
+
+
+def runs(
+    url: str, study_id: int | None = None, run_ids: Sequence[int] | None = None
+) -> pd.DataFrame:
+    statement = select(
+        Run.id,
+        Run.study_id,
+        Run.label,
+        Run.encoding,
+        Run.seed,
+        Run.status,
+        Run.step,
+        Run.total_steps,
+        Run.latest_loss,
+        Run.tokens_per_second,
+        Run.attempts,
+        Run.worker,
+        Run.heartbeat_at,
+        Run.started_at,
+        Run.finished_at,
+        Run.failure_reason,
+        Run.cancel_requested,
+        Run.config_hash,
+        Run.reused_from_run_id,
+        Run.checkpoint_uri,
+        Run.provenance,
+    ).order_by(Run.id)
+    if study_id is not None:
+        statement = statement.where(Run.study_id == study_id)
+    if run_ids:
+        statement = statement.where(Run.id.in_(run_ids))
+    return _frame(url, statement)
+
+
+def curves(
+    url: str,
+    study_ids: Sequence[int] | None = None,
+    run_ids: Sequence[int] | None = None,
+    protocol: str | None = None,
+) -> pd.DataFrame:
+    """Every evaluation point of the selected studies / runs, with its run's identity."""
+    statement = (
+        select(
+            Evaluation.id.label("evaluation_id"),
+            Run.study_id,
+            Evaluation.run_id,
+            Run.label,
+            Run.encoding,
+            Run.seed,
+            Evaluation.variant,
+            Evaluation.protocol,
+            Evaluation.eval_length,
+            Evaluation.factor,
+            Evaluation.loss,
+            Evaluation.perplexity,
+            Evaluation.bits_per_byte,
+            Evaluation.accuracy,
+            Evaluation.tokens,
+            Evaluation.tokens_per_second,
+            Evaluation.peak_memory_bytes,
+            Evaluation.not_applicable,
+            Evaluation.groups,
+        )
+        .join(Run, Run.id == Evaluation.run_id)
+        .order_by(
+            Run.study_id,
+            Run.label,
+            Run.seed,
+            Evaluation.variant,
+            Evaluation.protocol,
+            Evaluation.eval_length,
+        )
+    )
+    if study_ids:
+        statement = statement.where(Run.study_id.in_(study_ids))
+    if run_ids:
+        statement = statement.where(Evaluation.run_id.in_(run_ids))
+    if protocol:
+        statement = statement.where(Evaluation.protocol == protocol)
+    return _frame(url, statement)
+
+
+def position_bins(url: str, evaluation_ids: Sequence[int]) -> pd.DataFrame:
+    statement = (
+        select(
+            PositionBin.evaluation_id,
+            PositionBin.start,
+            PositionBin.end,
+            PositionBin.loss,
+            PositionBin.tokens,
+        )
+        .where(PositionBin.evaluation_id.in_(evaluation_ids))
+        .order_by(PositionBin.evaluation_id, PositionBin.start)
+    )
+    return _frame(url, statement)
+
+
+def train_points(url: str, run_ids: Sequence[int]) -> pd.DataFrame:
+    statement = (
+        select(
+            TrainPoint.run_id,
+            TrainPoint.step,
+            TrainPoint.loss,
+            TrainPoint.lr,
+            TrainPoint.tokens_per_second,
+            TrainPoint.elapsed,
+        )
+        .where(TrainPoint.run_id.in_(run_ids))
+        .order_by(TrainPoint.run_id, TrainPoint.step)
+    )
+    return _frame(url, statement)

