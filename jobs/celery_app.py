@@ -7,7 +7,7 @@ worker's code (or torch). Workers import ``worker.tasks``, which registers them.
 from __future__ import annotations
 
 from celery import Celery
-from kombu import Queue
+from kombu import Exchange, Queue
 
 from jobs.settings import Settings, get_settings
 
@@ -30,13 +30,14 @@ def make_celery(settings: Settings | None = None) -> Celery:
         worker_prefetch_multiplier=1,
         broker_transport_options={"visibility_timeout": settings.visibility_timeout},
         broker_connection_retry_on_startup=True,
-        task_queues=[Queue(name) for name in QUEUES],
+        task_queues=[Queue(name, Exchange(name), routing_key=name) for name in QUEUES],
         task_default_queue="gpu",
-        task_routes={TRAIN_RUN: {"queue": "gpu"}},
+        task_default_exchange="gpu",
+        task_default_routing_key="gpu",
+        task_routes={TRAIN_RUN: {"queue": "gpu", "routing_key": "gpu"}},
         # A fresh process per run: CUDA is never initialised in a forked parent,
         # and memory fragmentation does not accumulate across runs.
         worker_max_tasks_per_child=1,
-        worker_hijack_root_logger=False,
     )
     return app
 

@@ -83,8 +83,9 @@ def run(
 
 
 def fail(message: str, code: int) -> NoReturn:
-    """One readable message on stderr and a meaningful exit code (2: bad input, 1: failure)."""
-    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False)
+    """A readable message on stderr (never wrapped, no traceback) and a meaningful exit code:
+    2 for bad input, 1 for a failure."""
+    typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
 
 
@@ -96,7 +97,7 @@ def _load(spec_file: Path | None, preset: str | None):
     try:
         return load_spec(spec_file) if spec_file is not None else preset_spec(preset or "")
     except SpecError as err:
-        fail("invalid spec:\n  " + "\n  ".join(err.problems), code=2)
+        fail("invalid spec: " + "; ".join(err.problems), code=2)
 
 
 def _database() -> str:
@@ -318,7 +319,15 @@ def worker(
     ]
     if name:
         argv += ["--hostname", name]
-    celery.worker_main(argv)
+    import subprocess
+    import sys
+
+    reconciler = subprocess.Popen([sys.executable, "-m", "jobs.reconciler"])
+    try:
+        celery.worker_main(argv)
+    finally:
+        reconciler.terminate()
+        reconciler.wait(timeout=10)
 
 
 @app.command()

@@ -223,13 +223,18 @@ def retry(
 
 def queue_is_empty(queue: str = "gpu") -> bool | None:
     """Whether the broker's queue holds no message (None when it cannot tell)."""
+    from amqp.exceptions import ChannelError
+
     from jobs.celery_app import app
 
     try:
         with app.connection_for_write() as connection:
             declared = connection.default_channel.queue_declare(queue=queue, passive=True)
             return declared.message_count == 0
-    except Exception:  # the broker is down or does not support passive declares
+    except ChannelError as err:
+        # NOT_FOUND: the queue was never bound, so nothing was ever sent to it.
+        return True if "NOT_FOUND" in str(err) else None
+    except Exception:  # the broker is down: no conclusion
         return None
 
 

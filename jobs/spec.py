@@ -453,10 +453,14 @@ def load_spec(path: str | Path) -> StudySpec:
         raise SpecError([f"cannot read spec file {path}: {err.strerror}"]) from None
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (yaml.YAMLError, json.JSONDecodeError) as err:
-        raise SpecError(
-            [f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {err}"]
-        ) from None
+    except json.JSONDecodeError as err:
+        where = f"line {err.lineno}, column {err.colno}"
+        raise SpecError([f"{path} is not valid JSON: {where}: {err.msg}"]) from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise SpecError([f"{path} is not valid YAML: {where}{problem}"]) from None
     return parse_spec(data)
 
 

@@ -13,13 +13,12 @@ import socket
 import threading
 import traceback
 
-from celery.signals import worker_process_init, worker_ready, worker_shutdown
+from celery.signals import worker_process_init
 
 from jobs.celery_app import TRAIN_RUN, app
 from jobs.settings import get_settings
 
 log = logging.getLogger(__name__)
-_reconciler_stop = threading.Event()
 
 
 @app.task(name=TRAIN_RUN, acks_late=True, reject_on_worker_lost=True)
@@ -79,8 +78,9 @@ def _train_and_evaluate(url: str, run_id: int, lease: str, spec, run, beat) -> s
         return "cancelled"
     except torch.OutOfMemoryError as err:
         raise MemoryError(f"out of memory: {str(err).splitlines()[0]}") from err
+    provenance = {**result.provenance, "resumed_from_step": result.train.resumed_from}
     store.finish(
-        url, run_id, lease, "done", provenance=result.provenance, checkpoint_uri=checkpoint.as_uri()
+        url, run_id, lease, "done", provenance=provenance, checkpoint_uri=checkpoint.as_uri()
     )
     return "done"
 
@@ -101,27 +101,3 @@ def _fresh_connections(**_: object) -> None:
     from db.engine import dispose_after_fork
 
     dispose_after_fork()
-
-
-def _reconcile_forever() -> None:
-    from jobs.service import reconcile
-
-    settings = get_settings()
-    while not _reconciler_stop.wait(settings.reconcile_seconds):
-        try:
-            changed = reconcile(settings=settings)
-            if changed["revived"] or changed["resent"]:
-                log.warning("reconciler: %s", changed)
-        except Exception:
-            log.exception("reconciler pass failed; trying again later")
-
-
-@worker_ready.connect
-def _start_reconciler(**_: object) -> None:
-    """Every worker also looks for stranded runs, so no extra process is needed."""
-    threading.Thread(target=_reconcile_forever, daemon=True, name="reconciler").start()
-
-
-@worker_shutdown.connect
-def _stop_reconciler(**_: object) -> None:
-    _reconciler_stop.set()

@@ -1,0 +1,46 @@
+"""The reconciler loop, as its own process.
+
+``posbench worker`` starts one next to every Celery worker, so no extra service is
+needed, and it runs outside the worker's process: a thread in a process that
+forks pool children could be holding a lock at the moment of the fork and
+deadlock the child.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+
+from jobs.service import reconcile
+from jobs.settings import get_settings
+
+log = logging.getLogger("posbench.reconciler")
+
+
+def loop(stop: threading.Event) -> None:
+    settings = get_settings()
+    while not stop.wait(settings.reconcile_seconds):
+        try:
+            changed = reconcile(settings=settings)
+        except Exception:  # the database or broker is briefly away: try again next pass
+            log.exception("reconciler pass failed; trying again later")
+            continue
+        if any(changed.values()):
+            log.warning("reconciler: %s", changed)
+
+
+def main() -> None:
+    logging.basicConfig(
+        level=logging.INFO, format="[%(asctime)s: %(levelname)s/reconciler] %(message)s"
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    loop(stop)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""submit -> broker -> worker -> database -> query, with real processes, on SQLite and
+PostgreSQL; and the faults the reliability contract promises to survive."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from sqlalchemy import func, select
+
+from db import queries
+from db.engine import transaction
+from db.models import Evaluation, Study, TrainPoint
+from jobs.service import cancel, submit
+from jobs.spec import parse_spec
+
+from .conftest import ROOT, Cluster
+
+LENGTHS = [32, 64]
+
+
+def spec(encodings: list[str], steps: int = 30, seeds: list[int] | None = None, **train: int):
+    return parse_spec(
+        {
+            "name": "e2e",
+            "model": "tiny",
+            "train": {
+                "length": 32,
+                "steps": steps,
+                "batch_size": 4,
+                "progress_every": 5,
+                "checkpoint_every": 10,
+                **train,
+            },
+            "encodings": encodings,
+            "seeds": seeds or [0],
+            "eval": {"lengths": LENGTHS, "tokens": 512},
+        }
+    )
+
+
+def evaluation_keys(cluster: Cluster) -> list[tuple[int, str, str, int]]:
+    with transaction(cluster.settings.database) as session:
+        rows = session.execute(
+            select(
+                Evaluation.run_id, Evaluation.variant, Evaluation.protocol, Evaluation.eval_length
+            )
+        )
+        return sorted(tuple(r) for r in rows)
+
+
+def all_done(runs) -> bool:
+    return bool(runs) and all(r.status == "done" for r in runs)
+
+
+def test_submit_train_evaluate_query(cluster_factory, database_url: str) -> None:
+    cluster = cluster_factory(database_url)
+    cluster.start_worker()
+    submitted = submit(spec(["rope", "alibi"]), settings=cluster.settings, send=cluster.send)
+    runs = cluster.wait_for(all_done, what="both runs done")
+    assert [r.attempts for r in runs] == [1, 1]
+    assert all(
+        r.provenance["torch_version"] and r.provenance["data"].startswith("lm:pystdlib")
+        for r in runs
+    )
+    keys = evaluation_keys(cluster)
+    assert keys == sorted((r.id, "none", "nonoverlapping", n) for r in runs for n in LENGTHS)
+    curves = queries.curves(database_url, study_ids=[submitted.study_id])
+    assert len(curves) == 4 and curves["perplexity"].gt(1).all()
+    bins = queries.position_bins(database_url, curves["evaluation_id"].tolist())
+    assert set(bins["evaluation_id"]) == set(curves["evaluation_id"])
+    points = queries.train_points(database_url, [r.id for r in runs])
+    assert sorted(points["step"].unique()) == [5, 10, 15, 20, 25, 30]
+    study = queries.studies(database_url, [submitted.study_id]).iloc[0]
+    assert (study["done"], study["runs"]) == (2, 2)
+    env = {**cluster.env}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jobs.cli",
+            "results",
+            "--study",
+            str(submitted.study_id),
+            "--format",
+            "json",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert {row["label"] for row in json.loads(done.stdout)} == {"rope", "alibi"}
+
+
+def test_kill_9_mid_training_resumes_from_the_checkpoint(cluster_factory, sqlite_url: str) -> None:
+    cluster = cluster_factory(sqlite_url)
+    worker = cluster.start_worker("first")
+    submit(
+        spec(["rope"], steps=400, checkpoint_every=20), settings=cluster.settings, send=cluster.send
+    )
+    cluster.wait_for(lambda runs: runs[0].step >= 60, what="60 steps")
+    cluster.kill(worker)  # kill -9 the whole worker: parent and pool process
+    killed_at = cluster.runs()[0].step
+    assert cluster.runs()[0].status == "running"  # stranded until the reconciler notices
+    cluster.start_worker("second")
+    runs = cluster.wait_for(all_done, timeout=300, what="resumed run done")
+    run = runs[0]
+    assert run.attempts == 2
+    # It continued from its last checkpoint (a multiple of 20 at or below the kill),
+    # not from scratch.
+    resumed = run.provenance["resumed_from_step"]
+    assert resumed % 20 == 0 and 40 <= resumed <= killed_at
+    assert evaluation_keys(cluster) == [(run.id, "none", "nonoverlapping", n) for n in LENGTHS]
+    with transaction(sqlite_url) as session:
+        steps = session.scalars(select(TrainPoint.step).where(TrainPoint.run_id == run.id)).all()
+    assert sorted(steps) == list(range(5, 401, 5))  # every point exactly once
+
+
+def test_a_duplicated_message_never_duplicates_rows(cluster_factory, sqlite_url: str) -> None:
+    cluster = cluster_factory(sqlite_url)
+    submitted = submit(spec(["alibi"]), settings=cluster.settings, send=cluster.send)
+    run_id = submitted.queued[0]
+    cluster.send(run_id)  # the same message, delivered twice more
+    cluster.send(run_id)
+    cluster.start_worker()
+    cluster.wait_for(all_done, what="run done")
+    # Let the worker consume the duplicates too.
+    from jobs.service import queue_is_empty
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not _queue_empty(cluster, queue_is_empty):
+        time.sleep(0.5)
+    time.sleep(2)
+    runs = cluster.runs()
+    assert runs[0].attempts == 1
+    assert evaluation_keys(cluster) == [(run_id, "none", "nonoverlapping", n) for n in LENGTHS]
+    assert "not claimed" in cluster.logs()
+
+
+def _queue_empty(cluster: Cluster, check) -> bool:
+    from jobs import celery_app
+
+    original = celery_app.app
+    celery_app.app = celery_app.make_celery(cluster.settings)
+    try:
+        return bool(check())
+    finally:
+        celery_app.app = original
+
+
+def test_cancel_stops_a_running_run_within_one_progress_interval(
+    cluster_factory, sqlite_url: str
+) -> None:
+    cluster = cluster_factory(sqlite_url)
+    cluster.start_worker()
+    submitted = submit(spec(["nope"], steps=5000), settings=cluster.settings, send=cluster.send)
+    cluster.wait_for(lambda runs: runs[0].step >= 10, what="training under way")
+    asked_at = cluster.runs()[0].step
+    started = time.monotonic()
+    assert cancel(study_id=submitted.study_id, settings=cluster.settings)["stopping"] == 1
+    runs = cluster.wait_for(
+        lambda runs: runs[0].status == "cancelled", timeout=60, what="cancelled"
+    )
+    assert time.monotonic() - started < 30
+    # The flag is read at each progress report (every 5 steps).
+    assert runs[0].step <= asked_at + 2 * 5
+    assert "cancelled at step" in runs[0].failure_reason
+
+
+def test_four_workers_on_one_sqlite_file(cluster_factory, sqlite_url: str) -> None:
+    cluster = cluster_factory(sqlite_url)
+    for index in range(4):
+        cluster.start_worker(f"w{index}")
+    submitted = submit(
+        spec(["nope", "rope", "alibi", "t5"], steps=20, seeds=[0, 1]),
+        settings=cluster.settings,
+        send=cluster.send,
+    )
+    runs = cluster.wait_for(all_done, timeout=300, what="8 runs done")
+    assert len(runs) == 8 and len({r.worker.split(":")[0] for r in runs}) >= 1
+    assert len(evaluation_keys(cluster)) == 8 * len(LENGTHS)
+    with transaction(sqlite_url) as session:
+        points = session.scalar(select(func.count()).select_from(TrainPoint))
+    assert points == 8 * 4  # progress every 5 of 20 steps, no row lost
+    assert "database is locked" not in cluster.logs()
+    assert submitted.study_id == 1
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("encodings: [rope\n", "is not valid YAML"),
+        ("encodings: [rotary]\n", "unknown encoding 'rotary'"),
+        ("encodings: [rope]\neval: {lengths: [1000000]}\n", "must be less than or equal to 131072"),
+        (
+            "encodings: [nope, rope, alibi, t5, fire]\nseeds: [0,1,2,3,4,5,6,7,8,9,10,11,12,13]\n",
+            "5 x 14 = 70 runs; at most 64",
+        ),
+    ],
+)
+def test_bad_input_exits_2_and_writes_nothing(
+    cluster_factory, sqlite_url: str, tmp_path: Path, content: str, message: str
+) -> None:
+    cluster = cluster_factory(sqlite_url)
+    path = tmp_path / "spec.yaml"
+    path.write_text(content)
+    done = subprocess.run(
+        [sys.executable, "-m", "jobs.cli", "submit", str(path)],
+        cwd=ROOT,
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    with transaction(sqlite_url) as session:
+        assert session.scalar(select(func.count()).select_from(Study)) == 0
+    import redis
+
+    client = redis.Redis(unix_socket_path=cluster.settings.broker.removeprefix("redis+socket://"))
+    assert client.llen("gpu") == 0 and client.dbsize() == 0

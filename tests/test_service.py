@@ -1,0 +1,218 @@
+"""Job state changes on a real SQLite database, with the broker replaced by a recorder.
+
+The same paths run against real Redis, real workers and PostgreSQL in tests/integration.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+import pytest
+from sqlalchemy import func, select, update
+
+from db.engine import transaction
+from db.migrate import current, upgrade
+from db.models import Evaluation, PositionBin, Run, Study, TrainPoint
+from jobs.service import NotFound, cancel, reconcile, retry, submit
+from jobs.settings import Settings
+from jobs.spec import parse_spec
+from worker import store
+from worker.evaluate import Evaluation as Row
+from worker.evaluate import PositionBin as Bin
+from worker.train import TrainPoint as Point
+
+SPEC = {
+    "model": "tiny",
+    "train": {"length": 16, "steps": 4, "batch_size": 2},
+    "encodings": ["rope", "alibi"],
+    "seeds": [0, 1],
+    "eval": {"lengths": [16, 32]},
+}
+
+
+class Recorder:
+    def __init__(self, fail: bool = False) -> None:
+        self.sent: list[int] = []
+        self.fail = fail
+
+    def __call__(self, run_id: int) -> None:
+        if self.fail:
+            raise ConnectionError("broker down")
+        self.sent.append(run_id)
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    config = Settings(
+        home=tmp_path,
+        database_url=f"sqlite:///{tmp_path}/test.db",
+        stale_after_seconds=60,
+        max_attempts=2,
+    )
+    upgrade(config.database)
+    return config
+
+
+def count(settings: Settings, model: type) -> int:
+    with transaction(settings.database) as session:
+        return session.scalar(select(func.count()).select_from(model))
+
+
+def test_migrations_create_the_schema(settings: Settings) -> None:
+    assert current(settings.database) == "0001"
+    upgrade(settings.database)  # idempotent
+
+
+def test_submit_writes_study_and_runs_then_enqueues_them(settings: Settings) -> None:
+    send = Recorder()
+    submitted = submit(parse_spec(SPEC), settings=settings, send=send)
+    assert send.sent == submitted.queued and len(submitted.queued) == 4
+    with transaction(settings.database) as session:
+        runs = session.scalars(select(Run).order_by(Run.id)).all()
+        assert [(r.label, r.seed, r.status) for r in runs] == [
+            ("rope", 0, "queued"),
+            ("rope", 1, "queued"),
+            ("alibi", 0, "queued"),
+            ("alibi", 1, "queued"),
+        ]
+        assert all(r.enqueued_at is not None for r in runs)
+        study = session.get(Study, submitted.study_id)
+        assert study.spec["encodings"][0]["name"] == "rope" and study.metric == "perplexity"
+
+
+def test_broker_down_keeps_the_runs_for_the_reconciler(settings: Settings) -> None:
+    submitted = submit(parse_spec(SPEC), settings=settings, send=Recorder(fail=True))
+    assert submitted.unsent == submitted.queued
+    send = Recorder()
+    assert reconcile(settings=settings, send=send)["resent"] == submitted.queued
+    assert send.sent == submitted.queued
+    assert reconcile(settings=settings, send=Recorder())["resent"] == []  # sent once
+
+
+def _finish_run(settings: Settings, run_id: int) -> None:
+    claimed = store.claim(settings.database, run_id, "test")
+    assert claimed is not None
+    lease = claimed[0]
+    store.record_progress(settings.database, run_id, lease, Point(4, 2.5, 1e-3, 100.0, 1.0))
+    store.record_evaluation(
+        settings.database,
+        run_id,
+        lease,
+        Row(
+            "none",
+            "nonoverlapping",
+            16,
+            loss=2.0,
+            perplexity=7.4,
+            tokens=64,
+            position_bins=[Bin(0, 1, 2.5, 4), Bin(1, 16, 2.0, 60)],
+        ),
+    )
+    assert store.finish(settings.database, run_id, lease, "done", provenance={"seed": 0})
+
+
+def test_a_finished_config_hash_is_reused_unless_forced(settings: Settings) -> None:
+    first = submit(parse_spec(SPEC), settings=settings, send=Recorder())
+    _finish_run(settings, first.queued[0])
+    again = submit(parse_spec({**SPEC, "name": "again"}), settings=settings, send=Recorder())
+    assert len(again.reused) == 1 and len(again.queued) == 3
+    with transaction(settings.database) as session:
+        reused = session.get(Run, again.reused[0])
+        assert reused.status == "done" and reused.reused_from_run_id == first.queued[0]
+        rows = session.scalars(select(Evaluation).where(Evaluation.run_id == reused.id)).all()
+        assert [(r.eval_length, r.perplexity) for r in rows] == [(16, 7.4)]
+        bins = session.scalars(select(PositionBin).where(PositionBin.evaluation_id == rows[0].id))
+        assert [(b.start, b.end) for b in bins] == [(0, 1), (1, 16)]
+    forced = submit(parse_spec(SPEC), settings=settings, send=Recorder(), force=True)
+    assert forced.reused == [] and len(forced.queued) == 4
+
+
+def test_claim_is_exclusive_and_guards_every_write(settings: Settings) -> None:
+    run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder()).queued[0]
+    first = store.claim(settings.database, run_id, "a")
+    assert first is not None
+    assert store.claim(settings.database, run_id, "b") is None  # a duplicate message
+    lease = first[0]
+    assert not store.heartbeat(settings.database, run_id, "not-the-lease")
+    with pytest.raises(store.LeaseLost):
+        store.record_progress(settings.database, run_id, "not-the-lease", Point(1, 1, 1, 1, 1))
+    assert store.heartbeat(settings.database, run_id, lease)
+
+
+def test_evaluations_are_idempotent_upserts(settings: Settings) -> None:
+    run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder()).queued[0]
+    lease = store.claim(settings.database, run_id, "a")[0]
+    row = Row(
+        "none",
+        "nonoverlapping",
+        32,
+        loss=3.0,
+        perplexity=20.0,
+        tokens=64,
+        position_bins=[Bin(0, 32, 3.0, 64)],
+    )
+    for _ in range(3):
+        store.record_evaluation(settings.database, run_id, lease, row)
+        store.record_progress(settings.database, run_id, lease, Point(2, 3.0, 1e-3, 1.0, 1.0))
+    assert count(settings, Evaluation) == 1 and count(settings, PositionBin) == 1
+    assert count(settings, TrainPoint) == 1
+    assert store.stored_evaluations(settings.database, run_id) == {("none", "nonoverlapping", 32)}
+
+
+def test_cancel_is_immediate_for_queued_and_cooperative_for_running(settings: Settings) -> None:
+    submitted = submit(parse_spec(SPEC), settings=settings, send=Recorder())
+    running = submitted.queued[0]
+    lease = store.claim(settings.database, running, "w")[0]
+    assert cancel(study_id=submitted.study_id, settings=settings) == {"cancelled": 3, "stopping": 1}
+    assert store.claim(settings.database, submitted.queued[1], "w") is None  # never trained
+    asked = store.record_progress(settings.database, running, lease, Point(2, 1, 1, 1, 1))
+    assert asked is True
+    with pytest.raises(NotFound, match="no study with id 99"):
+        cancel(study_id=99, settings=settings)
+
+
+def test_retry_requeues_failed_and_cancelled_only(settings: Settings) -> None:
+    submitted = submit(parse_spec(SPEC), settings=settings, send=Recorder())
+    _finish_run(settings, submitted.queued[0])
+    cancel(run_id=submitted.queued[1], settings=settings)
+    send = Recorder()
+    assert retry(study_id=submitted.study_id, settings=settings, send=send) == [submitted.queued[1]]
+    assert send.sent == [submitted.queued[1]]
+    with pytest.raises(NotFound, match="no run with id 1234"):
+        retry(run_id=1234, settings=settings)
+
+
+def test_reconciler_revives_stale_runs_and_fails_them_after_max_attempts(
+    settings: Settings,
+) -> None:
+    run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder()).queued[0]
+    long_ago = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=5)
+
+    def go_silent() -> None:
+        with transaction(settings.database) as session:
+            session.execute(update(Run).where(Run.id == run_id).values(heartbeat_at=long_ago))
+
+    assert store.claim(settings.database, run_id, "w1") is not None
+    go_silent()
+    send = Recorder()
+    assert reconcile(settings=settings, send=send, queue_empty=lambda: True)["revived"] == [run_id]
+    assert run_id in send.sent
+    assert store.claim(settings.database, run_id, "w2") is not None  # attempt 2
+    go_silent()
+    outcome = reconcile(settings=settings, send=Recorder(), queue_empty=lambda: True)
+    assert outcome["failed"] == [run_id]
+    with transaction(settings.database) as session:
+        run = session.get(Run, run_id)
+        assert run.status == "failed" and "stopped responding 2 times" in run.failure_reason
+
+
+def test_reconciler_resends_lost_messages_only_when_the_queue_is_empty(settings: Settings) -> None:
+    run_ids = submit(parse_spec(SPEC), settings=settings, send=Recorder()).queued
+    long_ago = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=5)
+    with transaction(settings.database) as session:
+        session.execute(update(Run).values(enqueued_at=long_ago))
+    assert reconcile(settings=settings, send=Recorder(), queue_empty=lambda: False)["resent"] == []
+    assert (
+        reconcile(settings=settings, send=Recorder(), queue_empty=lambda: True)["resent"] == run_ids
+    )
