@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/posbench run --preset smoke --out .posbench/runs/smoke
+	$(VENV)/bin/posbench up
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
