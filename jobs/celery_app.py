@@ -43,3 +43,14 @@ def make_celery(settings: Settings | None = None) -> Celery:
 
 
 app = make_celery()
+_producers: dict[str, Celery] = {}
+
+
+def producer(settings: Settings | None = None) -> Celery:
+    """A Celery app for sending to the broker the current settings name (one per URL)."""
+    settings = settings or get_settings()
+    if settings.broker == app.conf.broker_url:
+        return app
+    if settings.broker not in _producers:
+        _producers[settings.broker] = make_celery(settings)
+    return _producers[settings.broker]

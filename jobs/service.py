@@ -41,9 +41,9 @@ class Submitted:
 
 def celery_send(run_id: int) -> None:
     """Enqueue ``train_run(run_id)`` by name: the producer never imports the task's code."""
-    from jobs.celery_app import app
+    from jobs.celery_app import producer
 
-    app.send_task(TRAIN_RUN, args=[run_id], queue="gpu")
+    producer().send_task(TRAIN_RUN, args=[run_id], queue="gpu")
 
 
 def _copy_results(session: Session, source: Run, target: Run) -> None:
@@ -225,10 +225,10 @@ def queue_is_empty(queue: str = "gpu") -> bool | None:
     """Whether the broker's queue holds no message (None when it cannot tell)."""
     from amqp.exceptions import ChannelError
 
-    from jobs.celery_app import app
+    from jobs.celery_app import producer
 
     try:
-        with app.connection_for_write() as connection:
+        with producer().connection_for_write() as connection:
             declared = connection.default_channel.queue_declare(queue=queue, passive=True)
             return declared.message_count == 0
     except ChannelError as err:

@@ -132,27 +132,17 @@ def test_a_duplicated_message_never_duplicates_rows(cluster_factory, sqlite_url:
     cluster.start_worker()
     cluster.wait_for(all_done, what="run done")
     # Let the worker consume the duplicates too.
-    from jobs.service import queue_is_empty
+    from jobs.celery_app import make_celery
 
+    channel = make_celery(cluster.settings).connection_for_write().default_channel
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not _queue_empty(cluster, queue_is_empty):
+    while time.monotonic() < deadline and channel.queue_declare("gpu", passive=True)[1]:
         time.sleep(0.5)
     time.sleep(2)
     runs = cluster.runs()
     assert runs[0].attempts == 1
     assert evaluation_keys(cluster) == [(run_id, "none", "nonoverlapping", n) for n in LENGTHS]
     assert "not claimed" in cluster.logs()
-
-
-def _queue_empty(cluster: Cluster, check) -> bool:
-    from jobs import celery_app
-
-    original = celery_app.app
-    celery_app.app = celery_app.make_celery(cluster.settings)
-    try:
-        return bool(check())
-    finally:
-        celery_app.app = original
 
 
 def test_cancel_stops_a_running_run_within_one_progress_interval(
