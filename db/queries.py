@@ -75,13 +75,27 @@ def runs(
     return _frame(url, statement)
 
 
+def downsample_lengths(lengths: Sequence[int], keep: int) -> list[int]:
+    """At most ``keep`` lengths, evenly spaced on a log scale, always keeping both ends."""
+    ordered = sorted(set(lengths))
+    if len(ordered) <= keep or keep < 2:
+        return ordered
+    step = (len(ordered) - 1) / (keep - 1)
+    return sorted({ordered[round(i * step)] for i in range(keep)})
+
+
 def curves(
     url: str,
     study_ids: Sequence[int] | None = None,
     run_ids: Sequence[int] | None = None,
     protocol: str | None = None,
+    max_lengths: int | None = None,
 ) -> pd.DataFrame:
-    """Every evaluation point of the selected studies / runs, with its run's identity."""
+    """Every evaluation point of the selected studies / runs, with its run's identity.
+
+    ``max_lengths`` thins the lengths in the query (log-spaced, endpoints kept), so a
+    view of thousands of evaluations loads only what it draws.
+    """
     statement = (
         select(
             Evaluation.id.label("evaluation_id"),
@@ -120,6 +134,17 @@ def curves(
         statement = statement.where(Evaluation.run_id.in_(run_ids))
     if protocol:
         statement = statement.where(Evaluation.protocol == protocol)
+    if max_lengths:
+        distinct = select(Evaluation.eval_length).distinct().join(Run, Run.id == Evaluation.run_id)
+        if study_ids:
+            distinct = distinct.where(Run.study_id.in_(study_ids))
+        if run_ids:
+            distinct = distinct.where(Evaluation.run_id.in_(run_ids))
+        with engine_for(normalize_url(url)).connect() as connection:
+            lengths = list(connection.scalars(distinct))
+        kept = downsample_lengths(lengths, max_lengths)
+        if len(kept) < len(lengths):
+            statement = statement.where(Evaluation.eval_length.in_(kept))
     return _frame(url, statement)
 
 

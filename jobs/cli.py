@@ -331,6 +331,37 @@ def worker(
 
 
 @app.command()
+def dashboard(
+    port: Annotated[int, typer.Option(help="Port to serve on.")] = 8501,
+    address: Annotated[str, typer.Option(help="Interface to bind.")] = "0.0.0.0",
+) -> None:
+    """Serve the Streamlit dashboard (health check: /_stcore/health)."""
+    import os
+    import sys
+
+    from jobs.embedded import DASHBOARD_APP
+
+    os.execvp(
+        sys.executable,
+        [
+            sys.executable,
+            "-m",
+            "streamlit",
+            "run",
+            str(DASHBOARD_APP),
+            "--server.port",
+            str(port),
+            "--server.address",
+            address,
+            "--server.headless",
+            "true",
+            "--browser.gatherUsageStats",
+            "false",
+        ],
+    )
+
+
+@app.command()
 def up(
     dashboard: Annotated[bool, typer.Option(help="Also serve the dashboard.")] = True,
     port: Annotated[int, typer.Option(help="Dashboard port.")] = 8501,

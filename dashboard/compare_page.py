@@ -1,0 +1,131 @@
+"""Compare: extrapolation curves across encodings, variants, seeds and studies.
+
+The selection lives in the URL's query parameters, so a view can be shared.
+"""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from dashboard.common import database, query_ints, schema_ready, set_query
+from dashboard.curves import curve_figure, normalize, position_figure, summarize
+from db import queries
+
+METRICS = {"perplexity": ["perplexity", "loss", "bits_per_byte"], "accuracy": ["accuracy"]}
+MAX_LENGTHS = 48
+
+
+def render() -> None:
+    st.title("Compare")
+    if not schema_ready():
+        return
+    studies = queries.studies(database())
+    if studies.empty:
+        st.info("No study yet.")
+        return
+    ids = studies["id"].tolist()
+    names = {row.id: f"{row.id}: {row.name}" for row in studies.itertuples()}
+    wanted = [i for i in query_ints("studies") if i in ids] or ids[:1]
+    selected = st.multiselect("Studies", ids, default=wanted, format_func=names.get, key="studies")
+    set_query("studies", selected)
+    if not selected:
+        return
+    chosen = studies[studies["id"].isin(selected)]
+    kinds = sorted(set(chosen["metric"]))
+    metric_options = [m for kind in kinds for m in METRICS[kind]]
+    frame = queries.curves(database(), study_ids=selected, max_lengths=MAX_LENGTHS)
+    if frame.empty:
+        st.info("No evaluation stored yet for this selection: curves appear as runs finish.")
+        return
+    a, b, c, d = st.columns(4)
+    metric = a.selectbox(
+        "Metric",
+        metric_options,
+        key="metric",
+        index=_index(metric_options, st.query_params.get("metric")),
+    )
+    protocols = sorted(frame["protocol"].unique())
+    protocol = b.selectbox(
+        "Protocol",
+        protocols,
+        key="protocol",
+        index=_index(protocols, st.query_params.get("protocol")),
+    )
+    variants = sorted(frame["variant"].unique(), key=lambda v: (v != "none", v))
+    shown = c.multiselect("Variants", variants, default=variants, key="variants")
+    normalise = d.toggle(
+        "Normalise by the value at the training length",
+        key="normalise",
+        value=st.query_params.get("normalise") == "1",
+    )
+    set_query("metric", metric)
+    set_query("protocol", protocol)
+    set_query("normalise", "1" if normalise else None)
+    view = frame[(frame["protocol"] == protocol) & frame["variant"].isin(shown)]
+    summary = summarize(view, metric)
+    train_lengths = dict(zip(chosen["id"], chosen["train_length"], strict=True))
+    if normalise:
+        summary = normalize(summary, train_lengths)
+    log_y = metric == "perplexity" and not normalise
+    label = f"{metric} / value at the training length" if normalise else metric
+    st.plotly_chart(
+        curve_figure(
+            summary,
+            label,
+            list(train_lengths.values()),
+            log_y,
+            title=f"{label} against evaluation length",
+        ),
+        key="curves",
+        width="stretch",
+    )
+    not_applicable = view[view["not_applicable"].notna()]
+    if not not_applicable.empty:
+        st.caption(
+            "Not applicable: "
+            + "; ".join(
+                sorted(
+                    {
+                        f"{r.label} at {r.eval_length}: {r.not_applicable}"
+                        for r in not_applicable.itertuples()
+                    }
+                )[:6]
+            )
+        )
+    if "perplexity" in kinds:
+        lengths = sorted(view["eval_length"].unique())
+        length = st.select_slider(
+            "Loss by position at length", lengths, value=lengths[-1], key="position_length"
+        )
+        at_length = view[(view["eval_length"] == length) & view["not_applicable"].isna()]
+        bins = queries.position_bins(database(), at_length["evaluation_id"].tolist())
+        if not bins.empty:
+            several = len(selected) > 1
+            lines = at_length.assign(
+                line=at_length.apply(
+                    lambda r: (
+                        (r["label"] if r["variant"] == "none" else f"{r['label']} + {r['variant']}")
+                        + (f" [study {r['study_id']}]" if several else "")
+                    ),
+                    axis=1,
+                )
+            )[["evaluation_id", "line"]]
+            merged = bins.merge(lines, on="evaluation_id")
+            averaged = merged.groupby(["line", "start", "end"], sort=False)["loss"].mean()
+            st.plotly_chart(
+                position_figure(averaged.reset_index()), key="positions", width="stretch"
+            )
+    st.subheader("Results")
+    table = summary.pivot_table(index="line", columns="eval_length", values="mean")
+    st.dataframe(table, width="stretch", key="results")
+    st.download_button(
+        "Download CSV",
+        view.drop(columns=["groups"]).to_csv(index=False),
+        file_name=f"posbench-studies-{'-'.join(map(str, selected))}.csv",
+        mime="text/csv",
+        key="csv",
+    )
+
+
+def _index(options: list[str], wanted: str | None) -> int:
+    return options.index(wanted) if wanted in options else 0

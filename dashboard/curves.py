@@ -1,0 +1,159 @@
+"""Curves for the Compare page: seed statistics and Plotly figures (no Streamlit here)."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import plotly.graph_objects as go
+
+# Two-sided 95% Student-t quantiles by degrees of freedom; 1.96 beyond the table.
+T95 = {
+    1: 12.706,
+    2: 4.303,
+    3: 3.182,
+    4: 2.776,
+    5: 2.571,
+    6: 2.447,
+    7: 2.365,
+    8: 2.306,
+    9: 2.262,
+    10: 2.228,
+    15: 2.131,
+    20: 2.086,
+    30: 2.042,
+}
+
+
+def t95(dof: int) -> float:
+    if dof <= 0:
+        return float("nan")
+    known = [d for d in T95 if d <= dof]
+    return T95[max(known)] if dof <= 30 else 1.96
+
+
+def line_label(row: pd.Series, several_studies: bool) -> str:
+    label = row["label"] if row["variant"] == "none" else f"{row['label']} + {row['variant']}"
+    return f"{label} [study {row['study_id']}]" if several_studies else label
+
+
+def summarize(frame: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """Mean and 95% interval across seeds for every (line, length)."""
+    several = frame["study_id"].nunique() > 1
+    data = frame[frame["not_applicable"].isna()].copy()
+    if data.empty:
+        return pd.DataFrame(
+            columns=["line", "study_id", "eval_length", "mean", "low", "high", "seeds"]
+        )
+    data["line"] = data.apply(line_label, axis=1, several_studies=several)
+    grouped = data.groupby(["line", "study_id", "eval_length"], sort=False)[metric]
+    out = grouped.agg(["mean", "std", "count"]).reset_index()
+    half = [
+        t95(int(n) - 1) * s / math.sqrt(n) if n > 1 else 0.0
+        for s, n in zip(out["std"].fillna(0), out["count"], strict=True)
+    ]
+    out["low"], out["high"] = out["mean"] - half, out["mean"] + half
+    return out.rename(columns={"count": "seeds"}).drop(columns="std")
+
+
+def normalize(summary: pd.DataFrame, train_lengths: dict[int, int]) -> pd.DataFrame:
+    """Divide each line by its value at its study's training length."""
+    out = summary.copy()
+    for line, group in out.groupby("line"):
+        study = int(group["study_id"].iloc[0])
+        at_train = group.loc[group["eval_length"] == train_lengths.get(study), "mean"]
+        if len(at_train):
+            mask = out["line"] == line
+            out.loc[mask, ["mean", "low", "high"]] /= float(at_train.iloc[0])
+    return out
+
+
+def curve_figure(
+    summary: pd.DataFrame, metric: str, train_lengths: list[int], log_y: bool, title: str
+) -> go.Figure:
+    figure = go.Figure()
+    for index, (line, group) in enumerate(summary.groupby("line", sort=False)):
+        group = group.sort_values("eval_length")
+        color = COLORS[index % len(COLORS)]
+        if (group["seeds"] > 1).any():
+            figure.add_trace(
+                go.Scatter(
+                    x=list(group["eval_length"]) + list(group["eval_length"])[::-1],
+                    y=list(group["high"]) + list(group["low"])[::-1],
+                    fill="toself",
+                    fillcolor=color,
+                    opacity=0.18,
+                    line={"width": 0},
+                    hoverinfo="skip",
+                    showlegend=False,
+                    legendgroup=line,
+                )
+            )
+        figure.add_trace(
+            go.Scatter(
+                x=group["eval_length"],
+                y=group["mean"],
+                mode="lines+markers",
+                name=line,
+                line={"color": color},
+                legendgroup=line,
+                customdata=group[["low", "high", "seeds"]],
+                hovertemplate=f"{line}<br>length %{{x}}<br>{metric} %{{y:.4g}}"
+                "<br>95%% CI [%{customdata[0]:.4g}, %{customdata[1]:.4g}]"
+                "<br>seeds %{customdata[2]}<extra></extra>",
+            )
+        )
+    lengths = sorted(summary["eval_length"].unique())
+    figure.update_xaxes(
+        type="log", title="evaluation length", tickvals=lengths, ticktext=[str(n) for n in lengths]
+    )
+    figure.update_yaxes(type="log" if log_y else "linear", title=metric)
+    for length in sorted(set(train_lengths)):
+        figure.add_vline(
+            x=length,
+            line_dash="dash",
+            line_color="grey",
+            annotation_text=f"train length {length}",
+            annotation_position="top",
+        )
+    figure.update_layout(
+        title=title,
+        height=520,
+        legend={"orientation": "v"},
+        margin={"l": 60, "r": 20, "t": 60, "b": 50},
+    )
+    return figure
+
+
+def position_figure(bins: pd.DataFrame) -> go.Figure:
+    figure = go.Figure()
+    for index, (line, group) in enumerate(bins.groupby("line", sort=False)):
+        group = group.sort_values("start")
+        middle = (group["start"] + group["end"] - 1) / 2 + 1
+        figure.add_trace(
+            go.Scatter(
+                x=middle,
+                y=group["loss"],
+                mode="lines+markers",
+                name=line,
+                line={"color": COLORS[index % len(COLORS)]},
+            )
+        )
+    figure.update_xaxes(type="log", title="position in the window (1-based, log bins)")
+    figure.update_yaxes(title="loss (nats / byte)")
+    figure.update_layout(height=420, margin={"l": 60, "r": 20, "t": 30, "b": 50})
+    return figure
+
+
+COLORS = [
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+]

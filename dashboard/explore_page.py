@@ -1,0 +1,167 @@
+"""Explore: what each encoding does, with no training.
+
+The sinusoidal table, the dot-product decay against offset, the attention biases of
+ALiBi / T5 / KERPLE / FIRE per head, and RoPE's frequencies with and without
+PI / NTK / YaRN. Torch is imported here only, lazily.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import plotly.graph_objects as go
+import streamlit as st
+
+from worker.encodings.registry import REGISTRY, SCALINGS
+
+
+@st.cache_resource(max_entries=32)
+def _encoding(name: str, n_heads: int, head_dim: int, train_length: int):
+    import torch
+
+    from worker.encodings import build
+
+    torch.manual_seed(0)  # learned parameters at a fixed, reproducible initialisation
+    return build(
+        name,
+        n_heads=n_heads,
+        head_dim=head_dim,
+        d_model=n_heads * head_dim,
+        train_length=train_length,
+    )
+
+
+def similarity_by_offset(
+    name: str, n_heads: int, head_dim: int, train_length: int, length: int
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Offsets 0..length-1 and, per curve, the score of a query at ``offset`` against a key
+    at 0 (rotary, absolute) or the bias at that distance (bias encodings, one per head)."""
+    import torch
+
+    encoding = _encoding(name, n_heads, head_dim, train_length)
+    offsets = np.arange(length)
+    family = REGISTRY[name].family
+    with torch.no_grad():
+        if family == "bias":
+            row = encoding.bias(1, length)[:, 0].flip(-1).float().numpy()
+            return offsets, {f"head {h}": row[h] for h in range(row.shape[0])}
+        if family == "rotary":
+            ones = torch.ones(1, 1, length, head_dim)
+            q, k = encoding.rotate(ones, ones, torch.arange(length))
+            score = (q[0, 0] @ k[0, 0, 0]) / head_dim
+            return offsets, {"q·k / d (q = k = 1)": score.numpy()}
+        if name == "nope":
+            return offsets, {"no position signal": np.zeros(length)}
+        positions = torch.arange(length)
+        if name == "randomized":
+            positions = encoding.positions(1, length, torch.device("cpu"))[0]
+        table = encoding.embed(torch.zeros(1, length, n_heads * head_dim), positions)[0]
+        score = (table @ table[0]) / (table[0] @ table[0])
+        return offsets, {"PE(m)·PE(0) / |PE(0)|²": score.numpy()}
+
+
+def rope_frequencies(head_dim: int, train_length: int, factor: float) -> dict[str, np.ndarray]:
+    rope = _encoding("rope", 1, head_dim, train_length)
+    curves = {"trained (none)": rope.inv_freq.numpy()}
+    for method in ("pi", "ntk", "yarn"):
+        scaled = rope.with_scaling(method, factor)
+        frequencies = scaled.inv_freq.numpy()
+        if method == "pi":
+            frequencies = frequencies / factor  # PI divides positions: the same as frequencies
+        curves[f"{method} (s={factor:g})"] = frequencies
+    curves[f"dynamic_ntk at {int(factor * train_length)}"] = (
+        rope.with_scaling("dynamic_ntk").frequencies(int(factor * train_length)).numpy()
+    )
+    return curves
+
+
+def _line_figure(
+    x: np.ndarray,
+    curves: dict[str, np.ndarray],
+    x_title: str,
+    y_title: str,
+    log_x: bool = False,
+    log_y: bool = False,
+) -> go.Figure:
+    figure = go.Figure()
+    for name, values in curves.items():
+        figure.add_trace(go.Scatter(x=x, y=values, mode="lines", name=name))
+    figure.update_xaxes(title=x_title, type="log" if log_x else "linear")
+    figure.update_yaxes(title=y_title, type="log" if log_y else "linear")
+    figure.update_layout(height=420, margin={"l": 60, "r": 20, "t": 30, "b": 50})
+    return figure
+
+
+def render() -> None:
+    import torch
+
+    st.title("Explore")
+    st.caption("Every encoding at its initialisation, no training needed.")
+    names = list(REGISTRY)
+    a, b, c, d = st.columns(4)
+    name = a.selectbox(
+        "Encoding",
+        names,
+        index=names.index("rope"),
+        key="explore_encoding",
+        format_func=lambda n: f"{n} ({REGISTRY[n].family})",
+    )
+    n_heads = int(b.number_input("Heads", 1, 16, 8, key="explore_heads"))
+    head_dim = int(c.number_input("Head dim", 2, 256, 64, step=2, key="explore_head_dim"))
+    length = int(d.number_input("Length", 8, 4096, 256, key="explore_length"))
+    train_length = length
+    entry = REGISTRY[name]
+    st.markdown(f"**{name}**: {entry.summary}  \n*{entry.reference}*")
+    if entry.bounded_by_train_length:
+        st.caption(f"The table has exactly {train_length} positions here (the training length).")
+
+    st.subheader("Similarity against offset")
+    offsets, curves = similarity_by_offset(name, n_heads, head_dim, train_length, length)
+    y_title = "bias" if entry.family == "bias" else "score"
+    st.plotly_chart(
+        _line_figure(offsets, curves, "offset m - n", y_title), key="decay", width="stretch"
+    )
+
+    if entry.family == "bias":
+        st.subheader("Bias matrix per head")
+        head = st.slider("Head", 0, n_heads - 1, 0, key="explore_head")
+        size = min(length, 256)
+        with torch.no_grad():
+            bias = _encoding(name, n_heads, head_dim, train_length).bias(size, size)[head]
+        matrix = bias.float().numpy().copy()
+        matrix[np.triu_indices(size, 1)] = np.nan  # the causal mask hides the future
+        heat = go.Figure(go.Heatmap(z=matrix, colorscale="Viridis", colorbar={"title": "bias"}))
+        heat.update_yaxes(autorange="reversed", title="query position")
+        heat.update_xaxes(title="key position")
+        heat.update_layout(height=520)
+        st.plotly_chart(heat, key="bias", width="stretch")
+
+    if name == "sinusoidal":
+        st.subheader("The sinusoidal table")
+        from worker.encodings.sinusoidal import sinusoid_table
+
+        table = sinusoid_table(torch.arange(length), n_heads * head_dim).numpy()
+        heat = go.Figure(go.Heatmap(z=table, colorscale="RdBu", zmid=0))
+        heat.update_yaxes(autorange="reversed", title="position")
+        heat.update_xaxes(title="dimension")
+        heat.update_layout(height=520)
+        st.plotly_chart(heat, key="table", width="stretch")
+
+    if entry.scalable:
+        st.subheader("RoPE frequencies and their inference-time scalings")
+        factor = st.select_slider(
+            "Scaling factor s", [1.0, 2.0, 4.0, 8.0, 16.0, 32.0], value=8.0, key="explore_factor"
+        )
+        frequencies = rope_frequencies(head_dim, train_length, factor)
+        pairs = np.arange(len(next(iter(frequencies.values()))))
+        st.plotly_chart(
+            _line_figure(
+                pairs,
+                frequencies,
+                "rotated pair j",
+                "angular frequency (radians per position)",
+                log_y=True,
+            ),
+            key="frequencies",
+            width="stretch",
+        )
+        st.caption(" · ".join(f"**{n}**: {s.summary}" for n, s in SCALINGS.items()))

@@ -1,0 +1,129 @@
+"""Queue: studies and their runs, refreshed live without rerunning the whole page."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pandas as pd
+import streamlit as st
+
+from dashboard.common import database, query_ints, schema_ready, set_query
+from db import queries
+
+REFRESH_SECONDS = 2
+
+
+def eta(row: pd.Series, tokens_per_step: int) -> str:
+    if row["status"] != "running" or not row["tokens_per_second"]:
+        return ""
+    remaining = (row["total_steps"] - row["step"]) * tokens_per_step / row["tokens_per_second"]
+    return str(dt.timedelta(seconds=round(remaining)))
+
+
+def runs_view(study_id: int, tokens_per_step: int) -> tuple[pd.DataFrame, pd.DataFrame]:
+    runs = queries.runs(database(), study_id=study_id)
+    view = pd.DataFrame(
+        {
+            "run": runs["id"],
+            "encoding": runs["label"],
+            "seed": runs["seed"],
+            "status": runs["status"],
+            "progress": (runs["step"] / runs["total_steps"]).fillna(0.0),
+            "step": runs["step"].astype(str) + " / " + runs["total_steps"].astype(str),
+            "loss": runs["latest_loss"].round(4),
+            "tokens/s": runs["tokens_per_second"].round(0),
+            "ETA": [eta(row, tokens_per_step) for _, row in runs.iterrows()],
+            "attempts": runs["attempts"],
+            "failure": runs["failure_reason"].fillna(""),
+        }
+    )
+    return view, runs
+
+
+@st.fragment(run_every=REFRESH_SECONDS)
+def live_runs(study_id: int, tokens_per_step: int) -> None:
+    view, runs = runs_view(study_id, tokens_per_step)
+    counts = view["status"].value_counts().to_dict()
+    st.caption(
+        " · ".join(
+            f"{counts.get(s, 0)} {s}" for s in ("queued", "running", "done", "failed", "cancelled")
+        )
+        + f" · refreshed every {REFRESH_SECONDS}s"
+    )
+    st.dataframe(
+        view,
+        hide_index=True,
+        width="stretch",
+        key=f"runs-{study_id}",
+        column_config={
+            "progress": st.column_config.ProgressColumn(
+                "progress", min_value=0.0, max_value=1.0, format="percent"
+            )
+        },
+    )
+    for row in runs.itertuples():
+        if row.status == "failed":
+            st.error(f"run {row.id} ({row.label}, seed {row.seed}) failed: {row.failure_reason}")
+    with st.expander("Provenance"):
+        for row in runs.itertuples():
+            if isinstance(row.provenance, dict):
+                st.write(f"run {row.id} ({row.label}, seed {row.seed})")
+                st.json(row.provenance, expanded=False)
+
+
+def render() -> None:
+    st.title("Queue")
+    if not schema_ready():
+        return
+    studies = queries.studies(database())
+    if studies.empty:
+        st.info("No study yet: submit one on the Submit page or with `posbench submit`.")
+        return
+    ids = studies["id"].tolist()
+    wanted = query_ints("study")
+    default = ids.index(wanted[0]) if wanted and wanted[0] in ids else 0
+    labels = {
+        row.id: f"{row.id}: {row.name} ({row.done}/{row.runs} done)" for row in studies.itertuples()
+    }
+    study_id = st.selectbox("Study", ids, index=default, format_func=labels.get, key="study")
+    set_query("study", [study_id])
+    study = studies.set_index("id").loc[study_id]
+    from db.engine import transaction
+    from db.models import Study
+    from jobs.spec import parse_spec
+
+    with transaction(database()) as session:
+        spec = parse_spec(session.get(Study, study_id).spec)
+    tokens_per_step = spec.train.batch_size * spec.train.length
+    st.write(
+        f"**{study['name']}** · task {study['task']} · train length "
+        f"{study['train_length']} · {study['runs']} runs"
+    )
+    left, right, _ = st.columns([1, 1, 4])
+    if left.button("Cancel study", key="cancel"):
+        from jobs.service import cancel
+
+        counts = cancel(study_id=study_id)
+        st.toast(f"{counts['cancelled']} cancelled, {counts['stopping']} stopping")
+    if right.button("Retry failed / cancelled", key="retry"):
+        from jobs.service import retry
+
+        st.toast(f"{len(retry(study_id=study_id))} runs queued again")
+    live_runs(study_id, tokens_per_step)
+    with st.expander("One run"):
+        runs = queries.runs(database(), study_id=study_id)
+        run_id = st.selectbox(
+            "Run",
+            runs["id"].tolist(),
+            key="run",
+            format_func=lambda i: f"{i}: {runs.set_index('id').loc[i, 'label']}",
+        )
+        a, b, _ = st.columns([1, 1, 4])
+        if a.button("Cancel run", key="cancel-run"):
+            from jobs.service import cancel
+
+            cancel(run_id=run_id)
+        if b.button("Retry run", key="retry-run"):
+            from jobs.service import retry
+
+            retry(run_id=run_id)

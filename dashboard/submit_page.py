@@ -1,0 +1,278 @@
+"""Submit: a form built from the encodings and tasks registries and the spec schema.
+
+Nothing is enqueued while the form is invalid: the same ``parse_spec`` that guards
+the CLI validates every change, and its messages appear next to the form.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import streamlit as st
+import yaml
+
+from jobs.spec import MODEL_PRESETS, PRESET_SPECS, SpecError, StudySpec, parse_spec
+from worker.data.registry import TASKS
+from worker.encodings.registry import REGISTRY, SCALINGS, Param
+
+LENGTHS = [2**k for k in range(4, 18)]
+VARIANTS = ["pi:auto", "ntk:auto", "dynamic_ntk", "yarn:auto"]
+CUSTOM = {
+    "name": "my-study",
+    "model": "small",
+    "train": {"length": 128, "steps": 600, "batch_size": 16, "lr": 2e-3},
+    "encodings": ["rope", "alibi"],
+    "eval": {"lengths": [128, 256, 512, 1024]},
+}
+
+
+def _names(items: list[Any]) -> list[str]:
+    return [item if isinstance(item, str) else item["name"] for item in items]
+
+
+def _param_input(encoding: str, param: Param, key: str) -> Any:
+    label = f"{param.name}"
+    if param.choices is not None:
+        return st.selectbox(
+            label, param.choices, index=param.choices.index(param.default), key=key, help=param.help
+        )
+    if param.type is int:
+        default = param.default if param.default is not None else int(param.low or 1)
+        value = st.number_input(
+            label,
+            value=int(default),
+            step=1,
+            key=key,
+            min_value=int(param.low) if param.low is not None else None,
+            help=param.help + (f" (default: {param.derived})" if param.derived else ""),
+        )
+        return None if param.default is None and value == default else int(value)
+    if param.type is float:
+        return st.number_input(
+            label,
+            value=float(param.default),
+            key=key,
+            format="%g",
+            min_value=float(param.low) if param.low is not None else None,
+            help=param.help,
+        )
+    return st.text_input(label, value=str(param.default), key=key, help=param.help)
+
+
+def form(base: dict[str, Any], prefix: str) -> tuple[dict[str, Any], list[str]]:
+    """Draw the form; return the spec as a mapping and any problems found while reading it."""
+    problems: list[str] = []
+    train = base.get("train", {})
+    evaluation = base.get("eval", {})
+
+    def key(name: str) -> str:
+        return f"{prefix}:{name}"
+
+    spec: dict[str, Any] = {
+        "name": st.text_input("Study name", base.get("name", "study"), key=key("name"))
+    }
+    left, right = st.columns(2)
+    with left:
+        st.subheader("Task and model")
+        task_names = list(TASKS)
+        task_default = base.get("task", "lm")
+        task_default = task_default if isinstance(task_default, str) else task_default["name"]
+        task = st.selectbox(
+            "Task",
+            task_names,
+            index=task_names.index(task_default),
+            key=key("task"),
+            format_func=lambda n: f"{n}: {TASKS[n].summary}",
+        )
+        spec["task"] = {"name": task}
+        if task == "lm":
+            spec["task"]["corpus"] = st.text_input(
+                "Corpus",
+                "pystdlib",
+                key=key("corpus"),
+                help="pystdlib, text:<path> or hf:<name>[:<config>]",
+            )
+        sizes = [*MODEL_PRESETS, "custom"]
+        model = st.selectbox(
+            "Model",
+            sizes,
+            index=sizes.index(base.get("model", "small")),
+            key=key("model"),
+            format_func=lambda n: (
+                n
+                if n == "custom"
+                else f"{n} (d={MODEL_PRESETS[n]['d_model']}, "
+                f"{MODEL_PRESETS[n]['n_layers']} layers, "
+                f"{MODEL_PRESETS[n]['n_heads']} heads)"
+            ),
+        )
+        if model == "custom":
+            a, b, c = st.columns(3)
+            spec["model"] = {
+                "d_model": int(a.number_input("d_model", 16, 4096, 128, step=16, key=key("d"))),
+                "n_layers": int(b.number_input("layers", 1, 64, 4, key=key("layers"))),
+                "n_heads": int(c.number_input("heads", 1, 64, 4, key=key("heads"))),
+            }
+        else:
+            spec["model"] = model
+        st.subheader("Training")
+        a, b, c = st.columns(3)
+        spec["train"] = {
+            "length": int(
+                a.number_input(
+                    "Train length", 8, 16384, train.get("length", 128), key=key("length")
+                )
+            ),
+            "steps": int(
+                b.number_input("Steps", 1, 200_000, train.get("steps", 600), key=key("steps"))
+            ),
+            "batch_size": int(
+                c.number_input("Batch size", 1, 1024, train.get("batch_size", 16), key=key("batch"))
+            ),
+        }
+        a, b = st.columns(2)
+        spec["train"]["lr"] = float(
+            a.number_input(
+                "Peak learning rate", value=float(train.get("lr", 2e-3)), format="%g", key=key("lr")
+            )
+        )
+        spec["train"]["warmup"] = float(
+            b.number_input(
+                "Warmup fraction", 0.0, 0.5, float(train.get("warmup", 0.05)), key=key("warmup")
+            )
+        )
+        seeds = st.text_input(
+            "Seeds",
+            ", ".join(str(s) for s in base.get("seeds", [0])),
+            key=key("seeds"),
+            help="comma-separated integers",
+        )
+        try:
+            spec["seeds"] = [int(s) for s in seeds.replace(" ", "").split(",") if s]
+        except ValueError:
+            problems.append(f"seeds: {seeds!r} is not a comma-separated list of integers")
+    with right:
+        st.subheader("Encodings")
+        chosen = st.multiselect(
+            "Encodings",
+            list(REGISTRY),
+            default=_names(base["encodings"]),
+            key=key("encodings"),
+            format_func=lambda n: f"{n} ({REGISTRY[n].family})",
+        )
+        encodings: list[Any] = []
+        for name in chosen:
+            entry = REGISTRY[name]
+            if not entry.params:
+                encodings.append(name)
+                continue
+            with st.expander(f"{name} parameters"):
+                st.caption(entry.reference)
+                params = {
+                    p.name: _param_input(name, p, key(f"{name}.{p.name}")) for p in entry.params
+                }
+            changed = {
+                k: v for k, v in params.items() if v is not None and v != entry.param(k).default
+            }
+            encodings.append({"name": name, **changed} if changed else name)
+        spec["encodings"] = encodings
+        st.subheader("Evaluation")
+        spec["eval"] = {
+            "lengths": st.multiselect(
+                "Evaluation lengths",
+                LENGTHS,
+                default=evaluation.get("lengths", [128, 256, 512]),
+                key=key("lengths"),
+            ),
+            "protocols": st.multiselect(
+                "Protocols",
+                ["nonoverlapping", "sliding"],
+                default=evaluation.get("protocols", ["nonoverlapping"]),
+                key=key("protocols"),
+            ),
+        }
+        if "sliding" in spec["eval"]["protocols"]:
+            spec["eval"]["stride"] = int(
+                st.number_input("Sliding stride", 1, 131072, 64, key=key("stride"))
+            )
+        spec["eval"]["tokens"] = int(
+            st.number_input(
+                "Scored tokens per length",
+                64,
+                1 << 24,
+                evaluation.get("tokens", 65536),
+                key=key("tokens"),
+            )
+        )
+        variants = st.multiselect(
+            "RoPE inference variants (rotary encodings)",
+            VARIANTS,
+            default=[v for v in evaluation.get("variants", []) if v in VARIANTS],
+            key=key("variants"),
+            help=" · ".join(f"{n}: {s.summary}" for n, s in SCALINGS.items()),
+        )
+        if variants:
+            spec["eval"]["variants"] = variants
+    return spec, problems
+
+
+def estimate(spec: StudySpec) -> str:
+    runs = len(spec.runs())
+    tokens = spec.train.steps * spec.train.batch_size * spec.train.length
+    flops = 6 * spec.model.parameters * tokens * runs
+    return (
+        f"{runs} runs x {spec.train.steps:,} steps x {spec.train.batch_size} x "
+        f"{spec.train.length} tokens = {runs * tokens:,} training tokens "
+        f"(about {flops:.2g} FLOPs), evaluated at {len(spec.eval.lengths)} lengths"
+    )
+
+
+def render() -> None:
+    from dashboard.common import schema_ready
+
+    st.title("Submit a study")
+    presets = ["custom", *PRESET_SPECS]
+    preset = st.selectbox(
+        "Start from",
+        presets,
+        key="preset",
+        help="smoke: seconds (tiny model); quick: minutes on a CPU; "
+        "paper: the ALiBi paper's setting, for GPUs",
+    )
+    base = PRESET_SPECS.get(preset, CUSTOM)
+    data, problems = form(base, prefix=preset)
+    spec = None
+    if not problems:
+        try:
+            spec = parse_spec(data)
+        except SpecError as err:
+            problems = err.problems
+    if problems:
+        for problem in problems:
+            st.error(problem)
+    else:
+        st.info(estimate(spec))
+    with st.expander("YAML (for `posbench submit`)", expanded=False):
+        st.code(yaml.safe_dump(data, sort_keys=False), language="yaml")
+    clicked = st.button("Submit", type="primary", disabled=spec is None, key="submit")
+    if clicked and spec is not None and schema_ready():
+        from jobs.service import submit
+
+        submitted = submit(spec)
+        st.session_state["last_study"] = submitted.study_id
+        note = f", {len(submitted.reused)} reused" if submitted.reused else ""
+        st.success(
+            f"Study {submitted.study_id} submitted: {len(submitted.queued)} runs queued{note}."
+        )
+        if submitted.unsent:
+            st.warning(
+                "The broker could not be reached; the runs stay queued and are sent "
+                "when a worker's reconciler next runs."
+            )
+        from dashboard import queue_page
+
+        st.page_link(
+            st.Page(queue_page.render, title="Queue", url_path="queue"),
+            label=f"Watch study {submitted.study_id} on the queue",
+            query_params={"study": str(submitted.study_id)},
+        )

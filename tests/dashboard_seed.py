@@ -1,0 +1,69 @@
+"""Seed a results database with a finished study, a running run and a failed one."""
+
+from __future__ import annotations
+
+import math
+
+from jobs.service import submit
+from jobs.settings import Settings
+from jobs.spec import parse_spec
+from worker import store
+from worker.evaluate import Evaluation, PositionBin
+from worker.train import TrainPoint
+
+LENGTHS = [32, 64, 128]
+
+
+def seed_study(settings: Settings) -> int:
+    spec = parse_spec(
+        {
+            "name": "seeded",
+            "model": "tiny",
+            "train": {"length": 32, "steps": 40, "batch_size": 4},
+            "encodings": ["rope", "alibi", "t5"],
+            "seeds": [0, 1],
+            "eval": {"lengths": LENGTHS},
+        }
+    )
+    submitted = submit(spec, settings=settings, send=lambda run_id: None)
+    url = settings.database
+    for index, run_id in enumerate(submitted.queued):
+        lease = store.claim(url, run_id, "seed")[0]
+        if index == 4:  # t5 seed 0: still running, halfway
+            store.record_progress(url, run_id, lease, TrainPoint(20, 2.9, 1e-3, 5000.0, 3.0))
+            continue
+        if index == 5:  # t5 seed 1: failed
+            store.finish(
+                url,
+                run_id,
+                lease,
+                "failed",
+                reason="the training loss became nan "
+                "between steps 11 and 15 (lr 0.003); try a lower learning rate",
+            )
+            continue
+        store.record_progress(url, run_id, lease, TrainPoint(40, 2.5, 1e-4, 6000.0, 6.0))
+        growth = 0.02 if index < 2 else 0.0005  # rope degrades, alibi stays flat
+        for length in LENGTHS:
+            loss = 2.5 + growth * (length - 32) + 0.01 * (index % 2)
+            store.record_evaluation(
+                url,
+                run_id,
+                lease,
+                Evaluation(
+                    "none",
+                    "nonoverlapping",
+                    length,
+                    loss=loss,
+                    perplexity=math.exp(loss),
+                    bits_per_byte=loss / math.log(2),
+                    tokens=512,
+                    tokens_per_second=1e5,
+                    position_bins=[
+                        PositionBin(0, 1, loss + 0.5, 8),
+                        PositionBin(1, length, loss, 504),
+                    ],
+                ),
+            )
+        store.finish(url, run_id, lease, "done", provenance={"torch_version": "2.13.0"})
+    return submitted.study_id

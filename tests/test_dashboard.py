@@ -1,0 +1,195 @@
+"""Every dashboard page through Streamlit's AppTest, on a real SQLite database."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from dashboard_seed import seed_study
+from streamlit.testing.v1 import AppTest
+
+from db.migrate import upgrade
+from jobs.settings import Settings, get_settings
+from worker.encodings import REGISTRY
+
+APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
+
+
+@pytest.fixture
+def settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("POSBENCH_HOME", str(tmp_path))
+    monkeypatch.setenv("POSBENCH_DATABASE_URL", f"sqlite:///{tmp_path}/dash.db")
+    monkeypatch.delenv("POSBENCH_DASHBOARD_PASSWORD", raising=False)
+    get_settings.cache_clear()
+    config = Settings()
+    upgrade(config.database)
+    yield config
+    get_settings.cache_clear()
+
+
+def page(name: str) -> AppTest:
+    def script() -> None:
+        import importlib
+
+        import streamlit as st
+
+        importlib.import_module(f"dashboard.{st.session_state['page']}_page").render()
+
+    app = AppTest.from_function(script, default_timeout=60)
+    app.session_state["page"] = name
+    return app
+
+
+def figures(app: AppTest) -> list[dict]:
+    return [json.loads(chart.proto.spec) for chart in app.get("plotly_chart")]
+
+
+def test_submit_form_validates_inline_and_enqueues_nothing_while_invalid(settings) -> None:
+    app = AppTest.from_file(APP, default_timeout=60).run()
+    assert not app.exception
+    assert app.title[0].value == "Submit a study"
+    assert app.button(key="submit").disabled is False
+    assert "runs x 600 steps" in app.info[0].value  # the cost estimate
+    app.text_input(key="custom:seeds").set_value("0, x").run()
+    assert "seeds: '0, x' is not a comma-separated list of integers" in app.error[0].value
+    assert app.button(key="submit").disabled is True
+    app.text_input(key="custom:seeds").set_value("0").run()
+    app.multiselect(key="custom:encodings").set_value([]).run()
+    assert any("encodings: must have at least 1 item" in e.value for e in app.error)
+    assert app.button(key="submit").disabled is True
+    app.multiselect(key="custom:encodings").set_value(["alibi"]).run()
+    app.multiselect(key="custom:variants").set_value(["yarn:auto"]).run()
+    assert any("scales RoPE and applies to rope, xpos" in e.value for e in app.error)
+    app.multiselect(key="custom:variants").set_value([]).run()
+    app.multiselect(key="custom:protocols").set_value(["sliding"]).run()
+    app.number_input(key="custom:stride").set_value(4096).run()
+    assert any(
+        "eval.stride = 4096 exceeds the shortest evaluation length 128" in e.value
+        for e in app.error
+    )
+    yaml_view = app.code[0].value
+    assert "encodings:\n- alibi" in yaml_view and "stride: 4096" in yaml_view
+    from db import queries
+
+    assert queries.studies(settings.database).empty  # nothing was submitted
+
+
+def test_presets_fill_the_form(settings) -> None:
+    app = AppTest.from_file(APP, default_timeout=60).run()
+    app.selectbox(key="preset").set_value("quick").run()
+    assert app.multiselect(key="quick:encodings").value == [
+        "nope",
+        "sinusoidal",
+        "learned",
+        "rope",
+        "alibi",
+        "t5",
+    ]
+    assert app.number_input(key="quick:steps").value == 600
+    assert not app.error and app.button(key="submit").disabled is False
+
+
+def test_encoding_parameters_come_from_the_registry(settings) -> None:
+    app = AppTest.from_file(APP, default_timeout=60).run()
+    app.multiselect(key="custom:encodings").set_value(["rope", "t5"]).run()
+    assert app.selectbox(key="custom:rope.rotary_fraction").options == ["0.25", "0.5", "1.0"]
+    app.selectbox(key="custom:rope.rotary_fraction").set_value(0.5).run()
+    app.number_input(key="custom:t5.num_buckets").set_value(64).run()
+    yaml_view = app.code[0].value
+    assert "rotary_fraction: 0.5" in yaml_view and "num_buckets: 64" in yaml_view
+    assert not app.error
+
+
+def test_queue_shows_progress_failures_and_provenance(settings) -> None:
+    study = seed_study(settings)
+    app = page("queue")
+    app.query_params["study"] = str(study)
+    app.run()
+    assert not app.exception
+    table = app.dataframe[0].value
+    assert list(table["status"]) == ["done"] * 4 + ["running", "failed"]
+    assert list(table["progress"]) == [1.0] * 4 + [0.5, 0.0]
+    assert table["step"].iloc[4] == "20 / 40" and table["ETA"].iloc[4] != ""
+    assert any("failed: the training loss became nan" in e.value for e in app.error)
+    assert "4 done" in app.caption[0].value and "1 running" in app.caption[0].value
+
+
+def test_queue_cancel_button_cancels_queued_runs(settings) -> None:
+    from jobs.service import submit
+    from jobs.spec import parse_spec
+
+    spec = parse_spec({"model": "tiny", "train": {"length": 16}, "encodings": ["nope"]})
+    study = submit(spec, settings=settings, send=lambda run_id: None).study_id
+    app = page("queue")
+    app.query_params["study"] = str(study)
+    app.run()
+    app.button(key="cancel").click().run()
+    from db import queries
+
+    assert list(queries.runs(settings.database, study_id=study)["status"]) == ["cancelled"]
+
+
+def test_compare_draws_curves_with_seed_intervals(settings) -> None:
+    study = seed_study(settings)
+    app = page("compare")
+    app.query_params["studies"] = str(study)
+    app.run()
+    assert not app.exception
+    curves, positions = figures(app)
+    lines = [t for t in curves["data"] if t.get("mode") == "lines+markers"]
+    assert [t["name"] for t in lines] == ["alibi", "rope"]  # t5 has no finished evaluation
+    bands = [t for t in curves["data"] if t.get("fill") == "toself"]
+    assert len(bands) == 2  # two seeds: a 95% interval per line
+    assert curves["layout"]["xaxis"]["type"] == "log" and curves["layout"]["yaxis"]["type"] == "log"
+    assert {t["name"] for t in positions["data"]} == {"alibi", "rope"}
+    table = app.dataframe[0].value
+    assert list(table.columns) == [32, 64, 128]
+    assert table.loc["rope", 128] > table.loc["rope", 32]
+    app.toggle(key="normalise").set_value(True).run()
+    normalised = app.dataframe[0].value
+    assert normalised[32].tolist() == pytest.approx([1.0, 1.0])
+    assert app.query_params["normalise"] == ["1"] or app.query_params["normalise"] == "1"
+
+
+def test_compare_keeps_the_selection_in_the_url(settings) -> None:
+    study = seed_study(settings)
+    app = page("compare")
+    app.query_params["studies"] = str(study)
+    app.query_params["metric"] = "bits_per_byte"
+    app.run()
+    assert app.selectbox(key="metric").value == "bits_per_byte"
+    app.selectbox(key="metric").set_value("loss").run()
+    assert app.query_params["metric"] in ("loss", ["loss"])
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_explore_renders_every_encoding(settings, name: str) -> None:
+    app = page("explore")
+    app.session_state["explore_encoding"] = name
+    app.session_state["explore_length"] = 64
+    app.run()
+    assert not app.exception, app.exception
+    drawn = figures(app)
+    assert drawn and drawn[0]["data"]
+    if REGISTRY[name].family == "bias":
+        assert any(t.get("type") == "heatmap" for f in drawn for t in f["data"])
+    if REGISTRY[name].scalable:
+        names = {t["name"] for f in drawn for t in f["data"] if "name" in t}
+        assert {"trained (none)", "pi (s=8)", "ntk (s=8)", "yarn (s=8)"} <= names
+
+
+def test_password_gate(settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POSBENCH_DASHBOARD_PASSWORD", "s3cret")
+    get_settings.cache_clear()
+    app = AppTest.from_file(APP, default_timeout=60).run()
+    assert [t.value for t in app.title] == ["posbench"]  # nothing else is shown
+    assert [b.label for b in app.button] == ["Log in"]
+    assert app.text_input[0].label == "Password"
+    app.text_input[0].set_value("wrong")
+    app.button[0].click().run()
+    assert [e.value for e in app.error] == ["Wrong password."]
+    assert "Submit a study" not in [t.value for t in app.title]
+    app.text_input[0].set_value("s3cret")
+    app.button[0].click().run()
+    assert "Submit a study" in [t.value for t in app.title]
