@@ -108,13 +108,18 @@ def curve_figure(
         type="log", title="evaluation length", tickvals=lengths, ticktext=[str(n) for n in lengths]
     )
     figure.update_yaxes(type="log" if log_y else "linear", title=metric)
+    # A trace, not a layout shape: shapes on a log axis take log10 coordinates.
+    low, high = summary["low"].min(), summary["high"].max()
     for length in sorted(set(train_lengths)):
-        figure.add_vline(
-            x=length,
-            line_dash="dash",
-            line_color="grey",
-            annotation_text=f"train length {length}",
-            annotation_position="top",
+        figure.add_trace(
+            go.Scatter(
+                x=[length, length],
+                y=[low, high],
+                mode="lines",
+                name=f"train length {length}",
+                line={"color": "grey", "dash": "dash", "width": 1},
+                hoverinfo="name",
+            )
         )
     figure.update_layout(
         title=title,

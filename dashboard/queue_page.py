@@ -83,7 +83,8 @@ def render() -> None:
     wanted = query_ints("study")
     default = ids.index(wanted[0]) if wanted and wanted[0] in ids else 0
     labels = {
-        row.id: f"{row.id}: {row.name} ({row.done}/{row.runs} done)" for row in studies.itertuples()
+        row.id: f"{row.id}: {row.name} ({row.runs} runs, {row.task})"
+        for row in studies.itertuples()
     }
     study_id = st.selectbox("Study", ids, index=default, format_func=labels.get, key="study")
     set_query("study", [study_id])

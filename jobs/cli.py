@@ -337,28 +337,11 @@ def dashboard(
 ) -> None:
     """Serve the Streamlit dashboard (health check: /_stcore/health)."""
     import os
-    import sys
 
-    from jobs.embedded import DASHBOARD_APP
+    from jobs.embedded import dashboard_command
 
-    os.execvp(
-        sys.executable,
-        [
-            sys.executable,
-            "-m",
-            "streamlit",
-            "run",
-            str(DASHBOARD_APP),
-            "--server.port",
-            str(port),
-            "--server.address",
-            address,
-            "--server.headless",
-            "true",
-            "--browser.gatherUsageStats",
-            "false",
-        ],
-    )
+    command = dashboard_command(port, address)
+    os.execvp(command[0], command)
 
 
 @app.command()

@@ -24,6 +24,21 @@ from jobs.settings import get_settings
 DASHBOARD_APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
 
 
+def dashboard_command(port: int, address: str = "0.0.0.0") -> list[str]:
+    """``streamlit run`` for the dashboard, headless, with the developer toolbar hidden."""
+    options = {
+        "server.port": str(port),
+        "server.address": address,
+        "server.headless": "true",
+        "browser.gatherUsageStats": "false",
+        "client.toolbarMode": "viewer",
+    }
+    command = [sys.executable, "-m", "streamlit", "run", str(DASHBOARD_APP)]
+    for key, value in options.items():
+        command += [f"--{key}", value]
+    return command
+
+
 def serve(*, dashboard: bool, port: int, console: Console) -> int:
     from db.migrate import upgrade
 
@@ -53,22 +68,7 @@ def serve(*, dashboard: bool, port: int, console: Console) -> int:
         spawn("worker", [sys.executable, "-m", "jobs.cli", "worker"])
         urls = [f"broker    {settings.broker}", f"database  {settings.database}"]
         if dashboard and DASHBOARD_APP.exists():
-            spawn(
-                "dashboard",
-                [
-                    sys.executable,
-                    "-m",
-                    "streamlit",
-                    "run",
-                    str(DASHBOARD_APP),
-                    "--server.port",
-                    str(port),
-                    "--server.headless",
-                    "true",
-                    "--browser.gatherUsageStats",
-                    "false",
-                ],
-            )
+            spawn("dashboard", dashboard_command(port, address="127.0.0.1"))
             urls.insert(0, f"dashboard http://localhost:{port}")
         console.print("[bold]posbench is up[/]\n  " + "\n  ".join(urls))
         console.print(

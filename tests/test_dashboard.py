@@ -138,6 +138,8 @@ def test_compare_draws_curves_with_seed_intervals(settings) -> None:
     assert not app.exception
     curves, positions = figures(app)
     lines = [t for t in curves["data"] if t.get("mode") == "lines+markers"]
+    marker = [t for t in curves["data"] if t.get("name") == "train length 32"]
+    assert marker and marker[0]["x"] == [32, 32]
     assert [t["name"] for t in lines] == ["alibi", "rope"]  # t5 has no finished evaluation
     bands = [t for t in curves["data"] if t.get("fill") == "toself"]
     assert len(bands) == 2  # two seeds: a 95% interval per line

@@ -1,0 +1,142 @@
+"""The dashboard with real parts: a valid submit through AppTest reaches Redis, and a real
+headless Chromium drives `posbench up` from the Submit form to the Compare page."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import redis
+from streamlit.testing.v1 import AppTest
+
+from db import queries
+from db.migrate import upgrade
+from jobs.settings import get_settings
+
+from .conftest import IN_CI, ROOT
+
+APP = str(ROOT / "dashboard" / "app.py")
+SCREENSHOTS = ROOT / ".posbench" / "screenshots"
+
+
+def test_a_valid_submit_writes_the_study_and_enqueues_its_runs(
+    tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("POSBENCH_HOME", str(tmp_path))
+    monkeypatch.setenv("POSBENCH_DATABASE_URL", f"sqlite:///{tmp_path}/dash.db")
+    monkeypatch.setenv("POSBENCH_BROKER_URL", redis_url)
+    get_settings.cache_clear()
+    try:
+        upgrade(get_settings().database)
+        app = AppTest.from_file(APP, default_timeout=60).run()
+        app.selectbox(key="preset").set_value("smoke").run()
+        app.button(key="submit").click().run()
+        assert not app.exception
+        assert app.success[0].value == "Study 1 submitted: 3 runs queued."
+        runs = queries.runs(get_settings().database, study_id=1)
+        assert list(runs["label"]) == ["nope", "rope", "alibi"]
+        assert list(runs["status"]) == ["queued"] * 3
+        client = redis.Redis(unix_socket_path=redis_url.removeprefix("redis+socket://"))
+        assert client.llen("gpu") == 3
+    finally:
+        get_settings.cache_clear()
+
+
+def _chromium() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _wait_http(url: str, timeout: float) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"{url} did not answer")
+
+
+def test_browser_submit_watch_compare() -> None:
+    browser_path = _chromium()
+    if browser_path is None:
+        message = "no Chromium: apt-get install chromium (or run .ci/run, which installs it)"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+    from playwright.sync_api import expect, sync_playwright
+
+    home = Path(tempfile.mkdtemp(prefix="pb-ui-"))
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("POSBENCH_")}
+    env.update({"POSBENCH_HOME": str(home), "POSBENCH_DEVICE": "cpu", "PYTHONUNBUFFERED": "1"})
+    up = subprocess.Popen(
+        [sys.executable, "-m", "jobs.cli", "up", "--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_http(f"{base}/_stcore/health", timeout=90)
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(
+                executable_path=browser_path,
+                headless=True,
+                args=[
+                    "--no-sandbox",
+                    "--disable-gpu",
+                    "--disable-dev-shm-usage",
+                    "--disable-background-networking",
+                    "--disable-component-update",
+                    "--no-first-run",
+                ],
+            )
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.set_default_timeout(60_000)
+            page.goto(base)
+            expect(page.get_by_text("Submit a study")).to_be_visible()
+            page.get_by_role("combobox", name="Start from").click()
+            page.get_by_role("option", name="smoke").click()
+            expect(page.get_by_text("3 runs x 40 steps")).to_be_visible()
+            page.screenshot(path=SCREENSHOTS / "submit.png", full_page=True)
+            page.get_by_role("button", name="Submit").click()
+            expect(page.get_by_text("Study 1 submitted: 3 runs queued.")).to_be_visible()
+            page.get_by_text("Watch study 1 on the queue").click()
+            expect(page.get_by_text("3 done", exact=False)).to_be_visible(timeout=300_000)
+            page.screenshot(path=SCREENSHOTS / "queue.png", full_page=True)
+            page.goto(f"{base}/compare?studies=1")
+            expect(page.locator(".js-plotly-plot").first).to_be_visible()
+            expect(page.get_by_text("perplexity against evaluation length")).to_be_visible()
+            page.screenshot(path=SCREENSHOTS / "compare.png", full_page=True)
+            page.goto(f"{base}/explore")
+            expect(page.locator(".js-plotly-plot").first).to_be_visible()
+            page.screenshot(path=SCREENSHOTS / "explore.png", full_page=True)
+            browser.close()
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.wait(timeout=60)
+    assert (SCREENSHOTS / "compare.png").stat().st_size > 10_000
