@@ -58,7 +58,9 @@ def serve(*, dashboard: bool, port: int, console: Console) -> int:
     def shutdown(*_: object) -> None:
         raise KeyboardInterrupt
 
+    # Installed explicitly: a process started in the background inherits SIGINT ignored.
     signal.signal(signal.SIGTERM, shutdown)
+    signal.signal(signal.SIGINT, shutdown)
     try:
         if settings.broker_url is None:
             children.append(("redis", start_redis(settings.redis_socket)))

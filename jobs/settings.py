@@ -12,6 +12,7 @@
 | POSBENCH_STALE_AFTER_SECONDS | 120 | a running run silent this long is requeued |
 | POSBENCH_RECONCILE_SECONDS | 30 | how often each worker looks for stranded runs |
 | POSBENCH_MAX_ATTEMPTS | 3 | a run whose worker died this many times fails |
+| POSBENCH_PIN_GPUS | false | pin pool process i to GPU i (CUDA_VISIBLE_DEVICES) |
 | POSBENCH_VISIBILITY_TIMEOUT | 172800 | Redis redelivers an unacknowledged message after this |
 | POSBENCH_DASHBOARD_PASSWORD | unset | when set, the dashboard asks for it |
 """
@@ -38,6 +39,7 @@ class Settings(BaseSettings):
     stale_after_seconds: float = Field(120.0, gt=0)
     reconcile_seconds: float = Field(30.0, gt=0)
     max_attempts: int = Field(3, ge=1, description="a run whose worker died this often fails")
+    pin_gpus: bool = Field(False, description="pin each pool process to its own GPU")
     # Longer than the longest allowed run, so Redis never redelivers a message
     # whose run is still training; the reconciler handles dead workers sooner.
     visibility_timeout: int = Field(172_800, gt=0)

@@ -21,14 +21,15 @@ from jobs.settings import get_settings
 log = logging.getLogger(__name__)
 
 
-@app.task(name=TRAIN_RUN, acks_late=True, reject_on_worker_lost=True)
-def train_run(run_id: int) -> str:
+@app.task(name=TRAIN_RUN, bind=True, acks_late=True, reject_on_worker_lost=True)
+def train_run(self, run_id: int) -> str:
     settings = get_settings()
     url = settings.database
     from jobs.spec import parse_spec
     from worker import store
 
-    claimed = store.claim(url, run_id, worker=f"{socket.gethostname()}:{threading.get_native_id()}")
+    node = self.request.hostname or socket.gethostname()
+    claimed = store.claim(url, run_id, worker=f"{node}:{threading.get_native_id()}")
     if claimed is None:
         return "not claimed: the run is not queued (done, cancelled, or another worker has it)"
     lease, spec_json, run = claimed
@@ -95,9 +96,25 @@ def _reason(err: BaseException) -> str:
     return f"internal error: {type(err).__name__}: {err}{where}"
 
 
+def gpu_for_pool_process(index: int, visible: str | None) -> str:
+    """The device a pool process owns: the index-th of the GPUs the node exposes."""
+    devices = [d for d in (visible or "").split(",") if d.strip()]
+    return devices[index % len(devices)] if devices else str(index)
+
+
 @worker_process_init.connect
-def _fresh_connections(**_: object) -> None:
-    """A forked pool process must not share the parent's database connections."""
+def _init_pool_process(**_: object) -> None:
+    """A forked pool process must not share the parent's database connections, and with
+    POSBENCH_PIN_GPUS it sees exactly one GPU: its own (before torch touches CUDA)."""
+    import os
+
+    from billiard.process import current_process
+
     from db.engine import dispose_after_fork
 
     dispose_after_fork()
+    index = getattr(current_process(), "index", None)
+    if get_settings().pin_gpus and index is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu_for_pool_process(
+            index, os.environ.get("CUDA_VISIBLE_DEVICES")
+        )

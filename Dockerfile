@@ -1,0 +1,50 @@
+# syntax=docker/dockerfile:1
+# Two images from one file:
+#   target "slim":   dashboard, migrations and CPU workers (CPU build of torch)
+#   target "worker": GPU workers (the CUDA build of torch from PyPI)
+# Both run the same `posbench` CLI as their entry point, as a non-root user.
+
+ARG PYTHON_VERSION=3.11
+
+FROM python:${PYTHON_VERSION}-slim AS base
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    POSBENCH_HOME=/data \
+    POSBENCH_ARTIFACTS=/artifacts
+RUN useradd --create-home --uid 10001 posbench \
+    && mkdir -p /data /artifacts /app \
+    && chown posbench:posbench /data /artifacts
+WORKDIR /app
+
+# Dependencies first, so that code changes do not reinstall torch.
+FROM base AS deps-cpu
+ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+RUN pip install --index-url "${TORCH_CPU_INDEX}" "torch>=2.4"
+
+FROM base AS deps-cuda
+RUN pip install "torch>=2.4"
+
+FROM deps-cpu AS slim
+COPY pyproject.toml README.md ./
+COPY worker ./worker
+COPY jobs ./jobs
+COPY db ./db
+COPY dashboard ./dashboard
+RUN pip install . && python -c "import jobs.cli, db.migrate, dashboard"
+USER posbench
+EXPOSE 8501
+ENTRYPOINT ["posbench"]
+CMD ["dashboard", "--port", "8501"]
+
+FROM deps-cuda AS worker
+COPY pyproject.toml README.md ./
+COPY worker ./worker
+COPY jobs ./jobs
+COPY db ./db
+COPY dashboard ./dashboard
+RUN pip install . && python -c "import jobs.cli, worker.tasks"
+USER posbench
+ENTRYPOINT ["posbench"]
+CMD ["worker", "--queues", "gpu"]

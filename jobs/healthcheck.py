@@ -1,0 +1,33 @@
+"""`python -m jobs.healthcheck`: exit 0 when the broker and the database answer.
+
+The worker containers' healthcheck: a worker that cannot reach either is not healthy.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from jobs.settings import get_settings
+
+
+def main() -> int:
+    settings = get_settings()
+    try:
+        from jobs.celery_app import producer
+
+        with producer(settings).connection_for_write() as connection:
+            connection.ensure_connection(max_retries=1, timeout=5)
+        from sqlalchemy import text
+
+        from db.engine import engine_for, normalize_url
+
+        with engine_for(normalize_url(settings.database)).connect() as connection:
+            connection.execute(text("SELECT 1"))
+    except Exception as err:  # any failure means unhealthy; say which
+        print(f"unhealthy: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""docker-compose.yml and the Dockerfile, checked without a Docker engine: the compose-spec
+JSON schema, and the properties the cluster relies on."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from jobs.settings import Settings
+from worker.tasks import gpu_for_pool_process
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+SERVICES: dict[str, Any] = COMPOSE["services"]
+LONG_RUNNING = [name for name, s in SERVICES.items() if s.get("restart") != "no"]
+
+
+def test_compose_file_validates_against_the_compose_spec_schema() -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "check_jsonschema",
+            "--builtin-schema",
+            "vendor.compose-spec",
+            str(ROOT / "docker-compose.yml"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_schema_check_can_fail(tmp_path: Path) -> None:
+    broken = {**COMPOSE, "services": {"redis": {**SERVICES["redis"], "healthcheck": {"tset": 1}}}}
+    path = tmp_path / "compose.yml"
+    path.write_text(yaml.safe_dump(broken))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "check_jsonschema",
+            "--builtin-schema",
+            "vendor.compose-spec",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode != 0
+
+
+def test_expected_services_and_profiles() -> None:
+    assert {"redis", "postgres", "migrate", "dashboard", "worker", "worker-cpu", "flower"} <= set(
+        SERVICES
+    )
+    assert SERVICES["worker-cpu"]["profiles"] == ["cpu"]
+    assert SERVICES["flower"]["profiles"] == ["monitor"]
+    assert "container_name" not in SERVICES["worker-cpu"]  # --scale worker-cpu=N must work
+
+
+@pytest.mark.parametrize("name", LONG_RUNNING)
+def test_every_long_running_service_has_a_healthcheck(name: str) -> None:
+    check = SERVICES[name].get("healthcheck", {})
+    assert check.get("test") and not check.get("disable")
+
+
+def test_migration_is_one_shot_and_gates_the_others() -> None:
+    assert SERVICES["migrate"]["restart"] == "no"
+    assert SERVICES["migrate"]["command"] == ["db", "upgrade"]
+    for name in ("dashboard", "worker", "worker-cpu"):
+        needs = SERVICES[name]["depends_on"]
+        assert needs["migrate"]["condition"] == "service_completed_successfully"
+        assert needs["redis"]["condition"] == needs["postgres"]["condition"] == "service_healthy"
+
+
+def test_broker_and_database_publish_no_port() -> None:
+    assert "ports" not in SERVICES["redis"] and "ports" not in SERVICES["postgres"]
+    assert SERVICES["dashboard"]["ports"] == ["8501:8501"]
+    assert all(p.startswith("127.0.0.1:") for p in SERVICES["flower"]["ports"])
+
+
+def test_redis_persists_and_never_evicts() -> None:
+    command = SERVICES["redis"]["command"]
+    assert command[command.index("--appendonly") + 1] == "yes"
+    assert command[command.index("--maxmemory-policy") + 1] == "noeviction"
+    assert "pg_isready -h 127.0.0.1" in SERVICES["postgres"]["healthcheck"]["test"][1]
+
+
+def test_gpu_reservation_is_well_formed() -> None:
+    devices = SERVICES["worker"]["deploy"]["resources"]["reservations"]["devices"]
+    assert len(devices) == 1
+    device = devices[0]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+    assert ("count" in device) != ("device_ids" in device)  # exactly one of them
+    count = re.sub(r"\$\{[A-Z_]+:-(\w+)\}", r"\1", str(device["count"]))
+    assert count == "all" or int(count) >= 1
+    # One pool process per reserved GPU.
+    command = SERVICES["worker"]["command"]
+    assert command[command.index("--concurrency") + 1] == str(device["count"])
+
+
+def test_environment_variables_match_the_settings_object() -> None:
+    fields = {f"POSBENCH_{name.upper()}" for name in Settings.model_fields}
+    for name, service in SERVICES.items():
+        environment = service.get("environment") or {}
+        for key in environment:
+            if key.startswith("POSBENCH_"):
+                assert key in fields, f"{name}: {key} is not a setting"
+    for line in (ROOT / ".env.example").read_text().splitlines():
+        key = line.split("=", 1)[0]
+        if key.startswith("POSBENCH_") and key != "POSBENCH_GPUS_PER_NODE":
+            assert key in fields
+
+
+def test_required_variables_are_in_env_example() -> None:
+    text = (ROOT / "docker-compose.yml").read_text()
+    required = set(re.findall(r"\$\{(\w+):\?", text))
+    example = {
+        line.split("=", 1)[0]
+        for line in (ROOT / ".env.example").read_text().splitlines()
+        if "=" in line and not line.startswith("#")
+    }
+    assert required and required <= example
+
+
+def test_images_are_pinned_and_built_from_this_dockerfile() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    stages = set(re.findall(r"^FROM .+ AS (\S+)$", dockerfile, flags=re.MULTILINE))
+    for name, service in SERVICES.items():
+        build = service.get("build")
+        if build:
+            assert build["target"] in stages
+        image = service["image"]
+        if image.startswith("posbench:"):
+            assert image.split(":")[1] in stages
+        else:
+            assert ":" in image and not image.endswith(":latest"), name
+    assert re.search(r"^USER posbench$", dockerfile, flags=re.MULTILINE)
+    assert '"posbench"' in dockerfile and ".venv" in (ROOT / ".dockerignore").read_text()
+
+
+@pytest.mark.parametrize("name", ["migrate", "dashboard", "worker", "worker-cpu"])
+def test_service_commands_are_real_posbench_commands(name: str) -> None:
+    command = [
+        part.replace("${POSBENCH_GPUS_PER_NODE:-1}", "1") for part in SERVICES[name]["command"]
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "jobs.cli", command[0], "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+    for option in command[1:]:
+        if option.startswith("--"):
+            assert option in done.stdout, f"{name}: {option} is not an option of {command[0]}"
+
+
+def test_healthcheck_module_reports_an_unreachable_service() -> None:
+    env = {
+        **os.environ,
+        "POSBENCH_BROKER_URL": "redis://127.0.0.1:1/0",
+        "POSBENCH_DATABASE_URL": "sqlite:////nonexistent/dir/x.db",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "jobs.healthcheck"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1 and "unhealthy" in done.stderr
+
+
+def test_each_pool_process_gets_its_own_gpu() -> None:
+    assert [gpu_for_pool_process(i, None) for i in range(3)] == ["0", "1", "2"]
+    assert [gpu_for_pool_process(i, "4,5") for i in range(3)] == ["4", "5", "4"]
