@@ -205,46 +205,38 @@ def status(
     console.print(frame_table(frame[shown], title=title))
 
 
-def _target(study: int | None, run: int | None) -> dict[str, int | None]:
+def _on_runs(action, study: int | None, run: int | None):
+    """Apply a jobs.service action to a study or one run; bad ids exit 2."""
+    from jobs.service import NotFound
+
     if (study is None) == (run is None):
         fail("give a study id or --run ID", code=2)
-    return {"study_id": study, "run_id": run}
+    _database()
+    try:
+        return action(study_id=study, run_id=run)
+    except NotFound as err:
+        fail(str(err), code=2)
+
+
+StudyArgument = Annotated[int | None, typer.Argument(show_default=False)]
+RunOption = Annotated[int | None, typer.Option("--run", help="One run instead of a study.")]
 
 
 @app.command()
-def cancel(
-    study: Annotated[int | None, typer.Argument(show_default=False)] = None,
-    run: Annotated[int | None, typer.Option("--run", help="One run instead of a study.")] = None,
-) -> None:
+def cancel(study: StudyArgument = None, run: RunOption = None) -> None:
     """Cancel queued runs at once; running runs stop at their next progress report."""
-    from jobs.service import NotFound
     from jobs.service import cancel as cancel_runs
 
-    target = _target(study, run)
-    _database()
-    try:
-        counts = cancel_runs(**target)
-    except NotFound as err:
-        fail(str(err), code=2)
+    counts = _on_runs(cancel_runs, study, run)
     console.print(f"{counts['cancelled']} cancelled, {counts['stopping']} stopping")
 
 
 @app.command()
-def retry(
-    study: Annotated[int | None, typer.Argument(show_default=False)] = None,
-    run: Annotated[int | None, typer.Option("--run", help="One run instead of a study.")] = None,
-) -> None:
+def retry(study: StudyArgument = None, run: RunOption = None) -> None:
     """Queue failed or cancelled runs again; they resume from their last checkpoint."""
-    from jobs.service import NotFound
     from jobs.service import retry as retry_runs
 
-    target = _target(study, run)
-    _database()
-    try:
-        requeued = retry_runs(**target)
-    except NotFound as err:
-        fail(str(err), code=2)
-    console.print(f"{len(requeued)} runs queued again")
+    console.print(f"{len(_on_runs(retry_runs, study, run))} runs queued again")
 
 
 @app.command()
