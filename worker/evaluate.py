@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from jobs.spec import EvalSpec, VariantSpec
 from worker.data.base import Batch, Task
+from worker.memory import bound_heap_for
 from worker.model import Transformer
 
 NONE = VariantSpec()
@@ -151,6 +152,7 @@ def evaluate_length(
         )
         return row
     row.factor = variant.factor_at(length, train_length)
+    bound_heap_for(length)
     batch_size = max(1, spec.batch_tokens // length)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

@@ -50,18 +50,24 @@ PRESETS: dict[str, ModelConfig] = {
     "large": ModelConfig(d_model=768, n_layers=12, n_heads=12),  # one GPU, longer
 }
 
-# How many attention-score elements (batch x heads x query rows x keys) one
-# biased attention call may materialise. Above it, queries go in blocks.
-ATTENTION_SCORE_BUDGET = 1 << 24
+# Memory bounds of attention with a bias, in elements. The bias matrix itself
+# ([heads, T, T]) is built once per forward pass and shared by every layer while
+# it fits MASK_BUDGET; past it, each query block builds its own rows. Each query
+# block materialises at most SCORE_BUDGET scores (batch x heads x rows x keys).
+MASK_BUDGET = 1 << 24
+SCORE_BUDGET = 1 << 22
+MAX_BLOCK_ROWS = 256  # smaller blocks skip more of the causal upper triangle
+ATTENTION_SCORE_BUDGET = SCORE_BUDGET  # tests lower it to exercise small blocks
 
 
 class AttentionBias:
     """An encoding's bias plus the causal mask, for one forward pass.
 
-    When the whole ``[heads, T, T]`` matrix fits the budget it is built once and
-    shared by every layer (the encoding's parameters are shared across layers).
-    Otherwise layers ask for one block of query rows at a time, so evaluation at
-    long lengths never holds heads x T^2 scores.
+    Attention with a bias runs in blocks of query rows: block [s, e) needs keys
+    [0, e) only, so the causal upper triangle is mostly skipped, and evaluation at
+    long lengths never holds heads x T^2 scores. The rows come from a matrix built
+    once and shared by the layers when it fits, otherwise from the encoding's
+    per-distance values (Toeplitz encodings: ALiBi, T5, KERPLE) or its ``bias``.
     """
 
     def __init__(
@@ -80,17 +86,41 @@ class AttentionBias:
         self.dtype = dtype
         self.device = device
         per_row = batch_size * encoding.n_heads * length
-        self.block_rows = max(1, min(length, budget // per_row))
-        self.full = self.rows(0, length) if self.block_rows == length else None
+        self.block_rows = max(1, min(length, MAX_BLOCK_ROWS, budget // per_row))
+        by_distance = getattr(encoding, "distance_bias", None) if causal else None
+        self.by_distance = by_distance(length) if by_distance is not None else None
+        fits = encoding.n_heads * length * length <= MASK_BUDGET
+        self.full = self._build(0, length) if fits or not causal else None
 
-    def rows(self, start: int, end: int) -> Tensor:
-        """``[heads, end-start, end]``: bias for queries start..end-1 over keys 0..end-1."""
-        bias = self.encoding.bias(end - start, end)
-        assert bias is not None, "AttentionBias needs an encoding with a bias"
+    def _build(self, start: int, end: int) -> Tensor:
+        if self.by_distance is not None:
+            query = torch.arange(start, end, device=self.device)
+            key = torch.arange(end, device=self.device)
+            bias = self.by_distance[:, (query[:, None] - key[None, :]).clamp(min=0)]
+        else:
+            bias = self.encoding.bias(end - start, end)
+            assert bias is not None, "AttentionBias needs an encoding with a bias"
         if self.causal:
             future = torch.ones(end - start, end, dtype=torch.bool, device=self.device)
             bias = bias.masked_fill(future.triu(diagonal=start + 1), float("-inf"))
         return bias.to(self.dtype)
+
+    def rows(self, start: int, end: int) -> Tensor:
+        """``[heads, end-start, end]``: bias for queries start..end-1 over keys 0..end-1."""
+        if self.full is not None:
+            return self.full[:, start:end, :end]
+        return self._build(start, end)
+
+
+def biased_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
+    """softmax(q k^T / sqrt(d) + bias) v. On the CPU, PyTorch's fused kernels do not take
+    an additive bias and its fallback materialises every score at once, so the three
+    steps are written out (per query block, by the caller); elsewhere SDPA serves."""
+    if q.device.type != "cpu":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    scores = torch.matmul(q, k.transpose(-1, -2))
+    scores = torch.add(bias, scores, alpha=q.shape[-1] ** -0.5)
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
 class CausalSelfAttention(nn.Module):
@@ -117,23 +147,18 @@ class CausalSelfAttention(nn.Module):
         q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each [B, H, T, head_dim]
         q, k = encoding.rotate(q, k, positions)
         if attn_bias is None:
-            # No bias: the fused causal kernel (flash on GPU) serves.
+            # No bias: the fused causal kernel (flash) serves.
             y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        elif attn_bias.full is not None or not causal:
-            if attn_bias.full is None:
-                raise ValueError("non-causal attention needs the whole bias matrix")
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias.full)
+        elif not causal:
+            y = biased_attention(q, k, v, attn_bias.full)
         else:
-            # Queries in blocks; block i only needs keys up to its last row.
+            # Queries in blocks; block [s, e) only needs keys up to e.
             blocks = []
             for start in range(0, length, attn_bias.block_rows):
                 end = min(length, start + attn_bias.block_rows)
                 blocks.append(
-                    F.scaled_dot_product_attention(
-                        q[:, :, start:end],
-                        k[:, :, :end],
-                        v[:, :, :end],
-                        attn_mask=attn_bias.rows(start, end),
+                    biased_attention(
+                        q[:, :, start:end], k[:, :, :end], v[:, :, :end], attn_bias.rows(start, end)
                     )
                 )
             y = torch.cat(blocks, dim=2)

@@ -42,3 +42,8 @@ class ALiBi(PositionEncoding):
     def bias(self, q_len: int, k_len: int) -> Tensor:
         distance = relative_distance(q_len, k_len, self.slopes.device).abs()
         return -self.slopes[:, None, None] * distance
+
+    def distance_bias(self, length: int) -> Tensor:
+        """``[heads, length]``: the bias at distance 0..length-1 (a Toeplitz encoding)."""
+        distance = torch.arange(length, device=self.slopes.device, dtype=torch.float32)
+        return -self.slopes[:, None] * distance

@@ -55,6 +55,15 @@ class FIRE(PositionEncoding):
         normaliser = self.psi(torch.maximum(query_pos, self.threshold)) + self.eps
         return self.psi(distance) / normaliser[:, None]
 
+    # The MLP's hidden activations are rows x keys x width: computed in row chunks
+    # of at most this many elements, so long evaluations stay within memory.
+    hidden_budget = 1 << 22
+
     def bias(self, q_len: int, k_len: int) -> Tensor:
         normalized = self.normalized_distance(q_len, k_len)
-        return self.mlp(normalized[..., None]).permute(2, 0, 1)
+        width = self.mlp[0].out_features
+        rows = max(1, self.hidden_budget // (k_len * width))
+        if rows >= q_len:
+            return self.mlp(normalized[..., None]).permute(2, 0, 1)
+        chunks = [self.mlp(normalized[s : s + rows, :, None]) for s in range(0, q_len, rows)]
+        return torch.cat(chunks, dim=0).permute(2, 0, 1)

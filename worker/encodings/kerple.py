@@ -40,6 +40,17 @@ def _initial(n_heads: int, high: float) -> Tensor:
 class _Kerple(PositionEncoding):
     has_bias = True
 
+    def kernel(self, distance: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def bias(self, q_len: int, k_len: int) -> Tensor:
+        return self.kernel(relative_distance(q_len, k_len, self.raw_r1.device).abs())
+
+    def distance_bias(self, length: int) -> Tensor:
+        """``[heads, length]``: the bias at distance 0..length-1 (a Toeplitz encoding)."""
+        distance = torch.arange(length, device=self.raw_r1.device, dtype=torch.float32)
+        return self.kernel(distance[None, :])[:, 0]
+
     def __init__(self, **dims: int) -> None:
         super().__init__(**dims)
         self.raw_r1 = nn.Parameter(_raw_positive(_initial(self.n_heads, 2.0)))
@@ -60,8 +71,7 @@ class KerpleLog(_Kerple):
     def r2(self) -> Tensor:
         return _positive(self.raw_r2)
 
-    def bias(self, q_len: int, k_len: int) -> Tensor:
-        distance = relative_distance(q_len, k_len, self.raw_r1.device).abs()
+    def kernel(self, distance: Tensor) -> Tensor:
         return -self.r1[:, None, None] * torch.log1p(self.r2[:, None, None] * distance)
 
 
@@ -77,8 +87,7 @@ class KerplePower(_Kerple):
     def r2(self) -> Tensor:
         return EPS + (POWER_MAX - EPS) * torch.sigmoid(self.raw_r2)
 
-    def bias(self, q_len: int, k_len: int) -> Tensor:
-        distance = relative_distance(q_len, k_len, self.raw_r1.device).abs()
+    def kernel(self, distance: Tensor) -> Tensor:
         # d^r2 at d = 0 has an infinite derivative in r2 (log 0); evaluate at 1 and mask.
         safe = torch.where(distance > 0, distance, torch.ones_like(distance))
         power = safe ** self.r2[:, None, None]

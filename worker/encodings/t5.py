@@ -43,3 +43,8 @@ class T5Bias(PositionEncoding):
         distance = relative_distance(q_len, k_len, self.table.device).to(torch.long)
         bucket = t5_bucket(distance, self.num_buckets, self.max_distance)
         return self.table[bucket].permute(2, 0, 1)
+
+    def distance_bias(self, length: int) -> Tensor:
+        """``[heads, length]``: the bias at distance 0..length-1 (a Toeplitz encoding)."""
+        distance = torch.arange(length, device=self.table.device)
+        return self.table[t5_bucket(distance, self.num_buckets, self.max_distance)].T

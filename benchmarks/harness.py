@@ -1,0 +1,175 @@
+"""Side-by-side timing: posbench and x-transformers in one process, interleaved rounds.
+
+Every round shuffles the contenders and times each for a few steps, and times a
+1024x1024 matmul in the same round as the hardware reference, so a noisy
+neighbour slows everything in that round alike. Figures are medians over rounds,
+reported as ratios, never asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from worker.model import build_model
+
+# The issue's sizes: dim 128, depth 4, 4 heads of 32, byte vocabulary.
+DIM, DEPTH, HEADS, HEAD_DIM, VOCAB = 128, 4, 4, 32, 256
+
+# x-transformers' fastest faithful configuration of each encoding (flash where it
+# allows it; full-head rotary like ours). KERPLE and randomized have no counterpart:
+# they are compared with the nearest one (ALiBi's fixed distance kernel, RoPE).
+XT_CONFIGS: dict[str, tuple[dict, dict, bool]] = {
+    # name: (TransformerWrapper kwargs, Decoder kwargs, flash allowed)
+    "nope": ({"use_abs_pos_emb": False}, {}, True),
+    "sinusoidal": ({"scaled_sinu_pos_emb": True}, {}, True),
+    "learned": ({}, {}, True),
+    "rope": (
+        {"use_abs_pos_emb": False},
+        {"rotary_pos_emb": True, "rotary_emb_dim": HEAD_DIM},
+        True,
+    ),
+    "xpos": (
+        {"use_abs_pos_emb": False},
+        {"rotary_pos_emb": True, "rotary_xpos": True, "rotary_emb_dim": HEAD_DIM},
+        True,
+    ),
+    "alibi": ({"use_abs_pos_emb": False}, {"alibi_pos_bias": True}, True),
+    "t5": ({"use_abs_pos_emb": False}, {"rel_pos_bias": True}, False),
+    "kerple_log": ({"use_abs_pos_emb": False}, {"alibi_pos_bias": True}, True),
+    "kerple_power": ({"use_abs_pos_emb": False}, {"alibi_pos_bias": True}, True),
+    "fire": ({"use_abs_pos_emb": False}, {"dynamic_pos_bias": True}, False),
+    "randomized": (
+        {"use_abs_pos_emb": False},
+        {"rotary_pos_emb": True, "rotary_emb_dim": HEAD_DIM},
+        True,
+    ),
+}
+FUSED_PATH = ("nope", "sinusoidal", "learned", "rope", "xpos")
+BIAS = ("alibi", "t5", "kerple_log", "kerple_power", "fire")
+
+
+def posbench_model(encoding: str, max_length: int) -> nn.Module:
+    from worker.model import ModelConfig
+
+    config = ModelConfig(d_model=DIM, n_layers=DEPTH, n_heads=HEADS, vocab_size=VOCAB)
+    params = {"max_position": 4 * max_length} if encoding == "randomized" else {}
+    return build_model(config, encoding, train_length=max_length, **params)
+
+
+def xtransformers_model(encoding: str, max_length: int) -> nn.Module:
+    from x_transformers import Decoder, TransformerWrapper
+
+    wrapper, layers, flash = XT_CONFIGS[encoding]
+    decoder = Decoder(
+        dim=DIM, depth=DEPTH, heads=HEADS, attn_dim_head=HEAD_DIM, attn_flash=flash, **layers
+    )
+    return TransformerWrapper(
+        num_tokens=VOCAB, max_seq_len=max_length, attn_layers=decoder, **wrapper
+    )
+
+
+def flops_per_token(length: int, training: bool) -> float:
+    """Matmul FLOPs per token of this architecture (PaLM appendix B), forward x3 for training."""
+    matmul = DEPTH * 12 * DIM * DIM + VOCAB * DIM
+    forward = 2 * matmul + 2 * DEPTH * DIM * length  # q.k and attention x v, causal halving ignored
+    return 3 * forward if training else forward
+
+
+def matmul_flops_per_second(size: int = 1024, repeats: int = 8) -> float:
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    started = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2 * size**3 * repeats / (time.perf_counter() - started)
+
+
+@dataclass
+class Contender:
+    name: str
+    encoding: str
+    implementation: str
+    work: Callable[[], int]  # runs one unit of work, returns the tokens it processed
+    samples: list[float] = field(default_factory=list)  # tokens/s per round
+    utilisation: list[float] = field(default_factory=list)
+
+
+def interleave(
+    contenders: list[Contender], rounds: int, units: int, flops: float, seed: int = 0
+) -> float:
+    """Run ``rounds`` shuffled rounds; returns the median matmul FLOP/s."""
+    rng = random.Random(seed)
+    references = []
+    for contender in contenders:  # warm up: allocations, autotuning, lazy init
+        contender.work()
+    for _ in range(rounds):
+        order = contenders[:]
+        rng.shuffle(order)
+        reference = matmul_flops_per_second()
+        references.append(reference)
+        for contender in order:
+            started = time.perf_counter()
+            tokens = sum(contender.work() for _ in range(units))
+            rate = tokens / (time.perf_counter() - started)
+            contender.samples.append(rate)
+            contender.utilisation.append(rate * flops / reference)
+    return statistics.median(references)
+
+
+def report(
+    contenders: list[Contender],
+    reference: float,
+    title: str,
+    out: Path | None,
+    extra: dict[str, dict] | None = None,
+) -> list[dict]:
+    rows = []
+    by_encoding: dict[str, dict[str, Contender]] = {}
+    for contender in contenders:
+        by_encoding.setdefault(contender.encoding, {})[contender.implementation] = contender
+    for encoding, pair in by_encoding.items():
+        ours, theirs = pair.get("posbench"), pair.get("x-transformers")
+        row = {"encoding": encoding}
+        for label, contender in (("posbench", ours), ("x-transformers", theirs)):
+            if contender is None:
+                continue
+            row[f"{label}_tokens_per_s"] = statistics.median(contender.samples)
+            row[f"{label}_utilisation"] = statistics.median(contender.utilisation)
+        if ours and theirs:
+            row["ratio"] = row["posbench_tokens_per_s"] / row["x-transformers_tokens_per_s"]
+        row.update((extra or {}).get(encoding, {}))
+        rows.append(row)
+    print(f"\n### {title}\n\nmatmul reference: {reference / 1e9:.1f} GFLOP/s (median of rounds)\n")
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for row in rows:
+        cells = [
+            f"{row[c]:,.3g}" if isinstance(row.get(c), float) else str(row.get(c, ""))
+            for c in columns
+        ]
+        print("| " + " | ".join(cells) + " |")
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(
+            json.dumps(
+                {
+                    "title": title,
+                    "matmul_flops_per_s": reference,
+                    "rows": rows,
+                    "samples": [asdict(c) | {"work": None} for c in contenders],
+                },
+                indent=1,
+                default=str,
+            )
+        )
+    return rows

@@ -1,0 +1,75 @@
+"""Training-step throughput: posbench against x-transformers, every encoding.
+
+    python -m benchmarks.train_step [--rounds 5] [--encodings rope alibi] [--out FILE]
+
+dim 128, depth 4, 4 heads of 32, batch 16 x 256, fp32 on the CPU: forward, backward
+and an AdamW step per unit of work.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.harness import (
+    XT_CONFIGS,
+    Contender,
+    flops_per_token,
+    interleave,
+    posbench_model,
+    report,
+    xtransformers_model,
+)
+
+BATCH, LENGTH = 16, 256
+
+
+def step_fn(model: torch.nn.Module, tokens: torch.Tensor):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> int:
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        return BATCH * LENGTH
+
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=2, help="steps per contender per round")
+    parser.add_argument("--encodings", nargs="*", default=list(XT_CONFIGS))
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 256, (BATCH, LENGTH + 1))
+    contenders = []
+    for encoding in args.encodings:
+        for implementation, build in (
+            ("posbench", posbench_model),
+            ("x-transformers", xtransformers_model),
+        ):
+            model = build(encoding, LENGTH).train()
+            contenders.append(
+                Contender(
+                    f"{implementation}:{encoding}", encoding, implementation, step_fn(model, tokens)
+                )
+            )
+    reference = interleave(contenders, args.rounds, args.steps, flops_per_token(LENGTH, True))
+    report(
+        contenders,
+        reference,
+        f"training step, batch {BATCH} x {LENGTH}, fp32, {torch.get_num_threads()} threads",
+        args.out,
+    )
+
+
+if __name__ == "__main__":
+    main()
