@@ -22,12 +22,11 @@ import torch
 
 from benchmarks.harness import (
     XT_CONFIGS,
-    Contender,
     flops_per_token,
     interleave,
+    pairs,
     posbench_model,
     report,
-    xtransformers_model,
 )
 
 
@@ -105,21 +104,7 @@ def main() -> None:
         return
     torch.manual_seed(0)
     tokens = torch.randint(0, 256, (args.batch, args.length))
-    contenders = []
-    for encoding in args.encodings:
-        for implementation, build in (
-            ("posbench", posbench_model),
-            ("x-transformers", xtransformers_model),
-        ):
-            model = build(encoding, args.length)
-            contenders.append(
-                Contender(
-                    f"{implementation}:{encoding}",
-                    encoding,
-                    implementation,
-                    forward_fn(model, tokens),
-                )
-            )
+    contenders = pairs(args.encodings, args.length, lambda model: forward_fn(model, tokens))
     reference = interleave(contenders, args.rounds, 1, flops_per_token(args.length, False))
     extra = memory(args.encodings, args.memory) if args.memory else {}
     report(

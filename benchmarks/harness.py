@@ -103,6 +103,27 @@ class Contender:
     utilisation: list[float] = field(default_factory=list)
 
 
+def pairs(
+    encodings: list[str], length: int, work: Callable[[nn.Module], Callable[[], int]]
+) -> list[Contender]:
+    """For every encoding, posbench's model and x-transformers', each wrapped by ``work``."""
+    contenders = []
+    for encoding in encodings:
+        for implementation, build in (
+            ("posbench", posbench_model),
+            ("x-transformers", xtransformers_model),
+        ):
+            contenders.append(
+                Contender(
+                    f"{implementation}:{encoding}",
+                    encoding,
+                    implementation,
+                    work(build(encoding, length)),
+                )
+            )
+    return contenders
+
+
 def interleave(
     contenders: list[Contender], rounds: int, units: int, flops: float, seed: int = 0
 ) -> float:

@@ -16,12 +16,10 @@ import torch.nn.functional as F
 
 from benchmarks.harness import (
     XT_CONFIGS,
-    Contender,
     flops_per_token,
     interleave,
-    posbench_model,
+    pairs,
     report,
-    xtransformers_model,
 )
 
 BATCH, LENGTH = 16, 256
@@ -50,18 +48,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     tokens = torch.randint(0, 256, (BATCH, LENGTH + 1))
-    contenders = []
-    for encoding in args.encodings:
-        for implementation, build in (
-            ("posbench", posbench_model),
-            ("x-transformers", xtransformers_model),
-        ):
-            model = build(encoding, LENGTH).train()
-            contenders.append(
-                Contender(
-                    f"{implementation}:{encoding}", encoding, implementation, step_fn(model, tokens)
-                )
-            )
+    contenders = pairs(args.encodings, LENGTH, lambda model: step_fn(model.train(), tokens))
     reference = interleave(contenders, args.rounds, args.steps, flops_per_token(LENGTH, True))
     report(
         contenders,

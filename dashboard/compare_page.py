@@ -8,7 +8,7 @@ from __future__ import annotations
 import streamlit as st
 
 from dashboard.common import database, query_ints, schema_ready, set_query
-from dashboard.curves import curve_figure, normalize, position_figure, summarize
+from dashboard.curves import curve_figure, line_label, normalize, position_figure, summarize
 from db import queries
 
 METRICS = {"perplexity": ["perplexity", "loss", "bits_per_byte"], "accuracy": ["accuracy"]}
@@ -102,13 +102,7 @@ def render() -> None:
         if not bins.empty:
             several = len(selected) > 1
             lines = at_length.assign(
-                line=at_length.apply(
-                    lambda r: (
-                        (r["label"] if r["variant"] == "none" else f"{r['label']} + {r['variant']}")
-                        + (f" [study {r['study_id']}]" if several else "")
-                    ),
-                    axis=1,
-                )
+                line=at_length.apply(line_label, axis=1, several_studies=several)
             )[["evaluation_id", "line"]]
             merged = bins.merge(lines, on="evaluation_id")
             averaged = merged.groupby(["line", "start", "end"], sort=False)["loss"].mean()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -64,11 +63,11 @@ def make_engine(url: str) -> Engine:
 _ENGINES: dict[str, Engine] = {}
 
 
-@lru_cache(maxsize=8)
 def engine_for(url: str) -> Engine:
     """One engine (and pool) per URL per process."""
-    engine = _ENGINES[url] = make_engine(url)
-    return engine
+    if url not in _ENGINES:
+        _ENGINES[url] = make_engine(url)
+    return _ENGINES[url]
 
 
 def session_factory(url: str) -> sessionmaker[Session]:
@@ -97,12 +96,6 @@ def with_retry(work: Callable[[], T], attempts: int = 5) -> T:
 
 def dispose_after_fork() -> None:
     """In a forked child: drop inherited pooled connections without closing the parent's."""
-    for engine in _engines():
+    for engine in _ENGINES.values():
         engine.dispose(close=False)
-    engine_for.cache_clear()
-
-
-def _engines() -> list[Engine]:
-    engines = list(_ENGINES.values())
     _ENGINES.clear()
-    return engines

@@ -160,7 +160,7 @@ def enqueue(
     """Send each run to the broker and stamp ``enqueued_at``; return the ids that failed."""
     settings = settings or get_settings()
     send = send or celery_send
-    unsent = []
+    sent, unsent = [], []
     for run_id in run_ids:
         try:
             send(run_id)
@@ -168,8 +168,11 @@ def enqueue(
             log.warning("could not enqueue run %s: %s", run_id, err)
             unsent.append(run_id)
             continue
+        sent.append(run_id)
+    if sent:
+        # One stamp for the batch; a crash before it only means a harmless re-send.
         with transaction(settings.database) as session:
-            session.execute(update(Run).where(Run.id == run_id).values(enqueued_at=utcnow()))
+            session.execute(update(Run).where(Run.id.in_(sent)).values(enqueued_at=utcnow()))
     return unsent
 
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from jobs.spec import MODEL_PRESETS
 from worker.encodings import build
 from worker.encodings.base import PositionEncoding
 
@@ -43,11 +44,9 @@ class ModelConfig:
         return asdict(self)
 
 
+# tiny: tests (seconds); small: CPU (minutes); base and large: one GPU.
 PRESETS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(d_model=64, n_layers=2, n_heads=4),  # tests: seconds
-    "small": ModelConfig(d_model=128, n_layers=4, n_heads=4),  # CPU: minutes
-    "base": ModelConfig(d_model=512, n_layers=8, n_heads=8),  # one GPU
-    "large": ModelConfig(d_model=768, n_layers=12, n_heads=12),  # one GPU, longer
+    name: ModelConfig(**dims) for name, dims in MODEL_PRESETS.items()
 }
 
 # Memory bounds of attention with a bias, in elements. The bias matrix itself
@@ -57,7 +56,6 @@ PRESETS: dict[str, ModelConfig] = {
 MASK_BUDGET = 1 << 24
 SCORE_BUDGET = 1 << 22
 MAX_BLOCK_ROWS = 256  # smaller blocks skip more of the causal upper triangle
-ATTENTION_SCORE_BUDGET = SCORE_BUDGET  # tests lower it to exercise small blocks
 
 
 class AttentionBias:
@@ -77,12 +75,11 @@ class AttentionBias:
         batch_size: int,
         dtype: torch.dtype,
         device: torch.device,
-        budget: int = ATTENTION_SCORE_BUDGET,
+        budget: int = SCORE_BUDGET,
         causal: bool = True,
     ) -> None:
         self.encoding = encoding
         self.causal = causal
-        self.length = length
         self.dtype = dtype
         self.device = device
         per_row = batch_size * encoding.n_heads * length
@@ -213,7 +210,7 @@ class Transformer(nn.Module):
         self.final_norm = nn.LayerNorm(config.d_model, bias=False)
         self.encoding = encoding
         # Tests lower this to exercise the query-block path on short sequences.
-        self.attention_score_budget = ATTENTION_SCORE_BUDGET
+        self.attention_score_budget = SCORE_BUDGET
         self._init_weights(seed)
 
     def _init_weights(self, seed: int) -> None:

@@ -21,6 +21,7 @@ import torch
 from jobs.settings import get_settings
 from jobs.spec import RunSpec, StudySpec
 from worker.data import build_task
+from worker.data.base import Task
 from worker.encodings import REGISTRY
 from worker.evaluate import Evaluation, evaluate
 from worker.model import ModelConfig, build_model
@@ -93,6 +94,13 @@ class RunResult:
         }
 
 
+def prepared_task(spec: StudySpec) -> Task:
+    """The study's task with its data loaded (a corpus is read and hashed once)."""
+    task = build_task(spec.task.name, **spec.task.params)
+    task.prepare(get_settings().corpus_cache)
+    return task
+
+
 def run_one(
     spec: StudySpec,
     run: RunSpec,
@@ -103,11 +111,12 @@ def run_one(
     on_evaluation: Callable[[Evaluation], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     skip_evaluations: set[tuple[str, str, int]] | None = None,
+    task: Task | None = None,
 ) -> RunResult:
-    """Train one (encoding, seed) of ``spec`` and evaluate it at every planned point."""
+    """Train one (encoding, seed) of ``spec`` and evaluate it at every planned point;
+    ``task`` is the study's task already prepared (built and loaded here otherwise)."""
     device = device or resolve_device()
-    task = build_task(spec.task.name, **spec.task.params)
-    task.prepare(get_settings().corpus_cache)
+    task = task or prepared_task(spec)
     config = ModelConfig(**spec.model.dims())
     model = build_model(
         config,
@@ -196,6 +205,7 @@ def run_study(
 ) -> StudyResult:
     """Every run of ``spec``, one after another, in this process."""
     result = StudyResult(spec)
+    task = prepared_task(spec)
     for run in spec.runs():
         if on_run_start is not None:
             on_run_start(run)
@@ -217,6 +227,7 @@ def run_study(
                 checkpoint=checkpoint,
                 on_progress=progress,
                 on_evaluation=evaluated,
+                task=task,
             )
         )
     return result
