@@ -8,8 +8,9 @@ from __future__ import annotations
 import streamlit as st
 
 from dashboard.common import database, query_ints, schema_ready, set_query
-from dashboard.curves import curve_figure, line_label, normalize, position_figure, summarize
+from dashboard.curves import curve_figure, normalize, position_figure, summarize
 from db import queries
+from jobs import analysis
 
 METRICS = {"perplexity": ["perplexity", "loss", "bits_per_byte"], "accuracy": ["accuracy"]}
 MAX_LENGTHS = 48
@@ -100,10 +101,7 @@ def render() -> None:
         at_length = view[(view["eval_length"] == length) & view["not_applicable"].isna()]
         bins = queries.position_bins(database(), at_length["evaluation_id"].tolist())
         if not bins.empty:
-            several = len(selected) > 1
-            lines = at_length.assign(
-                line=at_length.apply(line_label, axis=1, several_studies=several)
-            )[["evaluation_id", "line"]]
+            lines = analysis.with_lines(at_length)[["evaluation_id", "line"]]
             merged = bins.merge(lines, on="evaluation_id")
             averaged = merged.groupby(["line", "start", "end"], sort=False)["loss"].mean()
             st.plotly_chart(
@@ -112,6 +110,10 @@ def render() -> None:
     st.subheader("Results")
     table = summary.pivot_table(index="line", columns="eval_length", values="mean")
     st.dataframe(table, width="stretch", key="results")
+    _summaries(selected, protocol, shown)
+    _pairwise(view, metric, train_lengths)
+    if metric == "accuracy":
+        _groups(view)
     st.download_button(
         "Download CSV",
         view.drop(columns=["groups"]).to_csv(index=False),
@@ -119,6 +121,64 @@ def render() -> None:
         mime="text/csv",
         key="csv",
     )
+
+
+def _summaries(selected: list[int], protocol: str, shown: list[str]) -> None:
+    st.subheader("Summaries")
+    st.caption(
+        "Per run, then mean [bootstrap 95% interval] across seeds. ratio kx: the metric at "
+        "k x the training length over its value at 1x. effective length: the longest "
+        "length up to which perplexity stays within 10% of its training-length value "
+        "(accuracy stays at or above 0.5). mean ln ppl: the area under ln(perplexity) over "
+        "ln(length), divided by the ln-length span. order sensitivity: how much the loss on "
+        "the second half of a window rises (nats/byte) when its first half is shuffled."
+    )
+    stored = queries.run_summaries(database(), selected, protocol)
+    stored = stored[stored["variant"].isin(shown)]
+    if stored.empty:
+        st.info("Summaries are stored as runs finish.")
+        return
+    grid = analysis.summary_grid(analysis.summary_statistics(analysis.with_lines(stored)))
+    st.dataframe(grid, width="stretch", key="summaries")
+
+
+def _pairwise(view, metric: str, train_lengths: dict[int, int]) -> None:
+    st.subheader("Pairwise")
+    data = analysis.with_lines(view[view["not_applicable"].isna()])
+    lengths = sorted(data["eval_length"].unique())
+    if data["line"].nunique() < 2 or not lengths:
+        st.caption("Pairwise comparisons need at least two lines.")
+        return
+    length = st.select_slider(
+        "At evaluation length", lengths, value=lengths[-1], key="pairwise_length"
+    )
+    table = analysis.pairwise_table(data[data["eval_length"] == length], metric, line="line")
+    same_training = len(set(train_lengths.values())) == 1
+    train_length = next(iter(train_lengths.values())) if same_training else None
+    table["claim"] = [analysis.claim(row, train_length) for _, row in table.iterrows()]
+    st.caption(
+        "P(a wins): the fraction of 2,000 bootstrap resamples of each line's seeds in which "
+        "a's mean is better than b's (ties count half). With one seed per line it is 0, "
+        "0.5 or 1: add seeds to attach a confidence."
+    )
+    st.dataframe(
+        table.drop(columns="eval_length").rename(columns={"p_a_wins": "P(a wins)"}),
+        width="stretch",
+        key="pairwise",
+    )
+
+
+def _groups(view) -> None:
+    groups = analysis.group_accuracy(analysis.with_lines(view))
+    if groups.empty:
+        return
+    st.subheader("Accuracy by group")
+    for key, part in groups.groupby("key", sort=False):
+        st.caption(f"by {key} (mean over the other groups and over seeds)")
+        table = part.pivot_table(
+            index=["line", "value"], columns="eval_length", values="accuracy", sort=False
+        )
+        st.dataframe(table, width="stretch", key=f"groups_{key}")
 
 
 def _index(options: list[str], wanted: str | None) -> int:

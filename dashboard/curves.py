@@ -2,58 +2,15 @@
 
 from __future__ import annotations
 
-import math
-
 import pandas as pd
 import plotly.graph_objects as go
 
-# Two-sided 95% Student-t quantiles by degrees of freedom; 1.96 beyond the table.
-T95 = {
-    1: 12.706,
-    2: 4.303,
-    3: 3.182,
-    4: 2.776,
-    5: 2.571,
-    6: 2.447,
-    7: 2.365,
-    8: 2.306,
-    9: 2.262,
-    10: 2.228,
-    15: 2.131,
-    20: 2.086,
-    30: 2.042,
-}
-
-
-def t95(dof: int) -> float:
-    if dof <= 0:
-        return float("nan")
-    known = [d for d in T95 if d <= dof]
-    return T95[max(known)] if dof <= 30 else 1.96
-
-
-def line_label(row: pd.Series, several_studies: bool) -> str:
-    label = row["label"] if row["variant"] == "none" else f"{row['label']} + {row['variant']}"
-    return f"{label} [study {row['study_id']}]" if several_studies else label
+from jobs import analysis
 
 
 def summarize(frame: pd.DataFrame, metric: str) -> pd.DataFrame:
-    """Mean and 95% interval across seeds for every (line, length)."""
-    several = frame["study_id"].nunique() > 1
-    data = frame[frame["not_applicable"].isna()].copy()
-    if data.empty:
-        return pd.DataFrame(
-            columns=["line", "study_id", "eval_length", "mean", "low", "high", "seeds"]
-        )
-    data["line"] = data.apply(line_label, axis=1, several_studies=several)
-    grouped = data.groupby(["line", "study_id", "eval_length"], sort=False)[metric]
-    out = grouped.agg(["mean", "std", "count"]).reset_index()
-    half = [
-        t95(int(n) - 1) * s / math.sqrt(n) if n > 1 else 0.0
-        for s, n in zip(out["std"].fillna(0), out["count"], strict=True)
-    ]
-    out["low"], out["high"] = out["mean"] - half, out["mean"] + half
-    return out.rename(columns={"count": "seeds"}).drop(columns="std")
+    """Mean and bootstrap 95% interval across seeds for every (line, length)."""
+    return analysis.seed_summary(analysis.with_lines(frame), metric, line="line")
 
 
 def normalize(summary: pd.DataFrame, train_lengths: dict[int, int]) -> pd.DataFrame:
@@ -99,7 +56,7 @@ def curve_figure(
                 legendgroup=line,
                 customdata=group[["low", "high", "seeds"]],
                 hovertemplate=f"{line}<br>length %{{x}}<br>{metric} %{{y:.4g}}"
-                "<br>95%% CI [%{customdata[0]:.4g}, %{customdata[1]:.4g}]"
+                "<br>95% bootstrap CI [%{customdata[0]:.4g}, %{customdata[1]:.4g}]"
                 "<br>seeds %{customdata[2]}<extra></extra>",
             )
         )

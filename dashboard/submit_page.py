@@ -30,7 +30,7 @@ def _names(items: list[Any]) -> list[str]:
     return [item if isinstance(item, str) else item["name"] for item in items]
 
 
-def _param_input(encoding: str, param: Param, key: str) -> Any:
+def _param_input(param: Param, key: str) -> Any:
     label = f"{param.name}"
     if param.choices is not None:
         return st.selectbox(
@@ -85,13 +85,10 @@ def form(base: dict[str, Any], prefix: str) -> tuple[dict[str, Any], list[str]]:
             format_func=lambda n: f"{n}: {TASKS[n].summary}",
         )
         spec["task"] = {"name": task}
-        if task == "lm":
-            spec["task"]["corpus"] = st.text_input(
-                "Corpus",
-                "pystdlib",
-                key=key("corpus"),
-                help="pystdlib, text:<path> or hf:<name>[:<config>]",
-            )
+        for param in TASKS[task].params:
+            value = _param_input(param, key(f"{task}.{param.name}"))
+            if value is not None and value != param.default:
+                spec["task"][param.name] = value
         sizes = [*MODEL_PRESETS, "custom"]
         model = st.selectbox(
             "Model",
@@ -168,9 +165,7 @@ def form(base: dict[str, Any], prefix: str) -> tuple[dict[str, Any], list[str]]:
                 continue
             with st.expander(f"{name} parameters"):
                 st.caption(entry.reference)
-                params = {
-                    p.name: _param_input(name, p, key(f"{name}.{p.name}")) for p in entry.params
-                }
+                params = {p.name: _param_input(p, key(f"{name}.{p.name}")) for p in entry.params}
             changed = {
                 k: v for k, v in params.items() if v is not None and v != entry.param(k).default
             }
@@ -203,6 +198,13 @@ def form(base: dict[str, Any], prefix: str) -> tuple[dict[str, Any], list[str]]:
                 evaluation.get("tokens", 65536),
                 key=key("tokens"),
             )
+        )
+        spec["eval"]["order_probe"] = st.checkbox(
+            "Order probe (language modelling)",
+            value=evaluation.get("order_probe", True),
+            key=key("order_probe"),
+            help="Also score each window's second half with its first half shuffled: "
+            "how much each model relies on word order.",
         )
         variants = st.multiselect(
             "RoPE inference variants (rotary encodings)",

@@ -8,7 +8,10 @@ Tables (documented for plain SQL in the README):
 - ``train_points``: the training curve (step, loss, learning rate, tokens/s);
 - ``evaluations``: one point of an extrapolation curve, (run, variant, protocol,
   eval length) -> metrics;
-- ``position_bins``: loss by position inside the evaluation window.
+- ``position_bins``: loss by position inside the evaluation window;
+- ``run_summaries``: one run's curve turned into numbers, (run, variant, protocol,
+  name) -> value: extrapolation ratios, effective context length, area under the
+  log-perplexity curve, and the order probe (``jobs.analysis``, ``worker.probes``).
 
 Every natural key is unique, so writes are idempotent upserts: a message
 delivered twice cannot duplicate a row.
@@ -155,3 +158,18 @@ class PositionBin(Base):
     end: Mapped[int] = mapped_column(Integer)
     loss: Mapped[float] = mapped_column(Float)
     tokens: Mapped[int]
+
+
+class RunSummary(Base):
+    __tablename__ = "run_summaries"
+    __table_args__ = (
+        UniqueConstraint("run_id", "variant", "protocol", "name", name="uq_run_summaries_key"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    variant: Mapped[str] = mapped_column(String(40))
+    protocol: Mapped[str] = mapped_column(String(20))
+    name: Mapped[str] = mapped_column(String(40))
+    # NULL: defined for this run's curve but not computable (e.g. 32x was not evaluated).
+    value: Mapped[float | None]

@@ -8,7 +8,7 @@ import pandas as pd
 from sqlalchemy import Select, case, func, select
 
 from db.engine import engine_for, normalize_url
-from db.models import Evaluation, PositionBin, Run, Study, TrainPoint
+from db.models import Evaluation, PositionBin, Run, RunSummary, Study, TrainPoint
 
 
 def _frame(url: str, statement: Select) -> pd.DataFrame:
@@ -176,4 +176,31 @@ def train_points(url: str, run_ids: Sequence[int]) -> pd.DataFrame:
         .where(TrainPoint.run_id.in_(run_ids))
         .order_by(TrainPoint.run_id, TrainPoint.step)
     )
+    return _frame(url, statement)
+
+
+def run_summaries(
+    url: str, study_ids: Sequence[int] | None = None, protocol: str | None = None
+) -> pd.DataFrame:
+    """Every stored per-run summary (``jobs.analysis.summarize_run`` and the order
+    probe), one row per (run, variant, protocol, summary), with its run's identity."""
+    statement = (
+        select(
+            Run.study_id,
+            RunSummary.run_id,
+            Run.label,
+            Run.encoding,
+            Run.seed,
+            RunSummary.variant,
+            RunSummary.protocol,
+            RunSummary.name.label("summary"),
+            RunSummary.value,
+        )
+        .join(Run, Run.id == RunSummary.run_id)
+        .order_by(Run.study_id, Run.label, Run.seed, RunSummary.variant, RunSummary.name)
+    )
+    if study_ids:
+        statement = statement.where(Run.study_id.in_(study_ids))
+    if protocol:
+        statement = statement.where(RunSummary.protocol == protocol)
     return _frame(url, statement)

@@ -244,24 +244,80 @@ def results(
     study: Annotated[int, typer.Option("--study", help="The study id.")],
     output: Annotated[str, typer.Option("--format", help="table, csv or json.")] = "table",
     protocol: Annotated[str | None, typer.Option("--protocol")] = None,
+    view: Annotated[
+        str,
+        typer.Option(
+            "--view",
+            help="curves (metric by length), summaries (extrapolation ratio, effective "
+            "length, log-perplexity area, order probe: mean and bootstrap 95% interval "
+            "across seeds) or pairwise (P(A beats B) at each length).",
+        ),
+    ] = "curves",
+    factor: Annotated[
+        float | None,
+        typer.Option("--factor", help="pairwise: only this multiple of the training length."),
+    ] = None,
 ) -> None:
-    """Every evaluation of a study: metric by length, variant and protocol."""
+    """A study's results: its curves, their summaries, or pairwise comparisons."""
     from db import queries
 
     if output not in ("table", "csv", "json"):
         fail(f"--format must be table, csv or json, got {output!r}", code=2)
+    if view not in ("curves", "summaries", "pairwise"):
+        fail(f"--view must be curves, summaries or pairwise, got {view!r}", code=2)
+    if factor is not None and view != "pairwise":
+        fail("--factor applies to --view pairwise only", code=2)
     url = _database()
-    if queries.studies(url, [study]).empty:
+    studies = queries.studies(url, [study])
+    if studies.empty:
         fail(f"no study with id {study}", code=2)
+    row = studies.iloc[0]
     frame = queries.curves(url, study_ids=[study], protocol=protocol)
+    if view == "summaries":
+        frame, title = _summaries(url, study, protocol), "summaries across seeds"
+    elif view == "pairwise":
+        frame, title = _pairwise(frame, row, factor), "pairwise: P(a beats b) across seeds"
     if output == "csv":
-        typer.echo(frame.drop(columns=["groups"]).to_csv(index=False), nl=False)
+        typer.echo(frame.drop(columns=["groups"], errors="ignore").to_csv(index=False), nl=False)
     elif output == "json":
         typer.echo(frame.to_json(orient="records"))
-    else:
+    elif view == "curves":
         from jobs.watch import curve_table
 
-        console.print(curve_table(frame, queries.studies(url, [study]).iloc[0]))
+        console.print(curve_table(frame, row))
+    else:
+        from jobs import analysis
+        from jobs.watch import frame_table
+
+        shown = analysis.summary_grid(frame).reset_index() if view == "summaries" else frame
+        console.print(frame_table(shown, f"study {study} ({row['name']}): {title}"))
+
+
+def _summaries(url: str, study: int, protocol: str | None):
+    """Stored per-run summaries aggregated across seeds, one line per label + variant."""
+    from db import queries
+    from jobs import analysis
+
+    stored = analysis.with_lines(queries.run_summaries(url, [study], protocol))
+    if stored["protocol"].nunique() > 1:
+        stored["line"] += " (" + stored["protocol"] + ")"
+    return analysis.summary_statistics(stored)
+
+
+def _pairwise(frame, study, factor: float | None):
+    from jobs import analysis
+
+    protocols = sorted(frame["protocol"].unique())
+    frame = frame[frame["protocol"] == protocols[0]] if protocols else frame
+    frame = analysis.with_lines(frame)
+    train_length = int(study["train_length"])
+    if factor is not None:
+        frame = frame[frame["eval_length"] == round(factor * train_length)]
+        if frame.empty:
+            fail(f"--factor {factor:g}: no evaluation at {factor:g} x {train_length}", code=2)
+    table = analysis.pairwise_table(frame, study["metric"], line="line")
+    table["claim"] = [analysis.claim(row, train_length) for _, row in table.iterrows()]
+    return table
 
 
 db_app = typer.Typer(help="The results database.", no_args_is_help=True)

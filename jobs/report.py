@@ -21,10 +21,21 @@ def markdown_table(curves: Curves, metric: str, train_length: int) -> str:
     header = [f"{metric} by length"] + [
         f"{n}" + (" (L)" if n == train_length else f" ({n / train_length:g}x)") for n in lengths
     ]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for label, points in curves.items():
-        cells = [format_value(points.get(n), metric) for n in lengths]
-        lines.append("| " + " | ".join([label, *cells]) + " |")
+    rows = [
+        [label, *(format_value(points.get(n), metric) for n in lengths)]
+        for label, points in curves.items()
+    ]
+    return _markdown(header, rows)
+
+
+def markdown_frame(frame) -> str:
+    """A DataFrame of short cells as a markdown table (the index is not shown)."""
+    return _markdown(list(frame.columns), list(frame.itertuples(index=False)))
+
+
+def _markdown(header: list, rows: list) -> str:
+    lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
     return "\n".join(lines)
 
 

@@ -7,12 +7,14 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from jobs.report import format_value, markdown_table, plot_curves
+from jobs import analysis
+from jobs.report import format_value, markdown_frame, markdown_table, plot_curves
 from jobs.spec import StudySpec
 
 
@@ -27,6 +29,20 @@ def _table(curves: dict[str, dict[int, float | None]], metric: str, train_length
     for label, points in curves.items():
         table.add_row(label, *(format_value(points.get(n), metric) for n in lengths))
     return table
+
+
+def _summary_grid(result) -> pd.DataFrame:
+    """The runs' summaries aggregated across seeds, one line per label (+ variant)."""
+    rows = [
+        {"label": run.label, "study_id": 0, **summary._asdict()}
+        for run in result.runs
+        for summary in run.summaries
+        if summary.protocol == result.spec.eval.protocols[0] or summary.name.startswith("order")
+    ]
+    if not rows:
+        return pd.DataFrame()
+    frame = analysis.with_lines(pd.DataFrame(rows).rename(columns={"name": "summary"}))
+    return analysis.summary_grid(analysis.summary_statistics(frame))
 
 
 def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: str | None) -> None:
@@ -83,8 +99,16 @@ def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: 
     (out / "results.json").write_text(json.dumps(payload, indent=1))
     (out / "table.md").write_text(markdown_table(curves, result.metric, spec.train.length) + "\n")
     plot_curves(curves, result.metric, spec.train.length, out / "curves.png", spec.name)
+    grid = _summary_grid(result)
+    if not grid.empty:
+        with (out / "table.md").open("a") as table:
+            table.write("\n" + markdown_frame(grid.reset_index()) + "\n")
     if as_json:
         sys.stdout.write(json.dumps(payload) + "\n")
         return
     console.print(_table(curves, result.metric, spec.train.length))
+    if not grid.empty:
+        from jobs.watch import frame_table
+
+        console.print(frame_table(grid.reset_index(), "summaries across seeds"))
     console.print(f"results: {out / 'results.json'}  curves: {out / 'curves.png'}")

@@ -251,6 +251,11 @@ class EvalSpec(_Strict):
     batch_tokens: int = Field(
         16_384, ge=256, le=1 << 22, description="tokens per evaluation batch (memory bound)"
     )
+    order_probe: bool = Field(
+        True,
+        description="language modelling: also score each window with its first half shuffled "
+        "(how much the model relies on word order; worker.probes)",
+    )
 
     @field_validator("lengths")
     @classmethod

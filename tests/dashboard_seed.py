@@ -9,6 +9,8 @@ from jobs.settings import Settings
 from jobs.spec import parse_spec
 from worker import store
 from worker.evaluate import Evaluation, PositionBin
+from worker.probes import OrderProbe
+from worker.study import summarize
 from worker.train import TrainPoint
 
 LENGTHS = [32, 64, 128]
@@ -65,5 +67,14 @@ def seed_study(settings: Settings) -> int:
                     ],
                 ),
             )
+        # As a worker does at the end of a run: summaries from every stored point.
+        order = OrderProbe(32, ordered_loss=2.5, shuffled_loss=2.9 if index < 2 else 2.6, tokens=64)
+        summaries = summarize(
+            store.stored_points(url, run_id, "perplexity"),
+            train_length=32,
+            metric="perplexity",
+            order=order,
+        )
+        store.record_summaries(url, run_id, lease, summaries)
         store.finish(url, run_id, lease, "done", provenance={"torch_version": "2.13.0"})
     return submitted.study_id

@@ -32,6 +32,14 @@ def test_run_smoke_preset_writes_json_table_and_png(tmp_path: Path) -> None:
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = (out / "table.md").read_text()
     assert "| alibi |" in table and "128 (4x)" in table
+    for run in payload["runs"]:
+        summaries = {s["name"]: s["value"] for s in run["summaries"] if s["variant"] == "none"}
+        curve = {e["length"]: e["perplexity"] for e in run["evaluations"]}
+        assert summaries["ratio_4x"] == curve[128] / curve[32]
+        assert summaries["effective_length"] in (32, 64, 128)
+        # The order probe ran on the trained model; shuffling cannot help it much.
+        assert summaries["order_shuffled_loss"] > summaries["order_ordered_loss"] - 0.05
+    assert "| line | seeds | ratio 2x | ratio 4x | effective length |" in table
 
 
 def test_run_a_spec_file_and_print_the_table(tmp_path: Path) -> None:
@@ -45,6 +53,7 @@ def test_run_a_spec_file_and_print_the_table(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "perplexity by evaluation length" in done.stdout
     assert "rope(rotary_fraction=0.5)" in done.stdout
+    assert "summaries across seeds" in done.stdout
 
 
 def test_bad_input_exits_2_with_one_readable_reason(tmp_path: Path) -> None:

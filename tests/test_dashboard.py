@@ -148,6 +148,17 @@ def test_compare_draws_curves_with_seed_intervals(settings) -> None:
     table = app.dataframe[0].value
     assert list(table.columns) == [32, 64, 128]
     assert table.loc["rope", 128] > table.loc["rope", 32]
+    summaries = app.dataframe[1].value
+    assert list(summaries.index) == ["alibi", "rope"]
+    assert {"ratio 2x", "ratio 4x", "effective length", "order sensitivity"} <= set(summaries)
+    assert summaries.loc["alibi", "effective length"].startswith("128 [128, 128]")
+    assert summaries.loc["rope", "effective length"].startswith("32 [32, 32]")
+    assert summaries.loc["rope", "order sensitivity"].startswith("0.4")
+    assert summaries.loc["alibi", "order sensitivity"].startswith("0.1")
+    pairwise = app.dataframe[2].value
+    assert pairwise[["a", "b"]].values.tolist() == [["alibi", "rope"]]
+    assert pairwise["P(a wins)"].tolist() == [1.0]
+    assert pairwise["claim"].tolist() == ["alibi beats rope at 4x with probability 1.00"]
     app.toggle(key="normalise").set_value(True).run()
     normalised = app.dataframe[0].value
     assert normalised[32].tolist() == pytest.approx([1.0, 1.0])

@@ -11,7 +11,15 @@ from hypothesis import strategies as st
 
 from worker.encodings import REGISTRY, build
 from worker.encodings.base import PositionOutOfRange
-from worker.model import PRESETS, AttentionBias, CausalSelfAttention, ModelConfig, build_model
+from worker.model import (
+    PRESETS,
+    AttentionBias,
+    CausalSelfAttention,
+    ModelConfig,
+    biased_attention,
+    build_model,
+    causal_toeplitz,
+)
 from worker.probes import equivariance_error
 
 ALL = sorted(REGISTRY)
@@ -87,6 +95,36 @@ def test_query_blocks_give_the_same_logits_as_the_full_bias(name: str) -> None:
         model.attention_score_budget = 2 * 4 * 100 * 7  # blocks of 7 query rows
         blocked = model(tokens)
     torch.testing.assert_close(blocked, full, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_and_written_out_biased_attention_agree_in_value_and_gradient() -> None:
+    # A bias without a gradient goes to SDPA's fused kernel; one that needs a gradient
+    # (learned biases in training) to the written-out path. Both compute the same thing.
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 24, 8, generator=generator)
+    distances = torch.randn(4, 40, generator=generator)
+    fixed = causal_toeplitz(distances, 16, 40)  # queries 16..39 over keys 0..39
+    learned = causal_toeplitz(distances.clone().requires_grad_(True), 16, 40)
+    keys, values = (torch.randn(2, 4, 40, 8, generator=generator) for _ in range(2))
+    fused_inputs = [t.clone().requires_grad_(True) for t in (q, keys, values)]
+    written_inputs = [t.clone().requires_grad_(True) for t in (q, keys, values)]
+    fused = biased_attention(*fused_inputs, fixed)
+    written = biased_attention(*written_inputs, learned)
+    torch.testing.assert_close(fused, written, atol=1e-5, rtol=1e-5)
+    (fused.sum() + written.sum()).backward()
+    for a, b in zip(fused_inputs, written_inputs, strict=True):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_causal_toeplitz_is_the_bias_at_each_query_key_distance() -> None:
+    distances = torch.arange(12.0).repeat(2, 1) * torch.tensor([[1.0], [-2.0]])
+    for start, end in ((0, 12), (5, 9), (11, 12)):
+        rows = causal_toeplitz(distances, start, end)
+        assert rows.shape == (2, end - start, end)
+        for i in range(start, end):
+            for j in range(end):
+                expected = distances[:, i - j] if j <= i else torch.full((2,), float("-inf"))
+                assert torch.equal(rows[:, i - start, j], expected)
 
 
 def test_attention_bias_blocks_bound_the_score_memory() -> None:

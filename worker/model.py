@@ -58,6 +58,28 @@ SCORE_BUDGET = 1 << 22
 MAX_BLOCK_ROWS = 256  # smaller blocks skip more of the causal upper triangle
 
 
+def causal_toeplitz(by_distance: Tensor, start: int, end: int) -> Tensor:
+    """``[heads, end-start, end]`` with ``by_distance[h, i - j]`` at query i, key j, and
+    -inf where j > i.
+
+    Every row is a window of one line: [f(end-1), ..., f(1), f(0), -inf, ...]. Read
+    with query order reversed, row ``end-1-i`` starts at offset ``end-1-i`` of that
+    line, an overlapping strided view; one flip writes the matrix out. This costs
+    one pass over the output, where gathering by a distance index costs several.
+    """
+    heads = by_distance.shape[0]
+    rows = end - start
+    line = torch.cat(
+        (
+            by_distance[:, :end].flip(-1),
+            by_distance.new_full((heads, rows - 1), float("-inf")),
+        ),
+        dim=-1,
+    )
+    windows = line.as_strided((heads, rows, end), (line.stride(0), 1, 1))
+    return windows.flip(1)
+
+
 class AttentionBias:
     """An encoding's bias plus the causal mask, for one forward pass.
 
@@ -91,12 +113,9 @@ class AttentionBias:
 
     def _build(self, start: int, end: int) -> Tensor:
         if self.by_distance is not None:
-            query = torch.arange(start, end, device=self.device)
-            key = torch.arange(end, device=self.device)
-            bias = self.by_distance[:, (query[:, None] - key[None, :]).clamp(min=0)]
-        else:
-            bias = self.encoding.bias(end - start, end)
-            assert bias is not None, "AttentionBias needs an encoding with a bias"
+            return causal_toeplitz(self.by_distance.to(self.dtype), start, end)
+        bias = self.encoding.bias(end - start, end)
+        assert bias is not None, "AttentionBias needs an encoding with a bias"
         if self.causal:
             future = torch.ones(end - start, end, dtype=torch.bool, device=self.device)
             bias = bias.masked_fill(future.triu(diagonal=start + 1), float("-inf"))
@@ -110,11 +129,16 @@ class AttentionBias:
 
 
 def biased_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
-    """softmax(q k^T / sqrt(d) + bias) v. On the CPU, PyTorch's fused kernels do not take
-    an additive bias and its fallback materialises every score at once, so the three
-    steps are written out (per query block, by the caller); elsewhere SDPA serves."""
-    if q.device.type != "cpu":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    """softmax(q k^T / sqrt(d) + bias) v, for ``bias`` of shape [heads, queries, keys].
+
+    SDPA serves whenever its fused kernel takes the bias: always off the CPU, and on
+    the CPU when no gradient flows into the bias (ALiBi's fixed slopes, every
+    evaluation). PyTorch's CPU flash kernel accepts a 4-d float mask but falls back to
+    materialising every score when the mask needs a gradient (T5, KERPLE and FIRE
+    in training); there the three steps are written out, which is faster than that
+    fallback (per query block, by the caller)."""
+    if q.device.type != "cpu" or not bias.requires_grad:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.unsqueeze(0))
     scores = torch.matmul(q, k.transpose(-1, -2))
     scores = torch.add(bias, scores, alpha=q.shape[-1] ** -0.5)
     return torch.matmul(torch.softmax(scores, dim=-1), v)

@@ -3,15 +3,22 @@
 Self-attention without a position signal is permutation-equivariant: permute
 the tokens and the outputs permute the same way, f(Px) = P f(x), so the layer
 cannot know order. An encoding breaks that symmetry; so does a causal mask.
+
+``equivariance_error`` measures the symmetry on one attention layer;
+``order_probe`` measures how much a trained model relies on order.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+from worker.data.base import Task
 from worker.encodings.base import PositionEncoding
-from worker.model import AttentionBias, CausalSelfAttention, ModelConfig
+from worker.model import AttentionBias, CausalSelfAttention, ModelConfig, Transformer
 
 
 def attention_layer(
@@ -48,7 +55,107 @@ def equivariance_error(
         attention = CausalSelfAttention(config)
     x = torch.randn(1, length, encoding.d_model, generator=generator)
     permutation = torch.randperm(length, generator=generator)
-    with torch.no_grad():
-        out = attention_layer(attention, encoding, x, causal)
-        out_permuted = attention_layer(attention, encoding, x[:, permutation], causal)
+    outputs = []
+    for tokens in (x, x[:, permutation]):
+        # The same random draws for both passes: randomized positions must not differ
+        # between them, or the probe would measure the draw instead of the order.
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            outputs.append(attention_layer(attention, encoding, tokens, causal))
+    out, out_permuted = outputs
     return float((out_permuted - out[:, permutation]).norm() / out.norm())
+
+
+def equivariance_table(
+    names: list[str], length: int = 16, seeds: int = 3, n_heads: int = 4, head_dim: int = 16
+) -> list[dict[str, float | str]]:
+    """For each encoding: the mean equivariance error of one random attention layer,
+    attending both ways and causally (the Explore page's table)."""
+    from worker.encodings import build
+
+    rows = []
+    for name in names:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            encoding = build(
+                name,
+                n_heads=n_heads,
+                head_dim=head_dim,
+                d_model=n_heads * head_dim,
+                train_length=length,
+            )
+        row: dict[str, float | str] = {"encoding": name}
+        for causal in (False, True):
+            errors = [equivariance_error(encoding, length, causal, seed) for seed in range(seeds)]
+            row["causal" if causal else "bidirectional"] = sum(errors) / seeds
+        rows.append(row)
+    return rows
+
+
+@dataclass
+class OrderProbe:
+    """Loss on the second half of each window, with the first half in order and shuffled."""
+
+    length: int
+    ordered_loss: float
+    shuffled_loss: float
+    tokens: int
+
+    @property
+    def sensitivity(self) -> float:
+        """Nats per byte the model loses when its distant context is out of order."""
+        return self.shuffled_loss - self.ordered_loss
+
+    def as_summaries(self) -> dict[str, float]:
+        return {
+            "order_ordered_loss": self.ordered_loss,
+            "order_shuffled_loss": self.shuffled_loss,
+            "order_sensitivity": self.sensitivity,
+        }
+
+
+def order_probe(
+    model: Transformer,
+    task: Task,
+    length: int,
+    *,
+    tokens: int,
+    batch_tokens: int,
+    device: torch.device,
+    seed: int = 0,
+) -> OrderProbe:
+    """Shuffle the first half of every evaluation window and score the second half.
+
+    The bytes predicted and the nearest byte of context are the same in both passes;
+    only the order of the distant context changes. A model that sees no order at all
+    (no encoding, no causal mask) would score both alike; the difference measures how
+    much of the model's use of its context depends on where things are.
+    """
+    half = length // 2
+    generator = torch.Generator().manual_seed(seed)
+    totals = {"ordered": 0.0, "shuffled": 0.0}
+    scored = 0
+    model.eval()
+    batches = task.eval_batches(
+        length,
+        protocol="nonoverlapping",
+        batch_size=max(1, batch_tokens // length),
+        tokens=tokens,
+        examples=1,
+    )
+    with torch.inference_mode():
+        for batch in batches:
+            inputs, targets = batch.inputs.to(device), batch.targets.to(device)
+            # A permutation of the first half per window.
+            order = torch.rand(inputs.shape[0], half, generator=generator).argsort(dim=-1)
+            shuffled = inputs.clone()
+            shuffled[:, :half] = inputs[:, :half].gather(1, order.to(device))
+            for name, window in (("ordered", inputs), ("shuffled", shuffled)):
+                logits = model(window)[:, half:].float()
+                totals[name] += float(
+                    F.cross_entropy(
+                        logits.flatten(0, 1), targets[:, half:].flatten(), reduction="sum"
+                    )
+                )
+            scored += targets[:, half:].numel()
+    return OrderProbe(length, totals["ordered"] / scored, totals["shuffled"] / scored, scored)

@@ -15,9 +15,10 @@ from dataclasses import asdict
 from sqlalchemy import select, update
 
 from db.engine import transaction, with_retry
-from db.models import Evaluation, PositionBin, Run, Study, TrainPoint, utcnow
+from db.models import Evaluation, PositionBin, Run, RunSummary, Study, TrainPoint, utcnow
 from db.upsert import upsert
 from worker.evaluate import Evaluation as EvaluationRow
+from worker.study import Summary
 from worker.train import TrainPoint as Point
 
 
@@ -136,6 +137,39 @@ def stored_evaluations(url: str, run_id: int) -> set[tuple[str, str, int]]:
             )
         )
         return {(v, p, n) for v, p, n in rows}
+
+
+def stored_points(url: str, run_id: int, metric: str) -> list[tuple[str, str, int, float]]:
+    """(variant, protocol, length, metric) of every applicable stored point of a run:
+    what its summaries are computed from, whichever attempt evaluated each point."""
+    column = getattr(Evaluation, metric)
+    with transaction(url) as session:
+        rows = session.execute(
+            select(Evaluation.variant, Evaluation.protocol, Evaluation.eval_length, column).where(
+                Evaluation.run_id == run_id, Evaluation.not_applicable.is_(None)
+            )
+        )
+        return [(v, p, n, value) for v, p, n, value in rows]
+
+
+def record_summaries(url: str, run_id: int, lease: str, summaries: list[Summary]) -> None:
+    """Upsert a run's summaries (idempotent: a retried finish rewrites the same rows)."""
+
+    def attempt() -> None:
+        with transaction(url) as session:
+            owner = session.scalar(select(Run.lease).where(Run.id == run_id))
+            if owner != lease:
+                raise LeaseLost(f"run {run_id} is no longer ours")
+            for summary in summaries:
+                upsert(
+                    session,
+                    RunSummary.__table__,
+                    {"run_id": run_id, **summary._asdict()},
+                    keys=("run_id", "variant", "protocol", "name"),
+                    returning=None,
+                )
+
+    with_retry(attempt)
 
 
 def finish(

@@ -9,15 +9,16 @@ from __future__ import annotations
 import platform
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from jobs import analysis
 from jobs.settings import get_settings
 from jobs.spec import RunSpec, StudySpec
 from worker.data import build_task
@@ -25,6 +26,7 @@ from worker.data.base import Task
 from worker.encodings import REGISTRY
 from worker.evaluate import Evaluation, evaluate
 from worker.model import ModelConfig, build_model
+from worker.probes import OrderProbe, order_probe
 from worker.train import TrainPoint, TrainResult, train
 
 
@@ -80,6 +82,8 @@ class RunResult:
     train: TrainResult
     evaluations: list[Evaluation]
     provenance: dict[str, Any]
+    order: OrderProbe | None = None
+    summaries: list[Summary] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -90,8 +94,41 @@ class RunResult:
             "config_hash": self.config_hash,
             "train": self.train.to_dict(),
             "evaluations": [e.to_dict() for e in self.evaluations],
+            "summaries": [s._asdict() for s in self.summaries],
             "provenance": self.provenance,
         }
+
+
+class Summary(NamedTuple):
+    """One number a run's curve is turned into (a row of ``run_summaries``)."""
+
+    variant: str
+    protocol: str
+    name: str
+    value: float | None
+
+
+def summarize(
+    points: Iterable[tuple[str, str, int, float | None]],
+    *,
+    train_length: int,
+    metric: str,
+    order: OrderProbe | None = None,
+) -> list[Summary]:
+    """Per-curve summaries (``jobs.analysis.summarize_run``) of one run's evaluations,
+    given as (variant, protocol, length, metric value or None), plus the order probe."""
+    curves: dict[tuple[str, str], dict[int, float | None]] = {}
+    for variant, protocol, length, value in points:
+        curves.setdefault((variant, protocol), {})[length] = value
+    out = [
+        Summary(variant, protocol, name, value)
+        for (variant, protocol), curve in sorted(curves.items())
+        for name, value in analysis.summarize_run(curve, train_length, metric).items()
+    ]
+    if order is not None:
+        protocol = "nonoverlapping"
+        out += [Summary("none", protocol, k, v) for k, v in order.as_summaries().items()]
+    return out
 
 
 def prepared_task(spec: StudySpec) -> Task:
@@ -145,6 +182,28 @@ def run_one(
         on_evaluation=on_evaluation,
         skip=skip_evaluations,
     )
+    order = None
+    if spec.eval.order_probe and task.metric == "perplexity":
+        order = order_probe(
+            model,
+            task,
+            spec.train.length,
+            tokens=spec.eval.tokens,
+            batch_tokens=spec.eval.batch_tokens,
+            device=device,
+            seed=run.seed,
+        )
+    metric = spec.task.metric
+    summaries = summarize(
+        (
+            (row.variant, row.protocol, row.length, getattr(row, metric))
+            for row in rows
+            if row.not_applicable is None
+        ),
+        train_length=spec.train.length,
+        metric=metric,
+        order=order,
+    )
     return RunResult(
         label=run.encoding.label,
         encoding=run.encoding.name,
@@ -154,6 +213,8 @@ def run_one(
         train=trained,
         evaluations=rows,
         provenance=provenance(device, run.seed, task.fingerprint),
+        order=order,
+        summaries=summaries,
     )
 
 

@@ -50,7 +50,7 @@ def _train_and_evaluate(url: str, run_id: int, lease: str, spec, run, beat) -> s
     import torch
 
     from worker import store
-    from worker.study import resolve_device, run_one
+    from worker.study import resolve_device, run_one, summarize
     from worker.train import RunCancelled
 
     settings = get_settings()
@@ -79,6 +79,15 @@ def _train_and_evaluate(url: str, run_id: int, lease: str, spec, run, beat) -> s
         return "cancelled"
     except torch.OutOfMemoryError as err:
         raise MemoryError(f"out of memory: {str(err).splitlines()[0]}") from err
+    # Summaries from every stored point: a resumed attempt evaluated only the rest.
+    metric = spec.task.metric
+    summaries = summarize(
+        store.stored_points(url, run_id, metric),
+        train_length=spec.train.length,
+        metric=metric,
+        order=result.order,
+    )
+    store.record_summaries(url, run_id, lease, summaries)
     provenance = {**result.provenance, "resumed_from_step": result.train.resumed_from}
     store.finish(
         url, run_id, lease, "done", provenance=provenance, checkpoint_uri=checkpoint.as_uri()

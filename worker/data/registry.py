@@ -100,6 +100,27 @@ TASKS: dict[str, TaskInfo] = {
             min_length=32,
             params=(Param("key_length", int, 3, "letters per key", low=1, high=8),),
         ),
+        TaskInfo(
+            name="sov_tr",
+            metric="accuracy",
+            summary="Who gave what to whom in a Turkish sentence among distractors: roles from "
+            "case suffixes (scrambled order) or from position (bare nouns, fixed SOV).",
+            reference="Göksel & Kerslake 2005, Turkish: A Comprehensive Grammar; word-order "
+            "probing as in Sinha et al. 2021 (arXiv:2104.06644)",
+            implementation="worker.data.turkish:TurkishWordOrder",
+            # worker.data.turkish.min_length(): the longest target sentence, question and answer.
+            min_length=89,
+            params=(
+                Param(
+                    "variant",
+                    str,
+                    "both",
+                    "marked (case suffixes, scrambled order), bare (no suffixes, fixed "
+                    "S-IO-DO-V order) or both (half each, reported per variant)",
+                    choices=("marked", "bare", "both"),
+                ),
+            ),
+        ),
     )
 }
 

@@ -1,0 +1,144 @@
+"""Per-run summaries end to end: computed at the end of a run, stored idempotently,
+aggregated across seeds by `posbench results`, and a schema that matches the models."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from dashboard_seed import seed_study
+from sqlalchemy import func, select
+
+from db.engine import engine_for, transaction
+from db.migrate import current, upgrade
+from db.models import Base, Run, RunSummary
+from jobs.settings import Settings
+from worker import store
+from worker.probes import OrderProbe
+from worker.study import Summary, summarize
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    config = Settings(home=tmp_path)
+    upgrade(config.database)
+    return config
+
+
+def test_the_migrations_build_exactly_the_models_schema(settings: Settings) -> None:
+    assert current(settings.database) == "0002"
+    with engine_for(settings.database).connect() as connection:
+        differences = compare_metadata(MigrationContext.configure(connection), Base.metadata)
+    assert differences == []
+
+
+def test_summarize_turns_each_curve_into_its_summaries() -> None:
+    points = [
+        ("none", "nonoverlapping", 128, 5.0),
+        ("none", "nonoverlapping", 256, 5.2),
+        ("none", "nonoverlapping", 512, 8.0),
+        ("yarn", "nonoverlapping", 128, 5.0),
+        ("yarn", "nonoverlapping", 256, 10.0),
+    ]
+    order = OrderProbe(128, ordered_loss=1.5, shuffled_loss=1.75, tokens=100)
+    found = {
+        (s.variant, s.name): s.value
+        for s in summarize(points, train_length=128, metric="perplexity", order=order)
+    }
+    assert found["none", "ratio_2x"] == pytest.approx(1.04)
+    assert found["none", "ratio_4x"] == pytest.approx(1.6)
+    assert found["none", "ratio_8x"] is None  # 1024 was not evaluated
+    assert found["none", "effective_length"] == 256  # 5.2 <= 5.5 < 8.0
+    assert found["yarn", "effective_length"] == 128
+    assert found["yarn", "ratio_2x"] == pytest.approx(2.0)
+    assert found["none", "order_sensitivity"] == pytest.approx(0.25)
+    assert ("yarn", "order_sensitivity") not in found  # the probe runs on the trained model
+
+
+def stored(settings: Settings) -> int:
+    with transaction(settings.database) as session:
+        return session.scalar(select(func.count()).select_from(RunSummary))
+
+
+def test_summaries_are_stored_once_per_key_even_when_a_finish_is_retried(
+    settings: Settings,
+) -> None:
+    seed_study(settings)
+    # 4 finished runs x (5 ratios + effective length + 2 area summaries + 3 order probe)
+    assert stored(settings) == 4 * 11
+    url = settings.database
+    with transaction(url) as session:
+        run = session.scalars(select(Run).where(Run.status == "done")).first()
+        run_id = run.id
+        session.execute(Run.__table__.update().where(Run.id == run_id).values(lease="again"))
+    points = store.stored_points(url, run_id, "perplexity")
+    assert sorted(n for _, _, n, _ in points) == [32, 64, 128]
+    again = summarize(points, train_length=32, metric="perplexity")
+    store.record_summaries(url, run_id, "again", again)
+    assert stored(settings) == 4 * 11
+    with pytest.raises(store.LeaseLost):
+        store.record_summaries(url, run_id, "someone else", [Summary("none", "x", "y", 1.0)])
+
+
+def posbench(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("POSBENCH_")}
+    env["POSBENCH_HOME"] = str(settings.home)
+    env["COLUMNS"] = "240"  # a wide terminal: one summary per column
+    return subprocess.run(
+        [sys.executable, "-m", "jobs.cli", "results", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_results_summaries_aggregate_the_seeds(settings: Settings) -> None:
+    study = seed_study(settings)
+    done = posbench(settings, "--study", str(study), "--view", "summaries", "--format", "json")
+    assert done.returncode == 0, done.stderr
+    rows = {(r["line"], r["summary"]): r for r in json.loads(done.stdout)}
+    rope, alibi = rows["rope", "ratio_4x"], rows["alibi", "ratio_4x"]
+    assert rope["seeds"] == alibi["seeds"] == 2
+    assert rope["mean"] > 5 > 1.1 > alibi["mean"] >= 1  # rope's loss grows 40x faster
+    assert rope["low"] <= rope["mean"] <= rope["high"]
+    assert rows["alibi", "effective_length"]["mean"] == 128
+    assert rows["rope", "order_sensitivity"]["mean"] == pytest.approx(0.4)
+    table = posbench(settings, "--study", str(study), "--view", "summaries")
+    assert table.returncode == 0 and "effective length" in table.stdout
+
+
+def test_results_pairwise_attaches_a_probability_to_each_claim(settings: Settings) -> None:
+    study = seed_study(settings)
+    args = ("--study", str(study), "--view", "pairwise", "--factor", "4", "--format", "json")
+    done = posbench(settings, *args)
+    assert done.returncode == 0, done.stderr
+    (row,) = json.loads(done.stdout)
+    assert (row["a"], row["b"], row["eval_length"]) == ("alibi", "rope", 128)
+    assert row["p_a_wins"] == 1.0
+    assert row["claim"] == "alibi beats rope at 4x with probability 1.00"
+    missing = posbench(settings, "--study", str(study), "--view", "pairwise", "--factor", "3")
+    assert missing.returncode == 2
+    assert missing.stderr.strip() == "error: --factor 3: no evaluation at 3 x 32"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--view", "table"], "--view must be curves, summaries or pairwise, got 'table'"),
+        (["--factor", "2"], "--factor applies to --view pairwise only"),
+    ],
+)
+def test_results_options_are_checked(settings: Settings, args: list[str], message: str) -> None:
+    study = seed_study(settings)
+    done = posbench(settings, "--study", str(study), *args)
+    assert done.returncode == 2 and done.stderr.strip() == f"error: {message}"
