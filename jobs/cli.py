@@ -250,7 +250,8 @@ def results(
             "--view",
             help="curves (metric by length), summaries (extrapolation ratio, effective "
             "length, log-perplexity area, order probe: mean and bootstrap 95% interval "
-            "across seeds) or pairwise (P(A beats B) at each length).",
+            "across seeds), pairwise (P(A beats B) at each length) or groups (synthetic "
+            "tasks: accuracy by each group key, e.g. depth or word-order variant).",
         ),
     ] = "curves",
     factor: Annotated[
@@ -263,8 +264,9 @@ def results(
 
     if output not in ("table", "csv", "json"):
         fail(f"--format must be table, csv or json, got {output!r}", code=2)
-    if view not in ("curves", "summaries", "pairwise"):
-        fail(f"--view must be curves, summaries or pairwise, got {view!r}", code=2)
+    views = ("curves", "summaries", "pairwise", "groups")
+    if view not in views:
+        fail(f"--view must be one of {', '.join(views)}, got {view!r}", code=2)
     if factor is not None and view != "pairwise":
         fail("--factor applies to --view pairwise only", code=2)
     url = _database()
@@ -277,6 +279,11 @@ def results(
         frame, title = _summaries(url, study, protocol), "summaries across seeds"
     elif view == "pairwise":
         frame, title = _pairwise(frame, row, factor), "pairwise: P(a beats b) across seeds"
+    elif view == "groups":
+        from jobs import analysis
+
+        frame = analysis.group_accuracy(analysis.with_lines(frame))
+        title = "accuracy by group"
     if output == "csv":
         typer.echo(frame.drop(columns=["groups"], errors="ignore").to_csv(index=False), nl=False)
     elif output == "json":

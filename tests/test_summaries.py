@@ -134,7 +134,10 @@ def test_results_pairwise_attaches_a_probability_to_each_claim(settings: Setting
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--view", "table"], "--view must be curves, summaries or pairwise, got 'table'"),
+        (
+            ["--view", "table"],
+            "--view must be one of curves, summaries, pairwise, groups, got 'table'",
+        ),
         (["--factor", "2"], "--factor applies to --view pairwise only"),
     ],
 )
@@ -142,3 +145,46 @@ def test_results_options_are_checked(settings: Settings, args: list[str], messag
     study = seed_study(settings)
     done = posbench(settings, "--study", str(study), *args)
     assert done.returncode == 2 and done.stderr.strip() == f"error: {message}"
+
+
+def test_results_groups_gives_accuracy_by_word_order_variant(settings: Settings) -> None:
+    from jobs.service import submit
+    from jobs.spec import parse_spec
+    from worker.evaluate import Evaluation
+
+    spec = parse_spec(
+        {
+            "name": "turkish",
+            "model": "tiny",
+            "task": {"name": "sov_tr"},
+            "train": {"length": 96, "steps": 4, "batch_size": 2},
+            "encodings": ["nope", "rope"],
+            "eval": {"lengths": [96, 192]},
+        }
+    )
+    submitted = submit(spec, settings=settings, send=lambda run_id: None)
+    url = settings.database
+    for index, run_id in enumerate(submitted.queued):  # nope, then rope
+        lease = store.claim(url, run_id, "test")[0]
+        for length in (96, 192):
+            bare = 0.9 if index == 1 else 0.2  # rope reads position, nope barely
+            groups = {
+                "variant=marked depth=0": 0.8,
+                "variant=marked depth=1": 0.6,
+                "variant=bare depth=0": bare,
+                "variant=bare depth=1": bare,
+            }
+            row = Evaluation("none", "nonoverlapping", length, accuracy=0.6, groups=groups)
+            store.record_evaluation(url, run_id, lease, row)
+        store.finish(url, run_id, lease, "done")
+    args = ("--study", str(submitted.study_id), "--view", "groups", "--format", "json")
+    done = posbench(settings, *args)
+    assert done.returncode == 0, done.stderr
+    found = {
+        (r["line"], r["key"], r["value"], r["eval_length"]): r for r in json.loads(done.stdout)
+    }
+    assert found["rope", "variant", "bare", 192]["accuracy"] == pytest.approx(0.9)
+    assert found["nope", "variant", "bare", 192]["accuracy"] == pytest.approx(0.2)
+    assert found["nope", "variant", "marked", 96]["accuracy"] == pytest.approx(0.7)
+    assert found["nope", "depth", "1", 96]["accuracy"] == pytest.approx(0.4)
+    assert len(found) == 2 * 2 * (2 + 2)  # lines x lengths x (2 variants + 2 depths)

@@ -131,9 +131,14 @@ def test_browser_submit_watch_compare() -> None:
             page.goto(f"{base}/compare?studies=1")
             expect(page.locator(".js-plotly-plot").first).to_be_visible()
             expect(page.get_by_text("perplexity against evaluation length")).to_be_visible()
+            # Summaries the workers stored, and a claim with its probability.
+            expect(page.get_by_role("heading", name="Summaries")).to_be_visible()
+            expect(page.get_by_role("heading", name="Pairwise")).to_be_visible()
+            expect(page.get_by_text("Summaries are stored as runs finish.")).to_have_count(0)
             page.screenshot(path=SCREENSHOTS / "compare.png", full_page=True)
             page.goto(f"{base}/explore")
             expect(page.locator(".js-plotly-plot").first).to_be_visible()
+            expect(page.get_by_role("heading", name="Permutation equivariance")).to_be_visible()
             page.screenshot(path=SCREENSHOTS / "explore.png", full_page=True)
             browser.close()
     finally:
