@@ -158,8 +158,9 @@ def _pairwise(view, metric: str, train_lengths: dict[int, int]) -> None:
     table["claim"] = [analysis.claim(row, train_length) for _, row in table.iterrows()]
     st.caption(
         "P(a wins): the fraction of 2,000 bootstrap resamples of each line's seeds in which "
-        "a's mean is better than b's (ties count half). With one seed per line it is 0, "
-        "0.5 or 1: add seeds to attach a confidence."
+        "a's mean is better than b's (ties count half). A bootstrap over a few seeds is "
+        "overconfident (with one seed a side it is 0, 0.5 or 1); five or more seeds per "
+        "line make it worth quoting."
     )
     st.dataframe(
         table.drop(columns="eval_length").rename(columns={"p_a_wins": "P(a wins)"}),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pandas as pd
-from sqlalchemy import Select, case, func, select
+from sqlalchemy import Select, case, func, or_, select
 
 from db.engine import engine_for, normalize_url
 from db.models import Evaluation, PositionBin, Run, RunSummary, Study, TrainPoint
@@ -183,7 +183,8 @@ def run_summaries(
     url: str, study_ids: Sequence[int] | None = None, protocol: str | None = None
 ) -> pd.DataFrame:
     """Every stored per-run summary (``jobs.analysis.summarize_run`` and the order
-    probe), one row per (run, variant, protocol, summary), with its run's identity."""
+    probe), one row per (run, variant, protocol, summary), with its run's identity.
+    With ``protocol``, the curve summaries of that protocol and the order probe's."""
     statement = (
         select(
             Run.study_id,
@@ -202,5 +203,8 @@ def run_summaries(
     if study_ids:
         statement = statement.where(Run.study_id.in_(study_ids))
     if protocol:
-        statement = statement.where(RunSummary.protocol == protocol)
+        # The order probe's summaries hold for the model whatever the curve's protocol.
+        statement = statement.where(
+            or_(RunSummary.protocol == protocol, RunSummary.name.startswith("order_"))
+        )
     return _frame(url, statement)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -200,6 +200,41 @@ def summarize_run(
     return out
 
 
+class Summary(NamedTuple):
+    """One number a run's curve is turned into: a row of ``run_summaries``."""
+
+    variant: str
+    protocol: str
+    name: str
+    value: float | None
+
+
+# Extra summaries (the order probe) belong to the trained model on its own windows.
+EXTRA_VARIANT, EXTRA_PROTOCOL = "none", "nonoverlapping"
+
+
+def summarize_points(
+    points: Iterable[tuple[str, str, int, float | None]],
+    *,
+    train_length: int,
+    metric: str,
+    extra: Mapping[str, float] | None = None,
+) -> list[Summary]:
+    """``summarize_run`` for every curve of one run, its points given as (variant,
+    protocol, length, metric value or None), plus ``extra`` named values (the order
+    probe's) under the trained model's variant."""
+    curves: dict[tuple[str, str], dict[int, float | None]] = {}
+    for variant, protocol, length, value in points:
+        curves.setdefault((variant, protocol), {})[length] = value
+    out = [
+        Summary(variant, protocol, name, value)
+        for (variant, protocol), curve in sorted(curves.items())
+        for name, value in summarize_run(curve, train_length, metric).items()
+    ]
+    out += [Summary(EXTRA_VARIANT, EXTRA_PROTOCOL, k, v) for k, v in (extra or {}).items()]
+    return out
+
+
 # ---------------------------------------------------------------------------------------
 # Statistics across seeds
 
@@ -219,8 +254,9 @@ def bootstrap_interval(
 ) -> tuple[float, float, float]:
     """``(mean, low, high)``: the mean of the values and the percentile bootstrap interval.
 
-    low/high are the (1-level)/2 and (1+level)/2 quantiles of the means of ``resamples``
-    resamples (with replacement, same size) drawn by ``np.random.default_rng(seed)``,
+    low/high are the (1-level)/2 and (1+level)/2 quantiles (the order statistics below
+    and above) of the means of ``resamples`` resamples (with replacement, same size)
+    drawn by ``np.random.default_rng(seed)``,
     widened if needed to contain the mean (rounding can put a zero-width interval an ulp
     off it). None/NaN values are dropped. One value gives (v, v, v): callers must read
     the seed count, not the width, to know there is no spread estimate. No values give
@@ -233,7 +269,10 @@ def bootstrap_interval(
     if len(array) == 1:
         return mean, mean, mean
     means = _resampled_means(array, resamples, np.random.default_rng(seed))
-    low, high = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
+    # Order statistics, not interpolation: conservative, and an infinite value (a
+    # diverged evaluation) gives an infinite bound instead of inf - inf = nan.
+    low = np.quantile(means, (1 - level) / 2, method="lower")
+    high = np.quantile(means, (1 + level) / 2, method="higher")
     return mean, min(float(low), mean), max(float(high), mean)
 
 
@@ -345,8 +384,11 @@ def pairwise_table(
 
 
 def claim(row: Mapping[str, Any] | pd.Series, train_length: int | None) -> str:
-    """One pairwise row as a sentence: "alibi beats rope at 4x with probability 0.97"
-    ("at length 512" without a training length, e.g. across studies trained differently).
+    """One pairwise row as a sentence: "alibi beats rope at 4x with probability 0.97
+    (3 vs 3 seeds)" ("at length 512" without a training length, e.g. across studies
+    trained differently). The seed counts stay in the sentence because a bootstrap over
+    a handful of seeds is overconfident: it never looks beyond the values it has seen
+    (with one seed a side, the probability is 0, 0.5 or 1).
 
     The winner is whichever side wins in at least half of the draws (a at exactly 0.5).
     """
@@ -354,7 +396,11 @@ def claim(row: Mapping[str, Any] | pd.Series, train_length: int | None) -> str:
     winner, loser = (row["a"], row["b"]) if p >= 0.5 else (row["b"], row["a"])
     length = int(row["eval_length"])
     where = f"{length / train_length:g}x" if train_length else f"length {length}"
-    return f"{winner} beats {loser} at {where} with probability {max(p, 1 - p):.2f}"
+    sentence = f"{winner} beats {loser} at {where} with probability {max(p, 1 - p):.2f}"
+    if "seeds_a" not in row:
+        return sentence
+    seeds = (row["seeds_a"], row["seeds_b"]) if p >= 0.5 else (row["seeds_b"], row["seeds_a"])
+    return f"{sentence} ({seeds[0]} vs {seeds[1]} seeds)"
 
 
 def group_accuracy(frame: pd.DataFrame, line: str = "line") -> pd.DataFrame:

@@ -261,6 +261,7 @@ def results(
 ) -> None:
     """A study's results: its curves, their summaries, or pairwise comparisons."""
     from db import queries
+    from jobs import analysis
 
     if output not in ("table", "csv", "json"):
         fail(f"--format must be table, csv or json, got {output!r}", code=2)
@@ -275,13 +276,18 @@ def results(
         fail(f"no study with id {study}", code=2)
     row = studies.iloc[0]
     frame = queries.curves(url, study_ids=[study], protocol=protocol)
+    if view in ("summaries", "pairwise") and protocol is None and not frame.empty:
+        # One protocol at a time: its curves are the ones summarised and compared.
+        protocol = sorted(frame["protocol"].unique())[0]
+        frame = frame[frame["protocol"] == protocol]
     if view == "summaries":
-        frame, title = _summaries(url, study, protocol), "summaries across seeds"
+        stored = analysis.with_lines(queries.run_summaries(url, [study], protocol))
+        frame = analysis.summary_statistics(stored)
+        title = f"summaries across seeds ({protocol})"
     elif view == "pairwise":
-        frame, title = _pairwise(frame, row, factor), "pairwise: P(a beats b) across seeds"
+        frame = _pairwise(frame, row, factor)
+        title = f"pairwise ({protocol}): P(a beats b) across seeds"
     elif view == "groups":
-        from jobs import analysis
-
         frame = analysis.group_accuracy(analysis.with_lines(frame))
         title = "accuracy by group"
     if output == "csv":
@@ -292,30 +298,18 @@ def results(
         from jobs.watch import curve_table
 
         console.print(curve_table(frame, row))
+    elif frame.empty:
+        console.print(f"study {study} ({row['name']}): no {view} yet (they come as runs finish)")
     else:
-        from jobs import analysis
         from jobs.watch import frame_table
 
         shown = analysis.summary_grid(frame).reset_index() if view == "summaries" else frame
         console.print(frame_table(shown, f"study {study} ({row['name']}): {title}"))
 
 
-def _summaries(url: str, study: int, protocol: str | None):
-    """Stored per-run summaries aggregated across seeds, one line per label + variant."""
-    from db import queries
-    from jobs import analysis
-
-    stored = analysis.with_lines(queries.run_summaries(url, [study], protocol))
-    if stored["protocol"].nunique() > 1:
-        stored["line"] += " (" + stored["protocol"] + ")"
-    return analysis.summary_statistics(stored)
-
-
 def _pairwise(frame, study, factor: float | None):
     from jobs import analysis
 
-    protocols = sorted(frame["protocol"].unique())
-    frame = frame[frame["protocol"] == protocols[0]] if protocols else frame
     frame = analysis.with_lines(frame)
     train_length = int(study["train_length"])
     if factor is not None:
@@ -335,11 +329,15 @@ app.add_typer(db_app, name="db")
 def db_upgrade() -> None:
     """Create or migrate the schema to the latest version (Alembic)."""
     from db.migrate import upgrade
+    from jobs.service import backfill_summaries
     from jobs.settings import get_settings
 
     url = get_settings().database
     upgrade(url)
     console.print(f"database {_redact(url)} is at the latest schema")
+    filled = backfill_summaries(url)
+    if filled:
+        console.print(f"summarised {filled} runs finished before summaries were stored")
 
 
 @app.command()

@@ -41,6 +41,7 @@ def dashboard_command(port: int, address: str = "0.0.0.0") -> list[str]:
 
 def serve(*, dashboard: bool, port: int, console: Console) -> int:
     from db.migrate import upgrade
+    from jobs.service import backfill_summaries
 
     settings = get_settings()
     settings.home.mkdir(parents=True, exist_ok=True)
@@ -67,6 +68,7 @@ def serve(*, dashboard: bool, port: int, console: Console) -> int:
         env["POSBENCH_BROKER_URL"] = settings.broker
         env["POSBENCH_DATABASE_URL"] = settings.database
         upgrade(settings.database)
+        backfill_summaries(settings.database)
         spawn("worker", [sys.executable, "-m", "jobs.cli", "worker"])
         urls = [f"broker    {settings.broker}", f"database  {settings.database}"]
         if dashboard and DASHBOARD_APP.exists():

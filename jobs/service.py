@@ -17,7 +17,8 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from db.engine import transaction, with_retry
-from db.models import Evaluation, PositionBin, Run, Study, TrainPoint, utcnow
+from db.models import Evaluation, PositionBin, Run, RunSummary, Study, TrainPoint, utcnow
+from jobs import analysis
 from jobs.celery_app import TRAIN_RUN
 from jobs.settings import Settings, get_settings
 from jobs.spec import StudySpec
@@ -47,7 +48,8 @@ def celery_send(run_id: int) -> None:
 
 
 def _copy_results(session: Session, source: Run, target: Run) -> None:
-    """Reuse a finished run: copy its training curve, evaluations and position bins."""
+    """Reuse a finished run: copy its training curve, evaluations, position bins and
+    summaries."""
     for point in session.scalars(select(TrainPoint).where(TrainPoint.run_id == source.id)):
         session.add(
             TrainPoint(
@@ -89,6 +91,16 @@ def _copy_results(session: Session, source: Run, target: Run) -> None:
                     evaluation_id=copy.id, start=b.start, end=b.end, loss=b.loss, tokens=b.tokens
                 )
             )
+    for summary in session.scalars(select(RunSummary).where(RunSummary.run_id == source.id)):
+        session.add(
+            RunSummary(
+                run_id=target.id,
+                variant=summary.variant,
+                protocol=summary.protocol,
+                name=summary.name,
+                value=summary.value,
+            )
+        )
 
 
 def submit(
@@ -304,3 +316,36 @@ def reconcile(
     resent = sorted(set(never_sent) | set(lost))
     enqueue(resent, settings=settings, send=send)
     return {"revived": revived, "failed": exhausted, "resent": resent}
+
+
+def backfill_summaries(url: str) -> int:
+    """Summarise finished runs that have evaluations but no summaries (runs finished
+    before the ``run_summaries`` table existed); returns how many. The order probe needs
+    the model, so only the curve summaries are filled in."""
+
+    def attempt() -> int:
+        with transaction(url) as session:
+            summarised = select(RunSummary.run_id).distinct()
+            pending = session.execute(
+                select(Run.id, Study.metric, Study.train_length)
+                .join(Study, Study.id == Run.study_id)
+                .where(Run.status == "done", Run.id.not_in(summarised))
+            ).all()
+            filled = 0
+            for run_id, metric, train_length in pending:
+                column = getattr(Evaluation, metric)
+                points = session.execute(
+                    select(
+                        Evaluation.variant, Evaluation.protocol, Evaluation.eval_length, column
+                    ).where(Evaluation.run_id == run_id, Evaluation.not_applicable.is_(None))
+                ).all()
+                if not points:
+                    continue
+                for summary in analysis.summarize_points(
+                    points, train_length=train_length, metric=metric
+                ):
+                    session.add(RunSummary(run_id=run_id, **summary._asdict()))
+                filled += 1
+            return filled
+
+    return with_retry(attempt)

@@ -365,7 +365,8 @@ class StudySpec(_Strict):
             "train": self.train.model_dump(exclude={"checkpoint_every", "progress_every"}),
             "encoding": {"name": encoding.name, "params": encoding.resolved_params},
             "seed": seed,
-            "eval": self.eval.model_dump(mode="json"),
+            # The order probe adds summaries but changes no point of the curve.
+            "eval": self.eval.model_dump(mode="json", exclude={"order_probe"}),
         }
         canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
         return hashlib.sha256(canonical.encode()).hexdigest()[:24]

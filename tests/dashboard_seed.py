@@ -4,30 +4,32 @@ from __future__ import annotations
 
 import math
 
+from jobs.analysis import summarize_points
 from jobs.service import submit
 from jobs.settings import Settings
 from jobs.spec import parse_spec
 from worker import store
 from worker.evaluate import Evaluation, PositionBin
 from worker.probes import OrderProbe
-from worker.study import summarize
 from worker.train import TrainPoint
 
 LENGTHS = [32, 64, 128]
 
 
+SEEDED_SPEC = parse_spec(
+    {
+        "name": "seeded",
+        "model": "tiny",
+        "train": {"length": 32, "steps": 40, "batch_size": 4},
+        "encodings": ["rope", "alibi", "t5"],
+        "seeds": [0, 1],
+        "eval": {"lengths": LENGTHS},
+    }
+)
+
+
 def seed_study(settings: Settings) -> int:
-    spec = parse_spec(
-        {
-            "name": "seeded",
-            "model": "tiny",
-            "train": {"length": 32, "steps": 40, "batch_size": 4},
-            "encodings": ["rope", "alibi", "t5"],
-            "seeds": [0, 1],
-            "eval": {"lengths": LENGTHS},
-        }
-    )
-    submitted = submit(spec, settings=settings, send=lambda run_id: None)
+    submitted = submit(SEEDED_SPEC, settings=settings, send=lambda run_id: None)
     url = settings.database
     for index, run_id in enumerate(submitted.queued):
         lease = store.claim(url, run_id, "seed")[0]
@@ -69,11 +71,11 @@ def seed_study(settings: Settings) -> int:
             )
         # As a worker does at the end of a run: summaries from every stored point.
         order = OrderProbe(32, ordered_loss=2.5, shuffled_loss=2.9 if index < 2 else 2.6, tokens=64)
-        summaries = summarize(
+        summaries = summarize_points(
             store.stored_points(url, run_id, "perplexity"),
             train_length=32,
             metric="perplexity",
-            order=order,
+            extra=order.as_summaries(),
         )
         store.record_summaries(url, run_id, lease, summaries)
         store.finish(url, run_id, lease, "done", provenance={"torch_version": "2.13.0"})

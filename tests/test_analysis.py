@@ -370,6 +370,13 @@ def test_claims_without_a_common_training_length_name_the_length():
     row = {"a": "alibi", "b": "rope", "eval_length": 512, "p_a_wins": 0.2}
     assert claim(row, None) == "rope beats alibi at length 512 with probability 0.80"
     assert claim(row, 128) == "rope beats alibi at 4x with probability 0.80"
+    with_seeds = {**row, "seeds_a": 5, "seeds_b": 3}
+    assert claim(with_seeds, 128) == "rope beats alibi at 4x with probability 0.80 (3 vs 5 seeds)"
+
+
+def test_an_infinite_value_gives_an_infinite_bound_not_nan():
+    mean, low, high = bootstrap_interval([10.0, math.inf, 11.0])
+    assert mean == math.inf and low == pytest.approx(10.0) and high == math.inf
 
 
 def stored_summaries() -> pd.DataFrame:

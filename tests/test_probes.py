@@ -86,3 +86,15 @@ def test_equivariance_table_separates_order_blind_attention_from_the_rest() -> N
     # The causal mask alone breaks the symmetry, and so does every encoding.
     assert all(row["causal"] > 0.05 for row in rows.values())
     assert all(rows[name]["bidirectional"] > 0.005 for name in set(REGISTRY) - {"nope"})
+
+
+class RandomPositions(nn.Module):
+    """Ignores the bytes; its output depends on a random draw, as randomized positions do."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        draw = torch.rand(tokens.shape[0], tokens.shape[1], 1)
+        return draw * torch.arange(256.0)
+
+
+def test_both_passes_of_the_order_probe_see_the_same_random_positions() -> None:
+    assert probe(RandomPositions()).sensitivity == 0.0

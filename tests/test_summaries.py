@@ -12,16 +12,16 @@ from pathlib import Path
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from dashboard_seed import seed_study
+from dashboard_seed import SEEDED_SPEC, seed_study
 from sqlalchemy import func, select
 
 from db.engine import engine_for, transaction
 from db.migrate import current, upgrade
 from db.models import Base, Run, RunSummary
+from jobs.analysis import Summary, summarize_points
 from jobs.settings import Settings
 from worker import store
 from worker.probes import OrderProbe
-from worker.study import Summary, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,7 +51,9 @@ def test_summarize_turns_each_curve_into_its_summaries() -> None:
     order = OrderProbe(128, ordered_loss=1.5, shuffled_loss=1.75, tokens=100)
     found = {
         (s.variant, s.name): s.value
-        for s in summarize(points, train_length=128, metric="perplexity", order=order)
+        for s in summarize_points(
+            points, train_length=128, metric="perplexity", extra=order.as_summaries()
+        )
     }
     assert found["none", "ratio_2x"] == pytest.approx(1.04)
     assert found["none", "ratio_4x"] == pytest.approx(1.6)
@@ -81,7 +83,7 @@ def test_summaries_are_stored_once_per_key_even_when_a_finish_is_retried(
         session.execute(Run.__table__.update().where(Run.id == run_id).values(lease="again"))
     points = store.stored_points(url, run_id, "perplexity")
     assert sorted(n for _, _, n, _ in points) == [32, 64, 128]
-    again = summarize(points, train_length=32, metric="perplexity")
+    again = summarize_points(points, train_length=32, metric="perplexity")
     store.record_summaries(url, run_id, "again", again)
     assert stored(settings) == 4 * 11
     with pytest.raises(store.LeaseLost):
@@ -125,7 +127,7 @@ def test_results_pairwise_attaches_a_probability_to_each_claim(settings: Setting
     (row,) = json.loads(done.stdout)
     assert (row["a"], row["b"], row["eval_length"]) == ("alibi", "rope", 128)
     assert row["p_a_wins"] == 1.0
-    assert row["claim"] == "alibi beats rope at 4x with probability 1.00"
+    assert row["claim"] == "alibi beats rope at 4x with probability 1.00 (2 vs 2 seeds)"
     missing = posbench(settings, "--study", str(study), "--view", "pairwise", "--factor", "3")
     assert missing.returncode == 2
     assert missing.stderr.strip() == "error: --factor 3: no evaluation at 3 x 32"
@@ -188,3 +190,31 @@ def test_results_groups_gives_accuracy_by_word_order_variant(settings: Settings)
     assert found["nope", "variant", "marked", 96]["accuracy"] == pytest.approx(0.7)
     assert found["nope", "depth", "1", 96]["accuracy"] == pytest.approx(0.4)
     assert len(found) == 2 * 2 * (2 + 2)  # lines x lengths x (2 variants + 2 depths)
+
+
+def test_a_reused_run_brings_its_summaries(settings: Settings) -> None:
+    from jobs.service import submit
+
+    seed_study(settings)
+    again = submit(SEEDED_SPEC, settings=settings, send=lambda run_id: None)
+    assert len(again.reused) == 4  # the finished runs
+    assert stored(settings) == 2 * 4 * 11
+
+
+def test_db_upgrade_summarises_runs_finished_before_summaries_existed(settings: Settings) -> None:
+    seed_study(settings)
+    with transaction(settings.database) as session:
+        session.execute(RunSummary.__table__.delete())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("POSBENCH_")}
+    env["POSBENCH_HOME"] = str(settings.home)
+    done = subprocess.run(
+        [sys.executable, "-m", "jobs.cli", "db", "upgrade"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "summarised 4 runs finished before summaries were stored" in done.stdout
+    assert stored(settings) == 4 * 8  # the curve summaries; the order probe needs the model

@@ -129,29 +129,52 @@ def order_probe(
     The bytes predicted and the nearest byte of context are the same in both passes;
     only the order of the distant context changes. A model that sees no order at all
     (no encoding, no causal mask) would score both alike; the difference measures how
-    much of the model's use of its context depends on where things are.
+    much of the model's use of its context depends on where things are. Like an
+    evaluation, it runs under bf16 autocast on CUDA and halves its batch when out of
+    memory.
     """
+    batch_size = max(1, batch_tokens // length)
+    while True:
+        try:
+            return _order_probe(model, task, length, tokens, batch_size, device, seed)
+        except torch.OutOfMemoryError:
+            if batch_size == 1:
+                raise
+            batch_size //= 2
+            torch.cuda.empty_cache()
+
+
+def _order_probe(
+    model: Transformer,
+    task: Task,
+    length: int,
+    tokens: int,
+    batch_size: int,
+    device: torch.device,
+    seed: int,
+) -> OrderProbe:
     half = length // 2
     generator = torch.Generator().manual_seed(seed)
     totals = {"ordered": 0.0, "shuffled": 0.0}
     scored = 0
     model.eval()
     batches = task.eval_batches(
-        length,
-        protocol="nonoverlapping",
-        batch_size=max(1, batch_tokens // length),
-        tokens=tokens,
-        examples=1,
+        length, protocol="nonoverlapping", batch_size=batch_size, tokens=tokens, examples=1
     )
-    with torch.inference_mode():
-        for batch in batches:
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    with torch.inference_mode(), autocast:
+        for index, batch in enumerate(batches):
             inputs, targets = batch.inputs.to(device), batch.targets.to(device)
             # A permutation of the first half per window.
             order = torch.rand(inputs.shape[0], half, generator=generator).argsort(dim=-1)
             shuffled = inputs.clone()
             shuffled[:, :half] = inputs[:, :half].gather(1, order.to(device))
             for name, window in (("ordered", inputs), ("shuffled", shuffled)):
-                logits = model(window)[:, half:].float()
+                # Both passes draw the same random positions (randomized encodings), so
+                # only the order of the tokens differs between them.
+                with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                    torch.manual_seed(seed + index)
+                    logits = model(window)[:, half:].float()
                 totals[name] += float(
                     F.cross_entropy(
                         logits.flatten(0, 1), targets[:, half:].flatten(), reduction="sum"

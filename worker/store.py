@@ -17,8 +17,8 @@ from sqlalchemy import select, update
 from db.engine import transaction, with_retry
 from db.models import Evaluation, PositionBin, Run, RunSummary, Study, TrainPoint, utcnow
 from db.upsert import upsert
+from jobs.analysis import Summary
 from worker.evaluate import Evaluation as EvaluationRow
-from worker.study import Summary
 from worker.train import TrainPoint as Point
 
 

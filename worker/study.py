@@ -9,12 +9,12 @@ from __future__ import annotations
 import platform
 import subprocess
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -83,7 +83,7 @@ class RunResult:
     evaluations: list[Evaluation]
     provenance: dict[str, Any]
     order: OrderProbe | None = None
-    summaries: list[Summary] = field(default_factory=list)
+    summaries: list[analysis.Summary] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -97,38 +97,6 @@ class RunResult:
             "summaries": [s._asdict() for s in self.summaries],
             "provenance": self.provenance,
         }
-
-
-class Summary(NamedTuple):
-    """One number a run's curve is turned into (a row of ``run_summaries``)."""
-
-    variant: str
-    protocol: str
-    name: str
-    value: float | None
-
-
-def summarize(
-    points: Iterable[tuple[str, str, int, float | None]],
-    *,
-    train_length: int,
-    metric: str,
-    order: OrderProbe | None = None,
-) -> list[Summary]:
-    """Per-curve summaries (``jobs.analysis.summarize_run``) of one run's evaluations,
-    given as (variant, protocol, length, metric value or None), plus the order probe."""
-    curves: dict[tuple[str, str], dict[int, float | None]] = {}
-    for variant, protocol, length, value in points:
-        curves.setdefault((variant, protocol), {})[length] = value
-    out = [
-        Summary(variant, protocol, name, value)
-        for (variant, protocol), curve in sorted(curves.items())
-        for name, value in analysis.summarize_run(curve, train_length, metric).items()
-    ]
-    if order is not None:
-        protocol = "nonoverlapping"
-        out += [Summary("none", protocol, k, v) for k, v in order.as_summaries().items()]
-    return out
 
 
 def prepared_task(spec: StudySpec) -> Task:
@@ -194,7 +162,7 @@ def run_one(
             seed=run.seed,
         )
     metric = spec.task.metric
-    summaries = summarize(
+    summaries = analysis.summarize_points(
         (
             (row.variant, row.protocol, row.length, getattr(row, metric))
             for row in rows
@@ -202,7 +170,7 @@ def run_one(
         ),
         train_length=spec.train.length,
         metric=metric,
-        order=order,
+        extra=order.as_summaries() if order else None,
     )
     return RunResult(
         label=run.encoding.label,

@@ -49,8 +49,9 @@ def train_run(self, run_id: int) -> str:
 def _train_and_evaluate(url: str, run_id: int, lease: str, spec, run, beat) -> str:
     import torch
 
+    from jobs.analysis import summarize_points
     from worker import store
-    from worker.study import resolve_device, run_one, summarize
+    from worker.study import resolve_device, run_one
     from worker.train import RunCancelled
 
     settings = get_settings()
@@ -81,11 +82,11 @@ def _train_and_evaluate(url: str, run_id: int, lease: str, spec, run, beat) -> s
         raise MemoryError(f"out of memory: {str(err).splitlines()[0]}") from err
     # Summaries from every stored point: a resumed attempt evaluated only the rest.
     metric = spec.task.metric
-    summaries = summarize(
+    summaries = summarize_points(
         store.stored_points(url, run_id, metric),
         train_length=spec.train.length,
         metric=metric,
-        order=result.order,
+        extra=result.order.as_summaries() if result.order else None,
     )
     store.record_summaries(url, run_id, lease, summaries)
     provenance = {**result.provenance, "resumed_from_step": result.train.resumed_from}
