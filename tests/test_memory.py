@@ -1,10 +1,17 @@
-"""The heap policy for long evaluations."""
+"""Memory for long evaluations: the heap policy and the batch size."""
 
 from __future__ import annotations
 
 import platform
 
-from worker.memory import LONG_SEQUENCE, bound_heap_for
+import pytest
+import torch
+
+from jobs.spec import parse_spec
+from worker import evaluate
+from worker.memory import LONG_SEQUENCE, available_bytes, bound_heap_for, eval_batch_size
+from worker.model import ModelConfig
+from worker.study import run_one
 
 
 def test_short_sequences_keep_the_default_policy() -> None:
@@ -14,3 +21,44 @@ def test_short_sequences_keep_the_default_policy() -> None:
 def test_long_sequences_fix_the_mmap_threshold_on_glibc() -> None:
     applied = bound_heap_for(LONG_SEQUENCE)
     assert applied is (platform.libc_ver()[0] == "glibc")
+
+
+def test_eval_batch_size_is_the_token_budget_capped_by_memory() -> None:
+    config = ModelConfig(d_model=128, vocab_size=256)
+    per_token = 2 * 4 * (14 * 128 + 3 * 256)  # 20 KiB
+    assert eval_batch_size(config, 1024, 16_384, available=1 << 40) == 16  # the token budget
+    # Half of 100 MiB holds 2 sequences of 1024 tokens at 20 KiB a token.
+    assert eval_batch_size(config, 1024, 16_384, available=100 << 20) == 2
+    assert 2 * per_token * 1024 <= (100 << 20) // 2 < 3 * per_token * 1024
+    assert eval_batch_size(config, 32_768, 16_384, available=1 << 40) == 1  # never 0
+    assert eval_batch_size(config, 1024, 16_384, available=0) == 1
+
+
+def test_available_memory_is_read_from_the_system() -> None:
+    available = available_bytes(torch.device("cpu"))
+    assert 0 < available < 1 << 50
+
+
+def test_an_evaluation_in_little_memory_gives_the_same_numbers(monkeypatch) -> None:
+    spec = parse_spec(
+        {
+            "model": "tiny",
+            "train": {"length": 16, "steps": 2, "batch_size": 2},
+            "encodings": ["alibi"],
+            "eval": {"lengths": [64], "tokens": 512},
+        }
+    )
+    plenty = run_one(spec, spec.runs()[0]).evaluations[0]
+    sizes = []
+    original = evaluate.eval_batch_size
+
+    def recorded(*args, **kwargs) -> int:
+        sizes.append(original(*args, **kwargs))
+        return sizes[-1]
+
+    monkeypatch.setattr(evaluate, "available_bytes", lambda device: 0)
+    monkeypatch.setattr(evaluate, "eval_batch_size", recorded)
+    scarce = run_one(spec, spec.runs()[0]).evaluations[0]
+    assert sizes == [1]  # one sequence at a time
+    assert scarce.loss == pytest.approx(plenty.loss, rel=1e-5)
+    assert scarce.tokens == plenty.tokens == 512

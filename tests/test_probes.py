@@ -50,7 +50,7 @@ class LookBack(nn.Module):
 
 def probe(model: nn.Module):
     return order_probe(
-        model, Periodic(), LENGTH, tokens=4096, batch_tokens=512, device=torch.device("cpu")
+        model, Periodic(), LENGTH, tokens=4096, batch_size=16, device=torch.device("cpu")
     )
 
 
@@ -73,7 +73,7 @@ def test_order_probe_is_deterministic_for_a_seed() -> None:
     torch.manual_seed(0)
     model = BagOfPrefix()
     task = Periodic()
-    kwargs = {"tokens": 2048, "batch_tokens": 256, "device": torch.device("cpu")}
+    kwargs = {"tokens": 2048, "batch_size": 8, "device": torch.device("cpu")}
     first = order_probe(model, task, LENGTH, seed=3, **kwargs)
     assert first == order_probe(model, task, LENGTH, seed=3, **kwargs)
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from jobs.spec import EvalSpec, VariantSpec
 from worker.data.base import Batch, Task
-from worker.memory import bound_heap_for
+from worker.memory import available_bytes, bound_heap_for, eval_batch_size
 from worker.model import Transformer
 
 NONE = VariantSpec()
@@ -153,7 +153,7 @@ def evaluate_length(
         return row
     row.factor = variant.factor_at(length, train_length)
     bound_heap_for(length)
-    batch_size = max(1, spec.batch_tokens // length)
+    batch_size = eval_batch_size(model.config, length, spec.batch_tokens, available_bytes(device))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     started = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Process-wide heap policy for long evaluations.
+"""Memory for long evaluations: the process' heap policy and the batch size.
 
 glibc raises its mmap threshold each time a large block is freed, after which
 large tensors of varying sizes (one per query block) come from the heap and
@@ -7,6 +7,9 @@ a fixed threshold puts every large tensor in its own mapping, returned to the
 system when freed; measured on the 2-core CPU, ALiBi at 16k tokens peaks at
 1.2x NoPE's memory instead of 5x. It costs page faults, so short sequences keep
 the default (dynamic) policy.
+
+``eval_batch_size`` picks how many sequences an evaluation batch holds from the
+memory the device has free.
 """
 
 from __future__ import annotations
@@ -14,6 +17,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+
+import torch
+
+from worker.model import ModelConfig
 
 M_MMAP_THRESHOLD = -3
 LONG_SEQUENCE = 8192
@@ -40,3 +47,41 @@ def bound_heap_for(length: int) -> bool:
         return False
     libc = _libc()
     return bool(libc is not None and libc.mallopt(M_MMAP_THRESHOLD, FIXED_THRESHOLD))
+
+
+def available_bytes(device: torch.device) -> int:
+    """Memory a new allocation can use now: free CUDA memory, or the kernel's
+    MemAvailable on the CPU (unbounded when unknown)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as meminfo:
+            line = next(line for line in meminfo if line.startswith("MemAvailable:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration):
+        return 1 << 62
+
+
+def eval_batch_size(
+    config: ModelConfig,
+    length: int,
+    batch_tokens: int,
+    available: int,
+    share: float = 0.5,
+    bytes_per_value: int = 4,
+) -> int:
+    """Sequences per evaluation batch: the spec's token budget, capped so that one
+    forward pass fits in ``share`` of the ``available`` bytes.
+
+    Under inference_mode a layer's activations die with the layer, so the peak per
+    token is one layer's live tensors (residual, norm, qkv, attention output, the MLP
+    hidden state and its activation: about 14 d) plus the logits and the float copy
+    and log-probabilities the loss takes (3 x vocab), doubled for allocator slack.
+    Attention scores are bounded separately (query blocks), so they do not scale
+    with the batch here. An estimate, not a promise: out-of-memory still halves the
+    batch and retries.
+    """
+    per_token = 2 * bytes_per_value * (14 * config.d_model + 3 * config.vocab_size)
+    fits = int(share * available) // (per_token * length)
+    return max(1, min(batch_tokens // length, fits))

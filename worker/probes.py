@@ -120,7 +120,7 @@ def order_probe(
     length: int,
     *,
     tokens: int,
-    batch_tokens: int,
+    batch_size: int,
     device: torch.device,
     seed: int = 0,
 ) -> OrderProbe:
@@ -133,7 +133,6 @@ def order_probe(
     evaluation, it runs under bf16 autocast on CUDA and halves its batch when out of
     memory.
     """
-    batch_size = max(1, batch_tokens // length)
     while True:
         try:
             return _order_probe(model, task, length, tokens, batch_size, device, seed)

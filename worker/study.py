@@ -25,6 +25,7 @@ from worker.data import build_task
 from worker.data.base import Task
 from worker.encodings import REGISTRY
 from worker.evaluate import Evaluation, evaluate
+from worker.memory import available_bytes, eval_batch_size
 from worker.model import ModelConfig, build_model
 from worker.probes import OrderProbe, order_probe
 from worker.train import TrainPoint, TrainResult, train
@@ -157,7 +158,9 @@ def run_one(
             task,
             spec.train.length,
             tokens=spec.eval.tokens,
-            batch_tokens=spec.eval.batch_tokens,
+            batch_size=eval_batch_size(
+                config, spec.train.length, spec.eval.batch_tokens, available_bytes(device)
+            ),
             device=device,
             seed=run.seed,
         )
