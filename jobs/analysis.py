@@ -509,9 +509,21 @@ SUMMARY_LABELS = {
 }
 
 
-def summary_grid(stats: pd.DataFrame) -> pd.DataFrame:
-    """``summary_statistics`` as one row per line and one column per summary, each cell
-    "mean [low, high]" (just the mean for one seed), columns in SUMMARY_LABELS order."""
+# What a terminal table shows; the rest stays in JSON / CSV and on the dashboard.
+KEY_SUMMARIES = (
+    *(f"ratio_{f:g}x" for f in FACTORS),
+    "effective_length",
+    "mean_log_ppl",
+    "order_sensitivity",
+)
+
+
+def summary_grid(stats: pd.DataFrame, names: Sequence[str] | None = None) -> pd.DataFrame:
+    """``summary_statistics`` as one row per line and one column per summary (only
+    ``names`` when given), each cell "mean [low, high]" (just the mean for one seed),
+    columns in SUMMARY_LABELS order."""
+    if names is not None:
+        stats = stats[stats["summary"].isin(names)]
     if stats.empty:
         return pd.DataFrame()
     cells = stats.assign(cell=[_cell(row) for row in stats.itertuples()])
@@ -525,8 +537,8 @@ def summary_grid(stats: pd.DataFrame) -> pd.DataFrame:
 
 
 def _cell(row: Any) -> str:
-    if row.summary == "effective_length" and row.seeds == 1:
-        return f"{row.mean:.0f}"
+    # Lengths are whole numbers of bytes; everything else reads best at 3 digits.
+    form = ".0f" if row.summary == "effective_length" else ".3g"
     if row.seeds == 1:
-        return f"{row.mean:.3g}"
-    return f"{row.mean:.3g} [{row.low:.3g}, {row.high:.3g}]"
+        return f"{row.mean:{form}}"
+    return f"{row.mean:{form}} [{row.low:{form}}, {row.high:{form}}]"

@@ -303,8 +303,9 @@ def results(
     else:
         from jobs.watch import frame_table
 
-        shown = analysis.summary_grid(frame).reset_index() if view == "summaries" else frame
-        console.print(frame_table(shown, f"study {study} ({row['name']}): {title}"))
+        if view == "summaries":  # the key ones; --format json has them all
+            frame = analysis.summary_grid(frame, analysis.KEY_SUMMARIES).reset_index()
+        console.print(frame_table(frame, f"study {study} ({row['name']}): {title}"))
 
 
 def _pairwise(frame, study, factor: float | None):

@@ -42,7 +42,7 @@ def _summary_grid(result) -> pd.DataFrame:
     if not rows:
         return pd.DataFrame()
     frame = analysis.with_lines(pd.DataFrame(rows).rename(columns={"name": "summary"}))
-    return analysis.summary_grid(analysis.summary_statistics(frame))
+    return analysis.summary_grid(analysis.summary_statistics(frame), analysis.KEY_SUMMARIES)
 
 
 def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: str | None) -> None:

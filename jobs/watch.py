@@ -19,8 +19,14 @@ def frame_table(frame: pd.DataFrame, title: str) -> Table:
     for column in frame.columns:
         table.add_column(str(column))
     for row in frame.itertuples(index=False):
-        table.add_row(*("" if pd.isna(v) else str(v) for v in row))
+        table.add_row(*(_cell(v) for v in row))
     return table
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, float):
+        return "" if pd.isna(value) else f"{value:.4g}"
+    return "" if value is None or value is pd.NaT else str(value)
 
 
 def curve_table(frame: pd.DataFrame, study: pd.Series) -> Table:

@@ -95,7 +95,7 @@ def posbench(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]
     env["POSBENCH_HOME"] = str(settings.home)
     env["COLUMNS"] = "240"  # a wide terminal: one summary per column
     return subprocess.run(
-        [sys.executable, "-m", "jobs.cli", "results", *args],
+        [sys.executable, "-m", "jobs.cli", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -106,7 +106,9 @@ def posbench(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]
 
 def test_results_summaries_aggregate_the_seeds(settings: Settings) -> None:
     study = seed_study(settings)
-    done = posbench(settings, "--study", str(study), "--view", "summaries", "--format", "json")
+    done = posbench(
+        settings, "results", "--study", str(study), "--view", "summaries", "--format", "json"
+    )
     assert done.returncode == 0, done.stderr
     rows = {(r["line"], r["summary"]): r for r in json.loads(done.stdout)}
     rope, alibi = rows["rope", "ratio_4x"], rows["alibi", "ratio_4x"]
@@ -115,20 +117,22 @@ def test_results_summaries_aggregate_the_seeds(settings: Settings) -> None:
     assert rope["low"] <= rope["mean"] <= rope["high"]
     assert rows["alibi", "effective_length"]["mean"] == 128
     assert rows["rope", "order_sensitivity"]["mean"] == pytest.approx(0.4)
-    table = posbench(settings, "--study", str(study), "--view", "summaries")
+    table = posbench(settings, "results", "--study", str(study), "--view", "summaries")
     assert table.returncode == 0 and "effective length" in table.stdout
 
 
 def test_results_pairwise_attaches_a_probability_to_each_claim(settings: Settings) -> None:
     study = seed_study(settings)
     args = ("--study", str(study), "--view", "pairwise", "--factor", "4", "--format", "json")
-    done = posbench(settings, *args)
+    done = posbench(settings, "results", *args)
     assert done.returncode == 0, done.stderr
     (row,) = json.loads(done.stdout)
     assert (row["a"], row["b"], row["eval_length"]) == ("alibi", "rope", 128)
     assert row["p_a_wins"] == 1.0
     assert row["claim"] == "alibi beats rope at 4x with probability 1.00 (2 vs 2 seeds)"
-    missing = posbench(settings, "--study", str(study), "--view", "pairwise", "--factor", "3")
+    missing = posbench(
+        settings, "results", "--study", str(study), "--view", "pairwise", "--factor", "3"
+    )
     assert missing.returncode == 2
     assert missing.stderr.strip() == "error: --factor 3: no evaluation at 3 x 32"
 
@@ -145,7 +149,7 @@ def test_results_pairwise_attaches_a_probability_to_each_claim(settings: Setting
 )
 def test_results_options_are_checked(settings: Settings, args: list[str], message: str) -> None:
     study = seed_study(settings)
-    done = posbench(settings, "--study", str(study), *args)
+    done = posbench(settings, "results", "--study", str(study), *args)
     assert done.returncode == 2 and done.stderr.strip() == f"error: {message}"
 
 
@@ -180,7 +184,7 @@ def test_results_groups_gives_accuracy_by_word_order_variant(settings: Settings)
             store.record_evaluation(url, run_id, lease, row)
         store.finish(url, run_id, lease, "done")
     args = ("--study", str(submitted.study_id), "--view", "groups", "--format", "json")
-    done = posbench(settings, *args)
+    done = posbench(settings, "results", *args)
     assert done.returncode == 0, done.stderr
     found = {
         (r["line"], r["key"], r["value"], r["eval_length"]): r for r in json.loads(done.stdout)
@@ -205,16 +209,7 @@ def test_db_upgrade_summarises_runs_finished_before_summaries_existed(settings: 
     seed_study(settings)
     with transaction(settings.database) as session:
         session.execute(RunSummary.__table__.delete())
-    env = {k: v for k, v in os.environ.items() if not k.startswith("POSBENCH_")}
-    env["POSBENCH_HOME"] = str(settings.home)
-    done = subprocess.run(
-        [sys.executable, "-m", "jobs.cli", "db", "upgrade"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = posbench(settings, "db", "upgrade")
     assert done.returncode == 0, done.stderr
     assert "summarised 4 runs finished before summaries were stored" in done.stdout
     assert stored(settings) == 4 * 8  # the curve summaries; the order probe needs the model
