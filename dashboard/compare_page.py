@@ -8,7 +8,7 @@ from __future__ import annotations
 import streamlit as st
 
 from dashboard.common import database, query_ints, schema_ready, set_query
-from dashboard.curves import curve_figure, normalize, position_figure, summarize
+from dashboard.curves import curve_figure, line_colors, normalize, position_figure, summarize
 from db import queries
 from jobs import analysis
 
@@ -105,7 +105,9 @@ def render() -> None:
             merged = bins.merge(lines, on="evaluation_id")
             averaged = merged.groupby(["line", "start", "end"], sort=False)["loss"].mean()
             st.plotly_chart(
-                position_figure(averaged.reset_index()), key="positions", width="stretch"
+                position_figure(averaged.reset_index(), line_colors(summary)),
+                key="positions",
+                width="stretch",
             )
     st.subheader("Results")
     table = summary.pivot_table(index="line", columns="eval_length", values="mean")
@@ -166,6 +168,7 @@ def _pairwise(view, metric: str, train_lengths: dict[int, int]) -> None:
         table.drop(columns="eval_length").rename(columns={"p_a_wins": "P(a wins)"}),
         width="stretch",
         key="pairwise",
+        hide_index=True,
     )
 
 

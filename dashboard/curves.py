@@ -25,13 +25,21 @@ def normalize(summary: pd.DataFrame, train_lengths: dict[int, int]) -> pd.DataFr
     return out
 
 
+def line_colors(summary: pd.DataFrame) -> dict[str, str]:
+    """One colour per line, in the order the curves list them; every figure of a page
+    uses the same mapping so a line keeps its colour."""
+    lines = dict.fromkeys(summary["line"])
+    return {line: COLORS[index % len(COLORS)] for index, line in enumerate(lines)}
+
+
 def curve_figure(
     summary: pd.DataFrame, metric: str, train_lengths: list[int], log_y: bool, title: str
 ) -> go.Figure:
     figure = go.Figure()
-    for index, (line, group) in enumerate(summary.groupby("line", sort=False)):
+    colors = line_colors(summary)
+    for line, group in summary.groupby("line", sort=False):
         group = group.sort_values("eval_length")
-        color = COLORS[index % len(COLORS)]
+        color = colors[line]
         if (group["seeds"] > 1).any():
             figure.add_trace(
                 go.Scatter(
@@ -87,7 +95,7 @@ def curve_figure(
     return figure
 
 
-def position_figure(bins: pd.DataFrame) -> go.Figure:
+def position_figure(bins: pd.DataFrame, colors: dict[str, str]) -> go.Figure:
     figure = go.Figure()
     for index, (line, group) in enumerate(bins.groupby("line", sort=False)):
         group = group.sort_values("start")
@@ -98,7 +106,7 @@ def position_figure(bins: pd.DataFrame) -> go.Figure:
                 y=group["loss"],
                 mode="lines+markers",
                 name=line,
-                line={"color": COLORS[index % len(COLORS)]},
+                line={"color": colors.get(line, COLORS[index % len(COLORS)])},
             )
         )
     figure.update_xaxes(type="log", title="position in the window (1-based, log bins)")

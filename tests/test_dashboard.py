@@ -145,6 +145,9 @@ def test_compare_draws_curves_with_seed_intervals(settings) -> None:
     assert len(bands) == 2  # two seeds: a 95% interval per line
     assert curves["layout"]["xaxis"]["type"] == "log" and curves["layout"]["yaxis"]["type"] == "log"
     assert {t["name"] for t in positions["data"]} == {"alibi", "rope"}
+    # A line keeps its colour from one figure to the next.
+    colour = {t["name"]: t["line"]["color"] for t in lines}
+    assert {t["name"]: t["line"]["color"] for t in positions["data"]} == colour
     table = app.dataframe[0].value
     assert list(table.columns) == [32, 64, 128]
     assert table.loc["rope", 128] > table.loc["rope", 32]
