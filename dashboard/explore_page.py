@@ -185,4 +185,15 @@ def render_equivariance() -> None:
         "function of a set. Every position signal breaks the symmetry; so does a causal "
         "mask, which is why NoPE can still learn order in a decoder."
     )
-    st.dataframe(_equivariance(16), width="stretch", key="equivariance", hide_index=True)
+    rows = _equivariance(16)
+    st.dataframe(
+        rows,
+        width="stretch",
+        height=36 * (len(rows) + 1),  # every encoding at once, no inner scrolling
+        key="equivariance",
+        hide_index=True,
+        column_config={
+            name: st.column_config.NumberColumn(format="%.2e")
+            for name in ("bidirectional", "causal")
+        },
+    )

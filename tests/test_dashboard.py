@@ -197,6 +197,16 @@ def test_explore_renders_every_encoding(settings, name: str) -> None:
         assert {"trained (none)", "pi (s=8)", "ntk (s=8)", "yarn (s=8)"} <= names
 
 
+def test_explore_shows_the_equivariance_error_of_every_encoding(settings) -> None:
+    app = page("explore")
+    app.run()
+    assert not app.exception
+    table = app.dataframe[-1].value.set_index("encoding")
+    assert sorted(table.index) == sorted(REGISTRY)
+    assert table.loc["nope", "bidirectional"] < 1e-5  # attention alone is set-like
+    assert (table["causal"] > 0.05).all()
+
+
 def test_password_gate(settings, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("POSBENCH_DASHBOARD_PASSWORD", "s3cret")
     get_settings.cache_clear()
