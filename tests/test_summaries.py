@@ -213,3 +213,18 @@ def test_db_upgrade_summarises_runs_finished_before_summaries_existed(settings: 
     assert done.returncode == 0, done.stderr
     assert "summarised 4 runs finished before summaries were stored" in done.stdout
     assert stored(settings) == 4 * 8  # the curve summaries; the order probe needs the model
+
+
+def test_the_encoding_summaries_view_aggregates_the_seeds_for_sql(settings: Settings) -> None:
+    from sqlalchemy import text
+
+    study = seed_study(settings)
+    with engine_for(settings.database).connect() as connection:
+        rows = connection.execute(
+            text(
+                "SELECT label, mean, min, max, seeds FROM encoding_summaries "
+                "WHERE study_id = :study AND name = 'effective_length' ORDER BY label"
+            ),
+            {"study": study},
+        ).all()
+    assert [tuple(row) for row in rows] == [("alibi", 128, 128, 128, 2), ("rope", 32, 32, 32, 2)]

@@ -1,4 +1,5 @@
-"""run summaries: extrapolation ratios, effective length, log-perplexity area, order probe
+"""run summaries: extrapolation ratios, effective length, log-perplexity area, order probe;
+the encoding_summaries view aggregates them across seeds
 
 Revision ID: 0002
 Revises: 0001
@@ -29,7 +30,20 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id"),
         sa.UniqueConstraint("run_id", "variant", "protocol", "name", name="uq_run_summaries_key"),
     )
+    # Per encoding, for plain SQL: mean, range and seed count of every summary. The
+    # bootstrap intervals need resampling and are computed on read (jobs.analysis).
+    op.execute(
+        """
+        CREATE VIEW encoding_summaries AS
+        SELECT r.study_id, r.label, r.encoding, m.variant, m.protocol, m.name,
+               AVG(m.value) AS mean, MIN(m.value) AS min, MAX(m.value) AS max,
+               COUNT(m.value) AS seeds
+        FROM run_summaries m JOIN runs r ON r.id = m.run_id
+        GROUP BY r.study_id, r.label, r.encoding, m.variant, m.protocol, m.name
+        """
+    )
 
 
 def downgrade() -> None:
+    op.execute("DROP VIEW encoding_summaries")
     op.drop_table("run_summaries")
