@@ -79,8 +79,9 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     rotary_dim = cos.shape[-1]
     rotated, passed = x[..., :rotary_dim], x[..., rotary_dim:]
     rotated = rotated.float()
-    out = rotated * cos + rotate_half(rotated) * sin
-    return torch.cat((out.to(x.dtype), passed), dim=-1)
+    out = (rotated * cos + rotate_half(rotated) * sin).to(x.dtype)
+    # Full-head rotary (the default) has nothing to pass through: no copy for it.
+    return out if passed.shape[-1] == 0 else torch.cat((out, passed), dim=-1)
 
 
 class Rope(PositionEncoding):
