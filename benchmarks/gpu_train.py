@@ -1,0 +1,143 @@
+"""Training throughput on a GPU: every encoding on a model preset, bf16, eager and compiled.
+
+    python -m benchmarks.gpu_train [--preset base] [--length 512] [--batch 32] [--steps 20]
+                                   [--encodings rope alibi] [--peak-tflops 989] [--out FILE]
+
+The GPU half of the performance issue, prepared as one short script for a lent GPU:
+for each encoding, a posbench model of the preset trains under bf16 autocast with the
+fused AdamW (as ``worker.train`` does), eagerly and under torch.compile, and reports
+tokens/s and utilisation = model FLOPs/s / the GPU's dense bf16 peak. The peak comes from
+``--peak-tflops`` or a small table of known GPUs. Runs on the CPU too (``--device cpu``,
+fp32, no peak), which is how it is checked without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from worker.encodings import REGISTRY
+from worker.model import PRESETS, build_model
+
+# Dense bf16 tensor-core peaks (no sparsity), TFLOP/s, from the vendors' datasheets.
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
+
+
+def peak_flops(device: torch.device, given: float | None) -> float | None:
+    if given is not None:
+        return given * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((tflops * 1e12 for key, tflops in PEAK_BF16_TFLOPS.items() if key in name), None)
+
+
+def measure(
+    encoding: str,
+    preset: str,
+    length: int,
+    batch: int,
+    steps: int,
+    device: torch.device,
+    compiled: bool,
+) -> dict[str, float]:
+    params = {"max_position": 4 * length} if encoding == "randomized" else {}
+    model = build_model(preset, encoding, train_length=length, **params).to(device).train()
+    forward = torch.compile(model) if compiled else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda" or None)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    tokens = torch.randint(0, 256, (batch, length + 1), device=device)
+
+    def step() -> None:
+        with autocast:
+            logits = forward(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    started = time.perf_counter()
+    for _ in range(3):  # warm-up: compilation, autotuning, allocator
+        step()
+    synchronize()
+    warmup = time.perf_counter() - started
+    started = time.perf_counter()
+    for _ in range(steps):
+        step()
+    synchronize()
+    elapsed = time.perf_counter() - started
+    rate = steps * batch * length / elapsed
+    return {
+        "tokens_per_s": rate,
+        "flops_per_s": rate * model.flops_per_token(length),
+        "warmup_s": warmup,
+        "peak_memory_gib": (
+            torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+        ),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="base", choices=sorted(PRESETS))
+    parser.add_argument("--length", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--encodings", nargs="*", default=list(REGISTRY))
+    parser.add_argument("--modes", nargs="*", default=["eager", "compiled"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--peak-tflops", type=float)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    peak = peak_flops(device, args.peak_tflops)
+    rows = []
+    for encoding in args.encodings:
+        row: dict[str, object] = {"encoding": encoding}
+        for mode in args.modes:
+            result = measure(
+                encoding,
+                args.preset,
+                args.length,
+                args.batch,
+                args.steps,
+                device,
+                compiled=mode == "compiled",
+            )
+            row[f"{mode}_tokens_per_s"] = round(result["tokens_per_s"])
+            row[f"{mode}_utilisation"] = (
+                round(result["flops_per_s"] / peak, 3) if peak is not None else None
+            )
+            row[f"{mode}_warmup_s"] = round(result["warmup_s"], 1)
+            row[f"{mode}_peak_memory_gib"] = round(result["peak_memory_gib"], 2)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    title = (
+        f"training, {args.preset} preset, batch {args.batch} x {args.length}, "
+        f"{'bf16 autocast' if device.type == 'cuda' else 'fp32'} on {name}"
+    )
+    columns = list(rows[0])
+    print(f"\n### {title}\n")
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for row in rows:
+        print("| " + " | ".join(str(row[c]) for c in columns) + " |")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"title": title, "peak_flops": peak, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
