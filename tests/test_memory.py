@@ -9,7 +9,13 @@ import torch
 
 from jobs.spec import parse_spec
 from worker import evaluate
-from worker.memory import LONG_SEQUENCE, available_bytes, bound_heap_for, eval_batch_size
+from worker.memory import (
+    LONG_SEQUENCE,
+    available_bytes,
+    bound_heap_for,
+    eval_batch_size,
+    halving_on_oom,
+)
 from worker.model import ModelConfig
 from worker.study import run_one
 
@@ -62,3 +68,18 @@ def test_an_evaluation_in_little_memory_gives_the_same_numbers(monkeypatch) -> N
     assert sizes == [1]  # one sequence at a time
     assert scarce.loss == pytest.approx(plenty.loss, rel=1e-5)
     assert scarce.tokens == plenty.tokens == 512
+
+
+def test_out_of_memory_halves_the_batch_until_one_sequence_does_not_fit() -> None:
+    tried = []
+
+    def run(batch_size: int) -> int:
+        tried.append(batch_size)
+        if batch_size > 3:
+            raise torch.OutOfMemoryError("too big")
+        return batch_size
+
+    assert halving_on_oom(run, 16) == 2 and tried == [16, 8, 4, 2]
+    tried.clear()
+    with pytest.raises(torch.OutOfMemoryError):
+        halving_on_oom(lambda size: run(size * 100), 4)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from jobs.spec import EvalSpec, VariantSpec
 from worker.data.base import Batch, Task
-from worker.memory import available_bytes, bound_heap_for, eval_batch_size
+from worker.memory import available_bytes, bound_heap_for, eval_batch_size, halving_on_oom
 from worker.model import Transformer
 
 NONE = VariantSpec()
@@ -157,7 +157,8 @@ def evaluate_length(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     started = time.perf_counter()
-    while True:
+
+    def run(batch_size: int) -> _Accumulator:
         batches = task.eval_batches(
             length,
             protocol=protocol,
@@ -166,20 +167,12 @@ def evaluate_length(
             examples=spec.examples,
             stride=spec.stride,
         )
-        try:
-            if variant.method == "none":
-                result = _run_batches(model, batches, length, device)
-            else:
-                with model.scaled(variant.method, row.factor, train_length):
-                    result = _run_batches(model, batches, length, device)
-            break
-        except torch.OutOfMemoryError:
-            # Halve the batch and start this length again; one sequence that does not
-            # fit is a real failure and is reported as such.
-            if batch_size == 1:
-                raise
-            batch_size //= 2
-            torch.cuda.empty_cache()
+        if variant.method == "none":
+            return _run_batches(model, batches, length, device)
+        with model.scaled(variant.method, row.factor, train_length):
+            return _run_batches(model, batches, length, device)
+
+    result = halving_on_oom(run, batch_size)
     elapsed = time.perf_counter() - started
     row.tokens = result.tokens
     # Throughput counts every token the model read, scored or not.

@@ -9,7 +9,8 @@ system when freed; measured on the 2-core CPU, ALiBi at 16k tokens peaks at
 the default (dynamic) policy.
 
 ``eval_batch_size`` picks how many sequences an evaluation batch holds from the
-memory the device has free.
+memory the device has free; ``halving_on_oom`` retries a pass with half the batch
+when that estimate was wrong.
 """
 
 from __future__ import annotations
@@ -17,10 +18,14 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from worker.model import ModelConfig
+
+T = TypeVar("T")
 
 M_MMAP_THRESHOLD = -3
 LONG_SEQUENCE = 8192
@@ -85,3 +90,16 @@ def eval_batch_size(
     per_token = 2 * bytes_per_value * (14 * config.d_model + 3 * config.vocab_size)
     fits = int(share * available) // (per_token * length)
     return max(1, min(batch_tokens // length, fits))
+
+
+def halving_on_oom(run: Callable[[int], T], batch_size: int) -> T:
+    """``run(batch_size)``, started again with half the batch while the device runs out of
+    memory; one sequence that does not fit is a real failure and is raised."""
+    while True:
+        try:
+            return run(batch_size)
+        except torch.OutOfMemoryError:
+            if batch_size == 1:
+                raise
+            batch_size //= 2
+            torch.cuda.empty_cache()

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from worker.data.base import Task
 from worker.encodings.base import PositionEncoding
+from worker.memory import halving_on_oom
 from worker.model import AttentionBias, CausalSelfAttention, ModelConfig, Transformer
 
 
@@ -133,14 +134,9 @@ def order_probe(
     evaluation, it runs under bf16 autocast on CUDA and halves its batch when out of
     memory.
     """
-    while True:
-        try:
-            return _order_probe(model, task, length, tokens, batch_size, device, seed)
-        except torch.OutOfMemoryError:
-            if batch_size == 1:
-                raise
-            batch_size //= 2
-            torch.cuda.empty_cache()
+    return halving_on_oom(
+        lambda size: _order_probe(model, task, length, tokens, size, device, seed), batch_size
+    )
 
 
 def _order_probe(
