@@ -18,7 +18,6 @@ from sqlalchemy.orm import Session
 
 from db.engine import transaction, with_retry
 from db.models import Evaluation, PositionBin, Run, RunSummary, Study, TrainPoint, utcnow
-from jobs import analysis
 from jobs.celery_app import TRAIN_RUN
 from jobs.settings import Settings, get_settings
 from jobs.spec import StudySpec
@@ -322,6 +321,9 @@ def backfill_summaries(url: str) -> int:
     """Summarise finished runs that have evaluations but no summaries (runs finished
     before the ``run_summaries`` table existed); returns how many. The order probe needs
     the model, so only the curve summaries are filled in."""
+    # Here, not at the top: submitting a study need not load pandas.
+    from db.queries import run_points
+    from jobs import analysis
 
     def attempt() -> int:
         with transaction(url) as session:
@@ -333,12 +335,7 @@ def backfill_summaries(url: str) -> int:
             ).all()
             filled = 0
             for run_id, metric, train_length in pending:
-                column = getattr(Evaluation, metric)
-                points = session.execute(
-                    select(
-                        Evaluation.variant, Evaluation.protocol, Evaluation.eval_length, column
-                    ).where(Evaluation.run_id == run_id, Evaluation.not_applicable.is_(None))
-                ).all()
+                points = session.execute(run_points(run_id, metric)).all()
                 if not points:
                     continue
                 for summary in analysis.summarize_points(

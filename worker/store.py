@@ -16,6 +16,7 @@ from sqlalchemy import select, update
 
 from db.engine import transaction, with_retry
 from db.models import Evaluation, PositionBin, Run, RunSummary, Study, TrainPoint, utcnow
+from db.queries import run_points
 from db.upsert import upsert
 from jobs.analysis import Summary
 from worker.evaluate import Evaluation as EvaluationRow
@@ -140,16 +141,9 @@ def stored_evaluations(url: str, run_id: int) -> set[tuple[str, str, int]]:
 
 
 def stored_points(url: str, run_id: int, metric: str) -> list[tuple[str, str, int, float]]:
-    """(variant, protocol, length, metric) of every applicable stored point of a run:
-    what its summaries are computed from, whichever attempt evaluated each point."""
-    column = getattr(Evaluation, metric)
+    """(variant, protocol, length, metric) of every applicable stored point of a run."""
     with transaction(url) as session:
-        rows = session.execute(
-            select(Evaluation.variant, Evaluation.protocol, Evaluation.eval_length, column).where(
-                Evaluation.run_id == run_id, Evaluation.not_applicable.is_(None)
-            )
-        )
-        return [(v, p, n, value) for v, p, n, value in rows]
+        return [tuple(row) for row in session.execute(run_points(run_id, metric))]
 
 
 def record_summaries(url: str, run_id: int, lease: str, summaries: list[Summary]) -> None:
