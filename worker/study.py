@@ -84,9 +84,21 @@ class RunResult:
     evaluations: list[Evaluation]
     provenance: dict[str, Any]
     order: OrderProbe | None = None
-    summaries: list[analysis.Summary] = field(default_factory=list)
 
-    def to_dict(self) -> dict[str, Any]:
+    def summarize(self, train_length: int, metric: str) -> list[analysis.Summary]:
+        """This run's summaries from the evaluations it made and its order probe (a
+        worker that resumed a run summarises every stored point instead)."""
+        points = (
+            (row.variant, row.protocol, row.length, getattr(row, metric))
+            for row in self.evaluations
+            if row.not_applicable is None
+        )
+        extra = self.order.as_summaries() if self.order else None
+        return analysis.summarize_points(
+            points, train_length=train_length, metric=metric, extra=extra
+        )
+
+    def to_dict(self, train_length: int, metric: str) -> dict[str, Any]:
         return {
             "label": self.label,
             "encoding": self.encoding,
@@ -95,7 +107,7 @@ class RunResult:
             "config_hash": self.config_hash,
             "train": self.train.to_dict(),
             "evaluations": [e.to_dict() for e in self.evaluations],
-            "summaries": [s._asdict() for s in self.summaries],
+            "summaries": [s._asdict() for s in self.summarize(train_length, metric)],
             "provenance": self.provenance,
         }
 
@@ -164,17 +176,6 @@ def run_one(
             device=device,
             seed=run.seed,
         )
-    metric = spec.task.metric
-    summaries = analysis.summarize_points(
-        (
-            (row.variant, row.protocol, row.length, getattr(row, metric))
-            for row in rows
-            if row.not_applicable is None
-        ),
-        train_length=spec.train.length,
-        metric=metric,
-        extra=order.as_summaries() if order else None,
-    )
     return RunResult(
         label=run.encoding.label,
         encoding=run.encoding.name,
@@ -185,7 +186,6 @@ def run_one(
         evaluations=rows,
         provenance=provenance(device, run.seed, task.fingerprint),
         order=order,
-        summaries=summaries,
     )
 
 
@@ -222,7 +222,7 @@ class StudyResult:
         return {
             "spec": self.spec.model_dump(mode="json"),
             "metric": self.metric,
-            "runs": [run.to_dict() for run in self.runs],
+            "runs": [run.to_dict(self.spec.train.length, self.metric) for run in self.runs],
         }
 
 
