@@ -1,7 +1,10 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 # Isolate every test process: its own posbench home (prepared corpora) and an
 # offline HuggingFace cache. Set before anything reads them.
@@ -31,3 +34,26 @@ def dims(n_heads: int = 4, head_dim: int = 16, train_length: int = 32) -> dict[s
         "d_model": n_heads * head_dim,
         "train_length": train_length,
     }
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def isolated_env(home: Path, **extra: str) -> dict[str, str]:
+    """This process' environment with no posbench setting but ``home`` (and ``extra``)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("POSBENCH_")}
+    return {**env, "POSBENCH_HOME": str(home), **extra}
+
+
+def posbench_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """``posbench ARGS`` in a real subprocess from the project root."""
+    return subprocess.run(
+        [sys.executable, "-m", "jobs.cli", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

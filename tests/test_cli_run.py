@@ -4,18 +4,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
+from conftest import posbench_cli
 
-def posbench(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "jobs.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=600,
-    )
+
+def posbench(*args: str) -> subprocess.CompletedProcess[str]:
+    return posbench_cli(*args, timeout=600)
 
 
 def test_run_smoke_preset_writes_json_table_and_png(tmp_path: Path) -> None:

@@ -2,32 +2,20 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import isolated_env, posbench_cli
 
 
 @pytest.fixture
 def env(tmp_path: Path) -> dict[str, str]:
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("POSBENCH_")}
-    environment["POSBENCH_HOME"] = str(tmp_path)
-    return environment
+    return isolated_env(tmp_path)
 
 
 def posbench(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "jobs.cli", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return posbench_cli(*args, env=env)
 
 
 def test_commands_before_the_schema_exists_say_how_to_create_it(env) -> None:

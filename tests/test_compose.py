@@ -22,19 +22,17 @@ SERVICES: dict[str, Any] = COMPOSE["services"]
 LONG_RUNNING = [name for name, s in SERVICES.items() if s.get("restart") != "no"]
 
 
-def test_compose_file_validates_against_the_compose_spec_schema() -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "check_jsonschema",
-            "--builtin-schema",
-            "vendor.compose-spec",
-            str(ROOT / "docker-compose.yml"),
-        ],
+def check_against_the_compose_spec(path: Path) -> subprocess.CompletedProcess[str]:
+    schema = ["--builtin-schema", "vendor.compose-spec"]
+    return subprocess.run(
+        [sys.executable, "-m", "check_jsonschema", *schema, str(path)],
         capture_output=True,
         text=True,
     )
+
+
+def test_compose_file_validates_against_the_compose_spec_schema() -> None:
+    done = check_against_the_compose_spec(ROOT / "docker-compose.yml")
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -42,19 +40,7 @@ def test_the_schema_check_can_fail(tmp_path: Path) -> None:
     broken = {**COMPOSE, "services": {"redis": {**SERVICES["redis"], "healthcheck": {"tset": 1}}}}
     path = tmp_path / "compose.yml"
     path.write_text(yaml.safe_dump(broken))
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "check_jsonschema",
-            "--builtin-schema",
-            "vendor.compose-spec",
-            str(path),
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode != 0
+    assert check_against_the_compose_spec(path).returncode != 0
 
 
 def test_expected_services_and_profiles() -> None:

@@ -4,14 +4,13 @@ aggregated across seeds by `posbench results`, and a schema that matches the mod
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from conftest import isolated_env, posbench_cli
 from dashboard_seed import SEEDED_SPEC, seed_study
 from sqlalchemy import func, select
 
@@ -22,8 +21,6 @@ from jobs.analysis import Summary, summarize_points
 from jobs.settings import Settings
 from worker import store
 from worker.probes import OrderProbe
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -91,17 +88,8 @@ def test_summaries_are_stored_once_per_key_even_when_a_finish_is_retried(
 
 
 def posbench(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("POSBENCH_")}
-    env["POSBENCH_HOME"] = str(settings.home)
-    env["COLUMNS"] = "240"  # a wide terminal: one summary per column
-    return subprocess.run(
-        [sys.executable, "-m", "jobs.cli", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    # A wide terminal: one summary per column.
+    return posbench_cli(*args, env=isolated_env(settings.home, COLUMNS="240"))
 
 
 def test_results_summaries_aggregate_the_seeds(settings: Settings) -> None:
