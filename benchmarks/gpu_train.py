@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from jobs.report import markdown_rows
 from worker.encodings import REGISTRY
 from worker.model import PRESETS, build_model
 
@@ -130,10 +131,7 @@ def main() -> None:
     )
     columns = list(rows[0])
     print(f"\n### {title}\n")
-    print("| " + " | ".join(columns) + " |")
-    print("|" + "---|" * len(columns))
-    for row in rows:
-        print("| " + " | ".join(str(row[c]) for c in columns) + " |")
+    print(markdown_rows(columns, [[row[c] for c in columns] for row in rows]))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"title": title, "peak_flops": peak, "rows": rows}))

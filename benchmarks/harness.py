@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from jobs.report import markdown_rows
 from worker.model import build_model
 
 # The sizes: dim 128, depth 4, 4 heads of 32, byte vocabulary.
@@ -171,14 +172,11 @@ def report(
         rows.append(row)
     print(f"\n### {title}\n\nmatmul reference: {reference / 1e9:.1f} GFLOP/s (median of rounds)\n")
     columns = list(dict.fromkeys(k for row in rows for k in row))
-    print("| " + " | ".join(columns) + " |")
-    print("|" + "---|" * len(columns))
-    for row in rows:
-        cells = [
-            f"{row[c]:,.3g}" if isinstance(row.get(c), float) else str(row.get(c, ""))
-            for c in columns
-        ]
-        print("| " + " | ".join(cells) + " |")
+    cells = [
+        [f"{row[c]:,.3g}" if isinstance(row.get(c), float) else row.get(c, "") for c in columns]
+        for row in rows
+    ]
+    print(markdown_rows(columns, cells))
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(

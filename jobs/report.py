@@ -25,15 +25,16 @@ def markdown_table(curves: Curves, metric: str, train_length: int) -> str:
         [label, *(format_value(points.get(n), metric) for n in lengths)]
         for label, points in curves.items()
     ]
-    return _markdown(header, rows)
+    return markdown_rows(header, rows)
 
 
 def markdown_frame(frame) -> str:
     """A DataFrame of short cells as a markdown table (the index is not shown)."""
-    return _markdown(list(frame.columns), list(frame.itertuples(index=False)))
+    return markdown_rows(list(frame.columns), list(frame.itertuples(index=False)))
 
 
-def _markdown(header: list, rows: list) -> str:
+def markdown_rows(header: list, rows: list) -> str:
+    """A markdown table: a header row, the separator, then one row per sequence of cells."""
     lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
     return "\n".join(lines)
