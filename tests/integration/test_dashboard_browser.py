@@ -117,6 +117,9 @@ def test_browser_submit_watch_compare() -> None:
             )
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.set_default_timeout(60_000)
+            # Assertions wait as long as actions: on a loaded 2-core machine the
+            # plotly bundle alone can take longer than expect()'s 5 s default.
+            expect.set_options(timeout=60_000)
             page.goto(base)
             expect(page.get_by_text("Submit a study")).to_be_visible()
             page.get_by_role("combobox", name="Start from").click()
@@ -142,6 +145,7 @@ def test_browser_submit_watch_compare() -> None:
             page.screenshot(path=SCREENSHOTS / "explore.png", full_page=True)
             browser.close()
     finally:
+        expect.set_options(timeout=5_000)
         up.send_signal(signal.SIGINT)
         up.wait(timeout=60)
     assert (SCREENSHOTS / "compare.png").stat().st_size > 10_000
