@@ -3,7 +3,7 @@
     python -m benchmarks.train_step [--rounds 5] [--encodings rope alibi] [--out FILE]
 
 dim 128, depth 4, 4 heads of 32, batch 16 x 256, fp32 on the CPU: forward, backward
-and an AdamW step per unit of work.
+and a fused AdamW step (the same optimizer for both) per unit of work.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ BATCH, LENGTH = 16, 256
 
 
 def step_fn(model: torch.nn.Module, tokens: torch.Tensor):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    # The same optimizer for both models: fused AdamW, the fastest on the CPU.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
     def step() -> int:
         logits = model(tokens[:, :-1])

@@ -16,9 +16,11 @@ from worker.model import (
     AttentionBias,
     CausalSelfAttention,
     ModelConfig,
-    biased_attention,
     build_model,
     causal_toeplitz,
+    fused_biased_attention,
+    written_out,
+    written_out_biased_attention,
 )
 from worker.probes import equivariance_error
 
@@ -98,22 +100,35 @@ def test_query_blocks_give_the_same_logits_as_the_full_bias(name: str) -> None:
 
 
 def test_fused_and_written_out_biased_attention_agree_in_value_and_gradient() -> None:
-    # A bias without a gradient goes to SDPA's fused kernel; one that needs a gradient
-    # (learned biases in training) to the written-out path. Both compute the same thing.
+    # The fused kernel (evaluation, GPUs) and the written-out path (CPU training)
+    # compute the same thing, the gradient of a learned bias included.
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 24, 8, generator=generator)
     distances = torch.randn(4, 40, generator=generator)
-    fixed = causal_toeplitz(distances, 16, 40)  # queries 16..39 over keys 0..39
-    learned = causal_toeplitz(distances.clone().requires_grad_(True), 16, 40)
     keys, values = (torch.randn(2, 4, 40, 8, generator=generator) for _ in range(2))
-    fused_inputs = [t.clone().requires_grad_(True) for t in (q, keys, values)]
-    written_inputs = [t.clone().requires_grad_(True) for t in (q, keys, values)]
-    fused = biased_attention(*fused_inputs, fixed)
-    written = biased_attention(*written_inputs, learned)
-    torch.testing.assert_close(fused, written, atol=1e-5, rtol=1e-5)
-    (fused.sum() + written.sum()).backward()
-    for a, b in zip(fused_inputs, written_inputs, strict=True):
-        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5)
+    results = []
+    for attend in (fused_biased_attention, written_out_biased_attention):
+        learned = distances.clone().requires_grad_(True)
+        inputs = [t.clone().requires_grad_(True) for t in (q, keys, values)]
+        # queries 16..39 over keys 0..39
+        out = attend(*inputs, causal_toeplitz(learned, 16, 40))
+        out.pow(2).sum().backward()
+        results.append((out, *(t.grad for t in inputs), learned.grad))
+    for fused, written in zip(*results, strict=True):
+        torch.testing.assert_close(fused, written, atol=1e-5, rtol=1e-5)
+
+
+def test_biased_attention_writes_out_only_cpu_training() -> None:
+    cpu = torch.device("cpu")
+    assert written_out(cpu)
+    with torch.no_grad():
+        assert not written_out(cpu)
+    assert not written_out(torch.device("cuda"))
+    # Training on the CPU uses shorter query blocks than evaluation.
+    encoding = build("alibi", **dims(n_heads=4))
+    assert AttentionBias(encoding, 1024, 2, torch.float32, cpu).block_rows == 128
+    with torch.no_grad():
+        assert AttentionBias(encoding, 1024, 2, torch.float32, cpu).block_rows == 256
 
 
 def test_causal_toeplitz_is_the_bias_at_each_query_key_distance() -> None:
