@@ -28,6 +28,14 @@ def upgrade(url: str, revision: str = "head") -> None:
         command.upgrade(config, revision)
 
 
+def downgrade(url: str, revision: str) -> None:
+    """Take the database at ``url`` back to ``revision``."""
+    config = alembic_config(url)
+    with engine_for(normalize_url(url)).begin() as connection:
+        config.attributes["connection"] = connection
+        command.downgrade(config, revision)
+
+
 def current(url: str) -> str | None:
     from alembic.runtime.migration import MigrationContext
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pandas as pd
-from sqlalchemy import Select, case, func, or_, select
+from sqlalchemy import Select, case, func, select
 
 from db.engine import engine_for, normalize_url
 from db.models import Evaluation, PositionBin, Run, RunSummary, Study, TrainPoint
+from jobs.analysis import ANY_PROTOCOL
 
 
 def _frame(url: str, statement: Select) -> pd.DataFrame:
@@ -212,8 +213,6 @@ def run_summaries(
     if study_ids:
         statement = statement.where(Run.study_id.in_(study_ids))
     if protocol:
-        # The order probe's summaries hold for the model whatever the curve's protocol.
-        statement = statement.where(
-            or_(RunSummary.protocol == protocol, RunSummary.name.startswith("order_"))
-        )
+        # Summaries not read off a curve (the order probe's) hold for every protocol.
+        statement = statement.where(RunSummary.protocol.in_((protocol, ANY_PROTOCOL)))
     return _frame(url, statement)

@@ -209,8 +209,16 @@ class Summary(NamedTuple):
     value: float | None
 
 
-# Extra summaries (the order probe) belong to the trained model on its own windows.
-EXTRA_VARIANT, EXTRA_PROTOCOL = "none", "nonoverlapping"
+# Extra summaries (the order probe) belong to the trained model and are not read off
+# a curve: they are stored under the protocol ``ANY_PROTOCOL`` and hold whichever
+# evaluation protocol a reader picks.
+EXTRA_VARIANT = "none"
+ANY_PROTOCOL = "any"
+
+
+def holds_for(summary_protocol: str, protocol: str) -> bool:
+    """Whether a summary stored under ``summary_protocol`` belongs with ``protocol``."""
+    return summary_protocol in (protocol, ANY_PROTOCOL)
 
 
 def summarize_points(
@@ -231,7 +239,7 @@ def summarize_points(
         for (variant, protocol), curve in sorted(curves.items())
         for name, value in summarize_run(curve, train_length, metric).items()
     ]
-    out += [Summary(EXTRA_VARIANT, EXTRA_PROTOCOL, k, v) for k, v in (extra or {}).items()]
+    out += [Summary(EXTRA_VARIANT, ANY_PROTOCOL, k, v) for k, v in (extra or {}).items()]
     return out
 
 

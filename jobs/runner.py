@@ -37,7 +37,7 @@ def _summary_grid(result) -> pd.DataFrame:
         {"label": run.label, "study_id": 0, **summary._asdict()}
         for run in result.runs
         for summary in run.summarize(result.spec.train.length, result.metric)
-        if summary.protocol == result.spec.eval.protocols[0] or summary.name.startswith("order")
+        if analysis.holds_for(summary.protocol, result.spec.eval.protocols[0])
     ]
     if not rows:
         return pd.DataFrame()

@@ -60,7 +60,7 @@ def count(settings: Settings, model: type) -> int:
 
 
 def test_migrations_create_the_schema(settings: Settings) -> None:
-    assert current(settings.database) == "0002"
+    assert current(settings.database) == "0003"
     upgrade(settings.database)  # idempotent
 
 

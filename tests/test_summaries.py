@@ -14,10 +14,11 @@ from conftest import isolated_env, posbench_cli
 from dashboard_seed import SEEDED_SPEC, seed_study
 from sqlalchemy import func, select
 
+from db import queries
 from db.engine import engine_for, transaction
-from db.migrate import current, upgrade
+from db.migrate import current, downgrade, upgrade
 from db.models import Base, Run, RunSummary
-from jobs.analysis import Summary, summarize_points
+from jobs.analysis import ANY_PROTOCOL, Summary, summarize_points
 from jobs.settings import Settings
 from worker import store
 from worker.probes import OrderProbe
@@ -31,10 +32,35 @@ def settings(tmp_path: Path) -> Settings:
 
 
 def test_the_migrations_build_exactly_the_models_schema(settings: Settings) -> None:
-    assert current(settings.database) == "0002"
+    assert current(settings.database) == "0003"
     with engine_for(settings.database).connect() as connection:
         differences = compare_metadata(MigrationContext.configure(connection), Base.metadata)
     assert differences == []
+
+
+def test_order_probe_summaries_are_stored_protocol_free_and_migrate_both_ways(
+    settings: Settings,
+) -> None:
+    seed_study(settings)
+    url = settings.database
+
+    def protocols() -> dict[bool, set[str]]:
+        with transaction(url) as session:
+            rows = session.execute(select(RunSummary.name, RunSummary.protocol)).all()
+        found: dict[bool, set[str]] = {True: set(), False: set()}
+        for name, protocol in rows:
+            found[name.startswith("order_")].add(protocol)
+        return found
+
+    assert protocols() == {True: {ANY_PROTOCOL}, False: {"nonoverlapping"}}
+    downgrade(url, "0002")  # where they lived under the first protocol's name
+    assert protocols() == {True: {"nonoverlapping"}, False: {"nonoverlapping"}}
+    upgrade(url)
+    assert protocols() == {True: {ANY_PROTOCOL}, False: {"nonoverlapping"}}
+    # Read for either protocol, the probe's summaries come along.
+    for protocol in ("nonoverlapping", "sliding"):
+        names = set(queries.run_summaries(url, None, protocol)["summary"])
+        assert "order_sensitivity" in names
 
 
 def test_summarize_turns_each_curve_into_its_summaries() -> None:
