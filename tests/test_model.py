@@ -118,17 +118,17 @@ def test_fused_and_written_out_biased_attention_agree_in_value_and_gradient() ->
         torch.testing.assert_close(fused, written, atol=1e-5, rtol=1e-5)
 
 
-def test_biased_attention_writes_out_only_cpu_training() -> None:
+def test_biased_attention_writes_out_only_a_learned_bias_on_the_cpu() -> None:
     cpu = torch.device("cpu")
-    assert written_out(cpu)
-    with torch.no_grad():
-        assert not written_out(cpu)
-    assert not written_out(torch.device("cuda"))
-    # Training on the CPU uses shorter query blocks than evaluation.
-    encoding = build("alibi", **dims(n_heads=4))
-    assert AttentionBias(encoding, 1024, 2, torch.float32, cpu).block_rows == 128
-    with torch.no_grad():
-        assert AttentionBias(encoding, 1024, 2, torch.float32, cpu).block_rows == 256
+    assert written_out(cpu, bias_needs_grad=True)
+    assert not written_out(cpu, bias_needs_grad=False)
+    assert not written_out(torch.device("cuda"), bias_needs_grad=True)
+    # A learned bias in training gets shorter query blocks than the fused kernel.
+    for name, training_rows in (("kerple_log", 128), ("t5", 128), ("alibi", 256)):
+        encoding = build(name, **dims(n_heads=4))
+        assert AttentionBias(encoding, 1024, 2, torch.float32, cpu).block_rows == training_rows
+        with torch.no_grad():
+            assert AttentionBias(encoding, 1024, 2, torch.float32, cpu).block_rows == 256
 
 
 def test_causal_toeplitz_is_the_bias_at_each_query_key_distance() -> None:

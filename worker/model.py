@@ -56,10 +56,10 @@ PRESETS: dict[str, ModelConfig] = {
 MASK_BUDGET = 1 << 24
 SCORE_BUDGET = 1 << 22
 # Query rows per block. Smaller blocks skip more of the causal upper triangle but
-# run smaller matmuls. The fused kernel (evaluation, GPUs) tiles internally and
-# wants long blocks; the written-out path (CPU training) is fastest at 128 rows:
-# at T=256 two blocks do 3/4 of the square's work (measured per layer, fwd+bwd:
-# 1 block 37.7 ms, 2 blocks 30.5 ms, 4 blocks 33.8 ms).
+# run smaller matmuls. The fused kernel tiles internally and wants long blocks; the
+# written-out path (a learned bias in CPU training) is fastest at 128 rows: at T=256
+# two blocks do 3/4 of the square's work (KERPLE-log training step, this model:
+# 193 ms with 128-row blocks against 250 ms through SDPA's fallback).
 MAX_BLOCK_ROWS = 256
 WRITTEN_OUT_BLOCK_ROWS = 128
 
@@ -111,7 +111,8 @@ class AttentionBias:
         self.dtype = dtype
         self.device = device
         per_row = batch_size * encoding.n_heads * length
-        longest = WRITTEN_OUT_BLOCK_ROWS if written_out(device) else MAX_BLOCK_ROWS
+        learned = torch.is_grad_enabled() and any(p.requires_grad for p in encoding.parameters())
+        longest = WRITTEN_OUT_BLOCK_ROWS if written_out(device, learned) else MAX_BLOCK_ROWS
         self.block_rows = max(1, min(length, longest, budget // per_row))
         by_distance = getattr(encoding, "distance_bias", None) if causal else None
         self.by_distance = by_distance(length) if by_distance is not None else None
@@ -135,14 +136,13 @@ class AttentionBias:
         return self._build(start, end)
 
 
-def written_out(device: torch.device) -> bool:
-    """Whether attention with a bias takes the written-out path: on the CPU while
-    autograd records. PyTorch's CPU flash kernel takes a float mask, but its backward
-    with one is slower than three plain ops (per layer at T=256, fwd+bwd: 48.6 ms
-    against 28 ms), and with a mask that needs a gradient (T5, KERPLE and FIRE) it
-    falls back to materialising every score anyway. Evaluation (no autograd) and
-    GPUs keep the fused kernel, which never holds more than a tile of scores."""
-    return device.type == "cpu" and torch.is_grad_enabled()
+def written_out(device: torch.device, bias_needs_grad: bool) -> bool:
+    """Whether attention with a bias takes the written-out path: on the CPU when the
+    bias needs a gradient (T5, KERPLE and FIRE in training), where PyTorch's fused CPU
+    kernel falls back to materialising every score. A fixed bias (ALiBi), every
+    evaluation and every GPU keep the fused kernel, which holds a tile of scores at
+    a time (ALiBi training step: 176 ms fused against 187 ms written out)."""
+    return device.type == "cpu" and bias_needs_grad
 
 
 def fused_biased_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
@@ -162,8 +162,8 @@ def written_out_biased_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) 
 
 def biased_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
     """softmax(q k^T / sqrt(d) + bias) v for ``bias`` of shape [heads, queries, keys],
-    by whichever path ``written_out`` picks for q's device."""
-    if written_out(q.device):
+    by whichever path ``written_out`` picks."""
+    if written_out(q.device, bias.requires_grad):
         return written_out_biased_attention(q, k, v, bias)
     return fused_biased_attention(q, k, v, bias)
 
