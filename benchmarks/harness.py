@@ -1,9 +1,10 @@
 """Side-by-side timing: posbench and x-transformers in one process, interleaved rounds.
 
-Every round shuffles the contenders and times each for a few steps, and times a
-1024x1024 matmul in the same round as the hardware reference, so a noisy
-neighbour slows everything in that round alike. Figures are medians over rounds,
-reported as ratios, never asserted.
+Every round shuffles the encodings; for each, posbench's model and x-transformers'
+run back to back in a random order, so a noisy neighbour slows both alike and
+their ratio in that round is a paired measurement. A 1024x1024 matmul is timed in
+the same round as the hardware reference. Ratios are the median of the per-round
+ratios, with their interquartile range: figures are reported, never asserted.
 """
 
 from __future__ import annotations
@@ -130,21 +131,32 @@ def interleave(
 ) -> float:
     """Run ``rounds`` shuffled rounds; returns the median matmul FLOP/s."""
     rng = random.Random(seed)
+    groups: dict[str, list[Contender]] = {}
+    for contender in contenders:
+        groups.setdefault(contender.encoding, []).append(contender)
     references = []
     for contender in contenders:  # warm up: allocations, autotuning, lazy init
         contender.work()
     for _ in range(rounds):
-        order = contenders[:]
+        order = list(groups.values())
         rng.shuffle(order)
         reference = matmul_flops_per_second()
         references.append(reference)
-        for contender in order:
-            started = time.perf_counter()
-            tokens = sum(contender.work() for _ in range(units))
-            rate = tokens / (time.perf_counter() - started)
-            contender.samples.append(rate)
-            contender.utilisation.append(rate * flops / reference)
+        for group in order:
+            for contender in rng.sample(group, len(group)):
+                started = time.perf_counter()
+                tokens = sum(contender.work() for _ in range(units))
+                rate = tokens / (time.perf_counter() - started)
+                contender.samples.append(rate)
+                contender.utilisation.append(rate * flops / reference)
     return statistics.median(references)
+
+
+def _quartiles(values: list[float]) -> tuple[float, float]:
+    if len(values) < 2:
+        return values[0], values[0]
+    low, _, high = statistics.quantiles(values, n=4, method="inclusive")
+    return low, high
 
 
 def report(
@@ -167,7 +179,10 @@ def report(
             row[f"{label}_tokens_per_s"] = statistics.median(contender.samples)
             row[f"{label}_utilisation"] = statistics.median(contender.utilisation)
         if ours and theirs:
-            row["ratio"] = row["posbench_tokens_per_s"] / row["x-transformers_tokens_per_s"]
+            # Paired: each round's two samples ran back to back.
+            ratios = [a / b for a, b in zip(ours.samples, theirs.samples, strict=True)]
+            row["ratio"] = statistics.median(ratios)
+            row["ratio_q1"], row["ratio_q3"] = _quartiles(ratios)
         row.update((extra or {}).get(encoding, {}))
         rows.append(row)
     print(f"\n### {title}\n\nmatmul reference: {reference / 1e9:.1f} GFLOP/s (median of rounds)\n")

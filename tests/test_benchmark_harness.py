@@ -1,0 +1,56 @@
+"""The benchmark harness's bookkeeping (no timing is asserted): each encoding's two
+implementations run back to back every round, and ratios are paired per round."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.harness import Contender, interleave, report
+
+
+def test_interleave_runs_each_pair_back_to_back_every_round(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("benchmarks.harness.matmul_flops_per_second", lambda: 1e9)
+    calls: list[str] = []
+
+    def work(name: str):
+        def unit() -> int:
+            calls.append(name)
+            return 10
+
+        return unit
+
+    contenders = [
+        Contender(f"{impl}:{enc}", enc, impl, work(f"{impl}:{enc}"))
+        for enc in ("nope", "rope", "alibi")
+        for impl in ("posbench", "x-transformers")
+    ]
+    reference = interleave(contenders, rounds=4, units=2, flops=1e5)
+    assert reference == 1e9
+    timed = calls[len(contenders) :]  # after one warm-up call each
+    assert len(timed) == 4 * 6 * 2
+    # Every 4 calls (2 units x 2 implementations) belong to one encoding.
+    for start in range(0, len(timed), 4):
+        encodings = {name.split(":")[1] for name in timed[start : start + 4]}
+        assert len(encodings) == 1
+    for contender in contenders:
+        assert len(contender.samples) == len(contender.utilisation) == 4
+
+
+def test_report_gives_the_median_of_per_round_ratios(tmp_path: Path) -> None:
+    ours = Contender("posbench:nope", "nope", "posbench", lambda: 0)
+    theirs = Contender("x-transformers:nope", "nope", "x-transformers", lambda: 0)
+    # Round 3 was slow for both: paired, its ratio is still 1.5.
+    ours.samples, theirs.samples = [300.0, 330.0, 60.0, 280.0], [200.0, 200.0, 40.0, 220.0]
+    ours.utilisation = theirs.utilisation = [0.5] * 4
+    out = tmp_path / "bench.json"
+    (row,) = report([ours, theirs], 1e9, "test", out)
+    ratios = sorted([1.5, 1.65, 1.5, 280 / 220])
+    assert row["ratio"] == pytest.approx((ratios[1] + ratios[2]) / 2)
+    assert row["ratio_q1"] <= row["ratio"] <= row["ratio_q3"]
+    assert row["ratio_q3"] == pytest.approx(1.5 + 0.25 * (1.65 - 1.5))
+    assert json.loads(out.read_text())["rows"][0]["ratio"] == pytest.approx(row["ratio"])
