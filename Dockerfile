@@ -26,12 +26,16 @@ RUN pip install --index-url "${TORCH_CPU_INDEX}" "torch>=2.4"
 FROM base AS deps-cuda
 RUN pip install "torch>=2.4"
 
+# The project's source, listed once; both images copy it from here.
+FROM scratch AS source
+COPY pyproject.toml README.md /src/
+COPY worker /src/worker
+COPY jobs /src/jobs
+COPY db /src/db
+COPY dashboard /src/dashboard
+
 FROM deps-cpu AS slim
-COPY pyproject.toml README.md ./
-COPY worker ./worker
-COPY jobs ./jobs
-COPY db ./db
-COPY dashboard ./dashboard
+COPY --from=source /src/ ./
 RUN pip install . && python -c "import jobs.cli, db.migrate, dashboard"
 USER posbench
 EXPOSE 8501
@@ -39,11 +43,7 @@ ENTRYPOINT ["posbench"]
 CMD ["dashboard", "--port", "8501"]
 
 FROM deps-cuda AS worker
-COPY pyproject.toml README.md ./
-COPY worker ./worker
-COPY jobs ./jobs
-COPY db ./db
-COPY dashboard ./dashboard
+COPY --from=source /src/ ./
 RUN pip install . && python -c "import jobs.cli, worker.tasks"
 USER posbench
 ENTRYPOINT ["posbench"]

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import tomllib
 import yaml
 
 from jobs.settings import Settings
@@ -131,6 +132,24 @@ def test_images_are_pinned_and_built_from_this_dockerfile() -> None:
             assert ":" in image and not image.endswith(":latest"), name
     assert re.search(r"^USER posbench$", dockerfile, flags=re.MULTILINE)
     assert '"posbench"' in dockerfile and ".venv" in (ROOT / ".dockerignore").read_text()
+
+
+def test_the_images_copy_every_package_pip_installs() -> None:
+    # `pip install .` inside an image sees only what the source stage copied.
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    copied = set()
+    for line in re.findall(r"^COPY (?!--from)(.+) /src/\S*$", dockerfile, flags=re.MULTILINE):
+        copied.update(line.split())
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert {"pyproject.toml", pyproject["project"]["readme"]} <= copied
+    assert {name.rstrip("*") for name in packages} <= copied
+    for path in copied:
+        assert (ROOT / path).exists(), path
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert not copied & set(ignored)
+    # Each image takes the source stage whole.
+    assert dockerfile.count("COPY --from=source /src/ ./") == 2
 
 
 @pytest.mark.parametrize("name", ["migrate", "dashboard", "worker", "worker-cpu"])
