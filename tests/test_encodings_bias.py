@@ -140,6 +140,32 @@ def test_fire_bias_is_its_mlp_of_the_normalised_distance() -> None:
     assert fire.c.grad is not None and fire.threshold_multiplier.grad is not None
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_fire_pieces_evaluate_its_mlp_exactly(seed: int) -> None:
+    # Evaluation reads f off its linear pieces; they must be the MLP itself, whatever
+    # the signs of the first layer's weights, with units that never bend (w = 0) and
+    # knots outside [0, 1] included.
+    generator = torch.Generator().manual_seed(seed)
+    fire = build("fire", mlp_width=16, **dims(n_heads=4))
+    with torch.no_grad():
+        for parameter in fire.mlp.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 3)
+        fire.mlp[0].weight[:3] = 0  # constant units, on (b > 0) or off
+        fire.mlp[0].bias[0], fire.mlp[0].bias[1] = 1.0, -1.0
+        knots, table = fire.pieces()
+        assert len(knots) == 13 and table.shape == (14, 2 * 4)
+        # Every pair of a long sequence, plus the knots themselves and points beyond.
+        normalized = fire.normalized_distance(300, 700)
+        probes = torch.cat((knots, knots - 1e-3, knots + 1e-3, torch.tensor([-5.0, 5.0])))
+        for x in (normalized, probes[None]):
+            expected = fire.mlp(x[..., None]).permute(2, 0, 1)
+            torch.testing.assert_close(fire.piecewise_bias(x), expected, atol=2e-5, rtol=1e-5)
+    # What evaluation uses (no autograd) is what training uses (the MLP).
+    with torch.no_grad():
+        evaluated = fire.bias(40, 90)
+    torch.testing.assert_close(evaluated, fire.bias(40, 90).detach(), atol=2e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("name", BIAS_ENCODINGS)
 def test_bias_rows_for_the_last_queries_match_the_full_matrix(name: str) -> None:
     encoding = build(name, **dims(n_heads=4))

@@ -13,6 +13,7 @@ paper's code: c = 0.1, L = 512.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from worker.encodings.base import PositionEncoding, relative_distance
@@ -61,9 +62,44 @@ class FIRE(PositionEncoding):
 
     def bias(self, q_len: int, k_len: int) -> Tensor:
         normalized = self.normalized_distance(q_len, k_len)
+        needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.mlp.parameters())
+        if not needs_grad:
+            return self.piecewise_bias(normalized)
         width = self.mlp[0].out_features
         rows = max(1, self.hidden_budget // (k_len * width))
         if rows >= q_len:
             return self.mlp(normalized[..., None]).permute(2, 0, 1)
         chunks = [self.mlp(normalized[s : s + rows, :, None]) for s in range(0, q_len, rows)]
         return torch.cat(chunks, dim=0).permute(2, 0, 1)
+
+    def pieces(self) -> tuple[Tensor, Tensor]:
+        """f as the piecewise-linear function it is: ``(knots [m], table [m+1, 2H])``,
+        where row p of the table holds the slopes then the intercepts of piece p =
+        searchsorted(knots, x): f(x) = slopes[p] x + intercepts[p].
+
+        A scalar input through Linear(1, width), ReLU, Linear(width, heads) bends only
+        where a hidden unit crosses zero, at x = -b_k / w_k: at most ``width`` knots.
+        Between two knots the set of active units is fixed, so f is exactly linear
+        there, with a slope and intercept summed once over the active units."""
+        first, second = self.mlp[0], self.mlp[2]
+        w, b = first.weight[:, 0], first.bias
+        bends = w != 0
+        knots = torch.sort(-b[bends] / w[bends]).values
+        if len(knots):  # one point inside each piece decides which units are active
+            inside = torch.cat((knots[:1] - 1, (knots[:-1] + knots[1:]) / 2, knots[-1:] + 1))
+        else:
+            inside = knots.new_zeros(1)
+        active = ((inside[:, None] * w + b) > 0).to(w.dtype)  # [m+1, width]
+        slopes = (active * w) @ second.weight.T  # [m+1, H]
+        intercepts = (active * b) @ second.weight.T + second.bias
+        return knots, torch.cat((slopes, intercepts), dim=1)
+
+    def piecewise_bias(self, normalized: Tensor) -> Tensor:
+        """``[heads, q, k]``: f at every normalised distance from its pieces, one row
+        lookup and one multiply-add per head instead of a width-wide MLP per pair (no
+        autograd through the piece index: evaluation only)."""
+        knots, table = self.pieces()
+        heads = table.shape[1] // 2
+        rows = F.embedding(torch.searchsorted(knots, normalized), table)  # [q, k, 2H]
+        out = torch.addcmul(rows[..., heads:], rows[..., :heads], normalized[..., None])
+        return out.permute(2, 0, 1)
