@@ -65,12 +65,15 @@ class _Synthetic(Task):
         examples: int,
         stride: int | None = None,
     ) -> Iterator[Batch]:
-        generator = _eval_generator(self.name, length)
-        groups = self.groups()
-        per_group = max(1, examples // len(groups))
-        rows = [self.example(length, generator, g) for g in groups for _ in range(per_group)]
+        rows = self.eval_examples(length, max(1, examples // len(self.groups())))
         for start in range(0, len(rows), batch_size):
             yield self._batch(rows[start : start + batch_size])
+
+    def eval_examples(self, length: int, per_group: int) -> list[tuple[bytes, int, str]]:
+        """``per_group`` examples of every group, in group order: by default drawn one
+        after another from one generator seeded by the task and the length."""
+        generator = _eval_generator(self.name, length)
+        return [self.example(length, generator, g) for g in self.groups() for _ in range(per_group)]
 
 
 class Passkey(_Synthetic):

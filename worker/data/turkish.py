@@ -43,12 +43,10 @@ from __future__ import annotations
 
 import itertools
 import zlib
-from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
 
-from worker.data.base import Batch
 from worker.data.registry import TaskConfigError
 from worker.data.synthetic import PASSKEY_DEPTHS, _Synthetic
 
@@ -278,29 +276,16 @@ class TurkishWordOrder(_Synthetic):
         label = f"variant={variant} depth={depth:g}" if group is not None else ""
         return text.encode(), _size(answer), label
 
-    def eval_batches(
-        self,
-        length: int,
-        *,
-        protocol: str,
-        batch_size: int,
-        tokens: int,
-        examples: int,
-        stride: int | None = None,
-    ) -> Iterator[Batch]:
+    def eval_examples(self, length: int, per_group: int) -> list[tuple[bytes, int, str]]:
         # Each example has its own generator, seeded by the task, length, depth and
         # index but not the variant: example i is the same scene said both ways, so
         # the variants are compared on the same roles (and "bare" alone scores the
         # same examples as the bare half of "both").
-        groups = self.groups()
-        per_group = max(1, examples // len(groups))
-        rows = [
+        return [
             self.example(length, _example_generator(self.name, length, depth, i), (variant, depth))
-            for variant, depth in groups
+            for variant, depth in self.groups()
             for i in range(per_group)
         ]
-        for start in range(0, len(rows), batch_size):
-            yield self._batch(rows[start : start + batch_size])
 
 
 def _example_generator(task: str, length: int, depth: float, index: int) -> torch.Generator:
