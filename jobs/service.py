@@ -13,11 +13,20 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from sqlalchemy import select, update
+from sqlalchemy import inspect, select, update
 from sqlalchemy.orm import Session
 
 from db.engine import transaction, with_retry
-from db.models import Evaluation, PositionBin, Run, RunSummary, Study, TrainPoint, utcnow
+from db.models import (
+    Base,
+    Evaluation,
+    PositionBin,
+    Run,
+    RunSummary,
+    Study,
+    TrainPoint,
+    utcnow,
+)
 from jobs.celery_app import TRAIN_RUN
 from jobs.settings import Settings, get_settings
 from jobs.spec import StudySpec
@@ -46,60 +55,30 @@ def celery_send(run_id: int) -> None:
     producer().send_task(TRAIN_RUN, args=[run_id], queue="gpu")
 
 
+def _copied(row: Base, *, skip: tuple[str, ...] = (), **changes: object) -> Base:
+    """A new row of ``row``'s model with its column values, less the primary key and
+    ``skip`` (left to their defaults), with ``changes`` applied."""
+    mapper = inspect(type(row))
+    values = {
+        attr.key: getattr(row, attr.key)
+        for attr in mapper.column_attrs
+        if attr.key not in skip and not any(column.primary_key for column in attr.columns)
+    }
+    return type(row)(**{**values, **changes})
+
+
 def _copy_results(session: Session, source: Run, target: Run) -> None:
-    """Reuse a finished run: copy its training curve, evaluations, position bins and
-    summaries."""
-    for point in session.scalars(select(TrainPoint).where(TrainPoint.run_id == source.id)):
-        session.add(
-            TrainPoint(
-                run_id=target.id,
-                step=point.step,
-                loss=point.loss,
-                lr=point.lr,
-                tokens_per_second=point.tokens_per_second,
-                elapsed=point.elapsed,
-            )
-        )
+    """Reuse a finished run: copy its training curve, evaluations (stamped now), position
+    bins and summaries."""
+    for model in (TrainPoint, RunSummary):
+        for row in session.scalars(select(model).where(model.run_id == source.id)):
+            session.add(_copied(row, run_id=target.id))
     for row in session.scalars(select(Evaluation).where(Evaluation.run_id == source.id)):
-        copy = Evaluation(
-            run_id=target.id,
-            **{
-                c: getattr(row, c)
-                for c in (
-                    "variant",
-                    "protocol",
-                    "eval_length",
-                    "factor",
-                    "loss",
-                    "perplexity",
-                    "bits_per_byte",
-                    "accuracy",
-                    "tokens",
-                    "tokens_per_second",
-                    "peak_memory_bytes",
-                    "not_applicable",
-                    "groups",
-                )
-            },
-        )
+        copy = _copied(row, skip=("created_at",), run_id=target.id)
         session.add(copy)
         session.flush()
         for b in session.scalars(select(PositionBin).where(PositionBin.evaluation_id == row.id)):
-            session.add(
-                PositionBin(
-                    evaluation_id=copy.id, start=b.start, end=b.end, loss=b.loss, tokens=b.tokens
-                )
-            )
-    for summary in session.scalars(select(RunSummary).where(RunSummary.run_id == source.id)):
-        session.add(
-            RunSummary(
-                run_id=target.id,
-                variant=summary.variant,
-                protocol=summary.protocol,
-                name=summary.name,
-                value=summary.value,
-            )
-        )
+            session.add(_copied(b, evaluation_id=copy.id))
 
 
 def submit(

@@ -124,6 +124,17 @@ def test_a_finished_config_hash_is_reused_unless_forced(settings: Settings) -> N
         assert [(r.eval_length, r.perplexity) for r in rows] == [(16, 7.4)]
         bins = session.scalars(select(PositionBin).where(PositionBin.evaluation_id == rows[0].id))
         assert [(b.start, b.end) for b in bins] == [(0, 1), (1, 16)]
+        # Every column of the copies but the keys equals the original's.
+        (source,) = session.scalars(
+            select(Evaluation).where(Evaluation.run_id == first.queued[0])
+        ).all()
+        own = {"id", "run_id", "created_at"}
+        columns = [c.key for c in Evaluation.__table__.columns if c.key not in own]
+        assert [getattr(rows[0], c) for c in columns] == [getattr(source, c) for c in columns]
+        curve = session.scalars(select(TrainPoint).where(TrainPoint.run_id == reused.id)).all()
+        assert [(p.step, p.loss, p.lr, p.tokens_per_second, p.elapsed) for p in curve] == [
+            (4, 2.5, 1e-3, 100.0, 1.0)
+        ]
     forced = submit(parse_spec(SPEC), settings=settings, send=Recorder(), force=True)
     assert forced.reused == [] and len(forced.queued) == 4
 
