@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from worker.encodings import REGISTRY, build
 from worker.encodings.base import PositionOutOfRange
+from worker.encodings.rope import RotaryTables, rotate_pairs
 from worker.model import (
     PRESETS,
     AttentionBias,
@@ -19,6 +20,7 @@ from worker.model import (
     build_model,
     causal_toeplitz,
     fused_biased_attention,
+    split_heads,
     written_out,
     written_out_biased_attention,
 )
@@ -232,8 +234,96 @@ def test_bias_is_added_to_the_logits_unscaled_by_sqrt_d() -> None:
     x = torch.randn(1, length, 16)
     bias = AttentionBias(encoding, length, 1, torch.float32, torch.device("cpu"))
     with torch.no_grad():
-        out = attention(x, encoding, torch.arange(length), bias)
+        out = attention(x, None, bias)
     slope = 2.0**-8  # one head: slope 2^(-8/1)
     for t in range(length):
         weights = torch.softmax(-slope * torch.arange(t, -1, -1, dtype=torch.float32), dim=0)
         torch.testing.assert_close(out[0, t], weights @ x[0, : t + 1])
+
+
+def _composite_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE written the textbook way, x * cos + rotate_half(x) * sin, in plain autograd ops."""
+    half = cos.shape[-1]
+    first, second, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+    return torch.cat((first * cos - second * sin, second * cos + first * sin, rest), dim=-1)
+
+
+def _tables(length: int, half: int, per_sequence: int | None = None) -> RotaryTables:
+    generator = torch.Generator().manual_seed(length + half)
+    shape = (per_sequence, 1, length, half) if per_sequence else (length, half)
+    angle = torch.rand(shape, generator=generator, dtype=torch.float64) * 50
+    scale = 0.5 + torch.rand(shape, generator=generator, dtype=torch.float64)
+    # q and k get different tables, as xPos's do (scale and 1 / scale).
+    return RotaryTables(
+        angle.cos() * scale, angle.sin() * scale, angle.cos() / scale, angle.sin() / scale
+    )
+
+
+@pytest.mark.parametrize(("head_dim", "rotary_half", "per_sequence"), [(8, 4, None), (8, 2, 2)])
+def test_split_heads_rotates_and_its_gradient_is_exact(
+    head_dim: int, rotary_half: int, per_sequence: int | None
+) -> None:
+    # Full and partial rotary, shared and per-sequence positions, in float64 against
+    # autograd's numerical gradient and against the textbook composite.
+    batch, length, heads = 2, 5, 3
+    tables = _tables(length, rotary_half, per_sequence)
+    qkv = torch.randn(batch, length, 3 * heads * head_dim, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: split_heads(t, heads, tables), (qkv,))
+    assert torch.autograd.gradcheck(lambda t: split_heads(t, heads, None), (qkv,))
+    q, k, v = split_heads(qkv, heads, tables)
+    ref_q, ref_k, ref_v = qkv.view(batch, length, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
+    torch.testing.assert_close(q, _composite_rotation(ref_q, tables.cos_q, tables.sin_q))
+    torch.testing.assert_close(k, _composite_rotation(ref_k, tables.cos_k, tables.sin_k))
+    torch.testing.assert_close(v, ref_v)
+    grads = [torch.randn_like(t) for t in (q, k, v)]
+    ours = torch.autograd.grad((q, k, v), qkv, grads)[0]
+    reference = (
+        _composite_rotation(ref_q, tables.cos_q, tables.sin_q),
+        _composite_rotation(ref_k, tables.cos_k, tables.sin_k),
+        ref_v,
+    )
+    torch.testing.assert_close(ours, torch.autograd.grad(reference, qkv, grads)[0])
+    # One output unused: its gradient is zero, the others unchanged.
+    only_v = torch.autograd.grad(split_heads(qkv, heads, tables)[2].sum(), qkv)[0]
+    assert only_v.view(batch, length, 3, -1)[:, :, :2].abs().max() == 0
+    assert (only_v.view(batch, length, 3, -1)[:, :, 2] == 1).all()
+
+
+def test_rotation_runs_in_float32_for_bf16_inputs() -> None:
+    # bf16 carries 8 mantissa bits: the rotation is computed wide and rounded once.
+    tables = _tables(7, 4)
+    tables = RotaryTables(*(t.float() for t in vars(tables).values()))
+    x = torch.randn(2, 3, 7, 8)
+    low = rotate_pairs(x.bfloat16(), tables.cos_q, tables.sin_q)
+    assert low.dtype == torch.bfloat16
+    wide = _composite_rotation(x.bfloat16().float(), tables.cos_q, tables.sin_q)
+    torch.testing.assert_close(low, wide.bfloat16(), atol=0, rtol=0)
+    qkv = torch.randn(2, 7, 3 * 3 * 8, dtype=torch.bfloat16, requires_grad=True)
+    outputs = split_heads(qkv, 3, tables)
+    grads = [torch.randn_like(t) for t in outputs]
+    low_grad = torch.autograd.grad(outputs, qkv, grads)[0]
+    wide_qkv = qkv.detach().float().requires_grad_()
+    wide_out = split_heads(wide_qkv, 3, tables)
+    wide_grad = torch.autograd.grad(wide_out, wide_qkv, [g.float() for g in grads])[0]
+    assert low_grad.dtype == torch.bfloat16
+    torch.testing.assert_close(low_grad, wide_grad.bfloat16(), atol=0, rtol=0)
+
+
+def test_rotary_tables_are_built_once_per_forward_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = build_model(ModelConfig(d_model=16, n_layers=3, n_heads=2), "rope", train_length=8)
+    calls = []
+    built = model.encoding.rotary_tables
+    monkeypatch.setattr(model.encoding, "rotary_tables", lambda p: calls.append(p) or built(p))
+    model(torch.randint(0, 256, (2, 8)))
+    assert len(calls) == 1
+
+
+def test_rotary_tables_take_no_gradient() -> None:
+    tables = _tables(4, 2)
+    learned = tables.cos_q.clone().requires_grad_()
+    with pytest.raises(ValueError, match="take no gradient"):
+        split_heads(
+            torch.randn(1, 4, 3 * 8), 2, RotaryTables(learned, *list(vars(tables).values())[1:])
+        )
+    with pytest.raises(ValueError, match="take no gradient"):
+        rotate_pairs(torch.randn(1, 1, 4, 4), learned, tables.sin_q)

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from jobs.spec import MODEL_PRESETS
 from worker.encodings import build
 from worker.encodings.base import PositionEncoding
+from worker.encodings.rope import RotaryTables, rotate_pairs_into, rotated
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,56 @@ def biased_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
     return fused_biased_attention(q, k, v, bias)
 
 
+class _SplitHeads(torch.autograd.Function):
+    """``qkv [B, T, 3 x d_model]`` -> q, k, v ``[B, H, T, head_dim]``, q and k rotated when
+    there are rotary tables. Backward writes the three gradients straight into one
+    qkv-shaped tensor, where autograd's unbind would stack them and copy the stack
+    back into qkv's layout (two extra passes per layer), and a rotation's gradient is
+    the opposite rotation written in place (no q / k saved)."""
+
+    @staticmethod
+    def forward(ctx, qkv: Tensor, n_heads: int, tables: RotaryTables | None):  # type: ignore[override]
+        batch, length, width = qkv.shape
+        q, k, v = qkv.view(batch, length, 3, n_heads, width // (3 * n_heads)).permute(2, 0, 3, 1, 4)
+        ctx.tables, ctx.dtype, ctx.device = tables, qkv.dtype, qkv.device
+        if tables is not None:
+            q = rotated(q, tables.cos_q, tables.sin_q)
+            k = rotated(k, tables.cos_k, tables.sin_k)
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor | None):  # type: ignore[override]
+        tables: RotaryTables | None = ctx.tables
+        batch, heads, length, head_dim = next(g for g in grads if g is not None).shape
+        grad = torch.empty(batch, length, 3, heads, head_dim, dtype=ctx.dtype, device=ctx.device)
+        parts = grad.permute(2, 0, 3, 1, 4)
+        turns = (
+            ((tables.cos_q, tables.sin_q), (tables.cos_k, tables.sin_k), None)
+            if tables is not None
+            else (None, None, None)
+        )
+        wide = torch.promote_types(grad.dtype, torch.float32) == grad.dtype
+        for part, g, turn in zip(parts, grads, turns, strict=True):
+            if g is None:
+                part.zero_()
+            elif turn is None:
+                part.copy_(g)
+            elif wide:
+                rotate_pairs_into(part, g, *turn, inverse=True)
+            else:
+                part.copy_(rotated(g, *turn, inverse=True))
+        return grad.view(batch, length, 3 * heads * head_dim), None, None
+
+
+def split_heads(
+    qkv: Tensor, n_heads: int, tables: RotaryTables | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v ``[B, H, T, head_dim]`` out of the fused projection, q and k rotated."""
+    if tables is not None and (tables.cos_q.requires_grad or tables.cos_k.requires_grad):
+        raise ValueError("rotary tables are functions of positions; they take no gradient")
+    return _SplitHeads.apply(qkv, n_heads, tables)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -180,17 +231,14 @@ class CausalSelfAttention(nn.Module):
     def forward(
         self,
         x: Tensor,
-        encoding: PositionEncoding,
-        positions: Tensor,
+        tables: RotaryTables | None,
         attn_bias: AttentionBias | None,
         causal: bool = True,
     ) -> Tensor:
         """Causal self-attention; ``causal=False`` (probes only) attends both ways,
         with ``attn_bias`` built non-causal to match."""
         batch, length, d_model = x.shape
-        qkv = self.qkv(x).view(batch, length, 3, self.n_heads, self.head_dim)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each [B, H, T, head_dim]
-        q, k = encoding.rotate(q, k, positions)
+        q, k, v = split_heads(self.qkv(x), self.n_heads, tables)  # each [B, H, T, head_dim]
         if attn_bias is None:
             # No bias: the fused causal kernel (flash) serves.
             y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
@@ -233,11 +281,10 @@ class Block(nn.Module):
     def forward(
         self,
         x: Tensor,
-        encoding: PositionEncoding,
-        positions: Tensor,
+        tables: RotaryTables | None,
         attn_bias: AttentionBias | None,
     ) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), encoding, positions, attn_bias)
+        x = x + self.attn(self.attn_norm(x), tables, attn_bias)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -301,8 +348,10 @@ class Transformer(nn.Module):
             attn_bias = AttentionBias(
                 self.encoding, length, batch, dtype, tokens.device, self.attention_score_budget
             )
+        # Rotary tables, like the bias, are built once per pass and shared by the layers.
+        tables = self.encoding.rotary_tables(positions)
         for block in self.blocks:
-            x = block(x, self.encoding, positions, attn_bias)
+            x = block(x, tables, attn_bias)
         x = self.final_norm(x)
         # Weight tying: the output layer is the token embedding (Press & Wolf 2017).
         return F.linear(x, self.token_embedding.weight)

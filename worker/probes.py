@@ -34,7 +34,7 @@ def attention_layer(
         bias = AttentionBias(
             encoding, length, batch, x.dtype, x.device, budget=1 << 62, causal=causal
         )
-    return attention(x, encoding, positions, bias, causal=causal)
+    return attention(x, encoding.rotary_tables(positions), bias, causal=causal)
 
 
 def equivariance_error(

@@ -1,7 +1,9 @@
 """The position-encoding protocol: the three places an encoding may touch the model.
 
 - ``embed(x, positions)``: absolute encodings add to the token embedding;
-- ``rotate(q, k, positions)``: RoPE-family encodings rotate queries and keys;
+- ``rotary_tables(positions)``: RoPE-family encodings give cos / sin tables that
+  rotate queries and keys (built once per forward pass, shared by every layer;
+  ``rotate(q, k, positions)`` applies them);
 - ``bias(q_len, k_len)``: relative encodings return an additive attention bias
   ``[heads, q_len, k_len]`` for queries that are the *last* ``q_len`` of
   ``k_len`` positions, so the model can ask for one block of query rows at a time.
@@ -11,12 +13,15 @@ Every hook defaults to "do nothing"; a family overrides only what it needs.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from worker.encodings.registry import EncodingConfigError
+
+if TYPE_CHECKING:
+    from worker.encodings.rope import RotaryTables
 
 
 class PositionOutOfRange(ValueError):
@@ -57,8 +62,13 @@ class PositionEncoding(nn.Module):
     def embed(self, x: Tensor, positions: Tensor) -> Tensor:
         return x
 
+    def rotary_tables(self, positions: Tensor) -> RotaryTables | None:
+        return None
+
     def rotate(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        return q, k
+        """q and k ``[B, H, T, head_dim]`` rotated by ``rotary_tables`` (unchanged without)."""
+        tables = self.rotary_tables(positions)
+        return (q, k) if tables is None else tables.rotate(q, k)
 
     def bias(self, q_len: int, k_len: int) -> Tensor | None:
         return None

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from worker.encodings.base import PositionEncoding
-from worker.encodings.rope import Rope
+from worker.encodings.rope import Rope, RotaryTables
 from worker.encodings.sinusoidal import Sinusoidal
 
 
@@ -49,5 +49,5 @@ class Randomized(PositionEncoding):
     def embed(self, x: Tensor, positions: Tensor) -> Tensor:
         return self.inner.embed(x, positions)
 
-    def rotate(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        return self.inner.rotate(q, k, positions)
+    def rotary_tables(self, positions: Tensor) -> RotaryTables | None:
+        return self.inner.rotary_tables(positions)

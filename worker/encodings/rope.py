@@ -69,19 +69,68 @@ class RopeScaling:
     beta: float = 32.0
 
 
-def rotate_half(x: Tensor) -> Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
+@dataclass(frozen=True)
+class RotaryTables:
+    """Half-width float32 cos and sin tables for queries and keys, ``[T, r/2]`` for shared
+    positions or ``[B, 1, T, r/2]`` for per-sequence ones (broadcast against
+    ``[B, H, T, r/2]``). Pair j of a head is (j, j + r/2); RoPE uses one table for
+    both q and k, xPos scales the query's up and the key's down."""
+
+    cos_q: Tensor
+    sin_q: Tensor
+    cos_k: Tensor
+    sin_k: Tensor
+
+    def rotate(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        return rotate_pairs(q, self.cos_q, self.sin_q), rotate_pairs(k, self.cos_k, self.sin_k)
 
 
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate the leading ``cos.shape[-1]`` dimensions of ``x`` in float32; keep the rest."""
-    rotary_dim = cos.shape[-1]
-    rotated, passed = x[..., :rotary_dim], x[..., rotary_dim:]
-    rotated = rotated.float()
-    out = (rotated * cos + rotate_half(rotated) * sin).to(x.dtype)
-    # Full-head rotary (the default) has nothing to pass through: no copy for it.
-    return out if passed.shape[-1] == 0 else torch.cat((out, passed), dim=-1)
+def rotate_pairs_into(
+    out: Tensor, x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False
+) -> Tensor:
+    """Write x with pair (x1, x2) turned to (x1 cos - x2 sin, x2 cos + x1 sin) into ``out``
+    (any strides, float32 or wider); dimensions past the tables' 2 x width pass through.
+    ``inverse`` turns by the opposite angle: the transpose, which is the backward pass.
+
+    Four passes over half the width, against the six full-width ops (and their six
+    backward ops) of ``x * cos + rotate_half(x) * sin``."""
+    half = cos.shape[-1]
+    x1, x2 = x[..., :half], x[..., half : 2 * half]
+    o1, o2 = out[..., :half], out[..., half : 2 * half]
+    turn = 1.0 if inverse else -1.0
+    torch.mul(x1, cos, out=o1).addcmul_(x2, sin, value=turn)
+    torch.mul(x2, cos, out=o2).addcmul_(x1, sin, value=-turn)
+    if out.shape[-1] > 2 * half:
+        out[..., 2 * half :] = x[..., 2 * half :]
+    return out
+
+
+def rotated(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:
+    """A new tensor: x rotated in float32 (bf16 would be wrong at long positions), then
+    back to x's dtype."""
+    wide = torch.promote_types(x.dtype, torch.float32)
+    out = rotate_pairs_into(torch.empty(x.shape, dtype=wide, device=x.device), x, cos, sin, inverse)
+    return out.to(x.dtype)
+
+
+class _RotatePairs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.tables = (cos, sin)
+        return rotated(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        cos, sin = ctx.tables
+        return rotated(grad, cos, sin, inverse=True), None, None
+
+
+def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE's rotation of ``x [..., T, head_dim]`` by half-width tables (a rotation is
+    linear, so the backward pass is the opposite rotation: no saved activations)."""
+    if cos.requires_grad or sin.requires_grad:
+        raise ValueError("rotary tables are functions of positions; they take no gradient")
+    return _RotatePairs.apply(x, cos, sin)
 
 
 class Rope(PositionEncoding):
@@ -178,20 +227,16 @@ class Rope(PositionEncoding):
         # Elementwise product, never a matmul: autocast leaves it in float32.
         return pos[..., None] * inv_freq
 
-    def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos and sin broadcastable against ``[B, H, T, r]`` (a head axis is inserted for
-        per-sequence positions)."""
-        angle = self.phases(positions)
-        angle = torch.cat((angle, angle), dim=-1)
-        if angle.dim() == 3:
-            angle = angle[:, None]
-        factor = self.attention_factor
-        return angle.cos() * factor, angle.sin() * factor
-
-    def rotate(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        with torch.autocast(q.device.type, enabled=False):
-            cos, sin = self.cos_sin(positions)
-            return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    def rotary_tables(self, positions: Tensor) -> RotaryTables:
+        with torch.autocast(positions.device.type, enabled=False):
+            angle = self.phases(positions)
+            if angle.dim() == 3:
+                angle = angle[:, None]
+            factor = self.attention_factor
+            cos, sin = angle.cos(), angle.sin()
+            if factor != 1.0:
+                cos, sin = cos * factor, sin * factor
+            return RotaryTables(cos, sin, cos, sin)
 
     def extra_repr(self) -> str:
         text = f"{super().extra_repr()}, base={self.base:g}, rotary_dim={self.rotary_dim}"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from worker.encodings.rope import Rope, apply_rotary
+from worker.encodings.rope import Rope, RotaryTables
 
 
 def xpos_zeta(rotary_dim: int) -> Tensor:
@@ -31,18 +31,16 @@ class XPos(Rope):
         self.register_buffer("zeta", xpos_zeta(self.rotary_dim), persistent=False)
 
     def decay(self, positions: Tensor) -> Tensor:
-        """``[..., T, r]`` float32 query scales; keys use the reciprocal."""
+        """``[..., T, r/2]`` float32 query scales per pair; keys use the reciprocal."""
         pos = positions.to(torch.float32)
         centre = torch.floor((pos.amax(dim=-1, keepdim=True) + pos.amin(dim=-1, keepdim=True)) / 2)
         power = (pos - centre) / self.scale_base
         scale = self.zeta ** power[..., None]
-        scale = torch.cat((scale, scale), dim=-1)
         return scale[:, None] if scale.dim() == 3 else scale
 
-    def rotate(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        with torch.autocast(q.device.type, enabled=False):
-            cos, sin = self.cos_sin(positions)
+    def rotary_tables(self, positions: Tensor) -> RotaryTables:
+        tables = super().rotary_tables(positions)
+        with torch.autocast(positions.device.type, enabled=False):
             scale = self.decay(positions)
-            q = apply_rotary(q, cos * scale, sin * scale)
-            k = apply_rotary(k, cos / scale, sin / scale)
-            return q, k
+            cos, sin = tables.cos_q, tables.sin_q
+            return RotaryTables(cos * scale, sin * scale, cos / scale, sin / scale)
