@@ -80,10 +80,11 @@ def xtransformers_model(encoding: str, max_length: int) -> nn.Module:
 
 
 def flops_per_token(length: int, training: bool) -> float:
-    """Matmul FLOPs per token of this architecture (PaLM appendix B), forward x3 for training."""
-    matmul = DEPTH * 12 * DIM * DIM + VOCAB * DIM
-    forward = 2 * matmul + 2 * DEPTH * DIM * length  # q.k and attention x v, causal halving ignored
-    return 3 * forward if training else forward
+    """Model FLOPs per token of this architecture, the count ``Transformer.flops_per_token``
+    and the GPU benchmark use (PaLM appendix B, nanoGPT's MFU: 6N + 12 L d T for
+    training, the full attention square counted); a forward pass is a third of it."""
+    training_flops = posbench_model("nope", length).flops_per_token(length)
+    return training_flops if training else training_flops / 3
 
 
 def matmul_flops_per_second(size: int = 1024, repeats: int = 8) -> float:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness import Contender, interleave, report
+from benchmarks.harness import Contender, flops_per_token, interleave, report
 
 
 def test_interleave_runs_each_pair_back_to_back_every_round(
@@ -54,3 +54,11 @@ def test_report_gives_the_median_of_per_round_ratios(tmp_path: Path) -> None:
     assert row["ratio_q1"] <= row["ratio"] <= row["ratio_q3"]
     assert row["ratio_q3"] == pytest.approx(1.5 + 0.25 * (1.65 - 1.5))
     assert json.loads(out.read_text())["rows"][0]["ratio"] == pytest.approx(row["ratio"])
+
+
+def test_model_flops_count_the_full_attention_square() -> None:
+    # 6N + 12 L d T (PaLM appendix B), N = 4 layers x 12 d^2 + the tied 256 x d output layer;
+    # the same count the GPU benchmark takes from Transformer.flops_per_token.
+    weights = 4 * 12 * 128 * 128 + 256 * 128
+    assert flops_per_token(256, True) == 6 * weights + 12 * 4 * 128 * 256
+    assert flops_per_token(2048, False) == (6 * weights + 12 * 4 * 128 * 2048) / 3
