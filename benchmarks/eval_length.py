@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -25,7 +22,9 @@ from benchmarks.harness import (
     flops_per_token,
     interleave,
     pairs,
+    peak_bytes,
     posbench_model,
+    probe_in_subprocess,
     report,
 )
 
@@ -41,52 +40,32 @@ def forward_fn(model: torch.nn.Module, tokens: torch.Tensor):
     return forward
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * resource.getpagesize()
-
-
-def _high_water_bytes() -> int:
-    with open("/proc/self/status") as status:
-        line = next(line for line in status if line.startswith("VmHWM:"))
-    return int(line.split()[1]) * 1024
-
-
 def probe(encoding: str, length: int) -> None:
-    """In a fresh process: peak memory of one forward pass at ``length``.
-
-    ru_maxrss would survive exec and carry the parent's peak, so the kernel's
-    high-water mark is reset first (Linux: "5" into /proc/self/clear_refs)."""
+    """In a fresh process: peak memory of one forward pass of one sequence at ``length``,
+    with the heap bounded as posbench's evaluation bounds it at long lengths."""
     from worker.memory import bound_heap_for
 
-    bound_heap_for(length)  # what posbench's evaluation does at long lengths
+    bound_heap_for(length)
     model = posbench_model(encoding, length).eval()
     tokens = torch.randint(0, 256, (1, length))
-    before = _rss_bytes()
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")
-    with torch.inference_mode():
-        model(tokens)
-    peak = _high_water_bytes()
-    print(json.dumps({"encoding": encoding, "length": length, "peak_bytes": peak - before}))
+
+    def forward() -> None:
+        with torch.inference_mode():
+            model(tokens)
+
+    print(json.dumps({"encoding": encoding, "length": length, "peak_bytes": peak_bytes(forward)}))
 
 
 def memory(encodings: list[str], lengths: list[int]) -> dict[str, dict]:
-    found: dict[str, dict] = {}
-    for encoding in encodings:
-        for length in lengths:
-            done = subprocess.run(
-                [sys.executable, "-m", "benchmarks.eval_length", "--probe", encoding, str(length)],
-                capture_output=True,
-                text=True,
+    return {
+        encoding: {
+            f"peak_MiB_at_{length}": probe_in_subprocess(
+                "benchmarks.eval_length", encoding, str(length)
             )
-            key = f"peak_MiB_at_{length}"
-            if done.returncode != 0:
-                found.setdefault(encoding, {})[key] = "failed: " + done.stderr.strip()[-120:]
-                continue
-            peak = json.loads(done.stdout.strip().splitlines()[-1])["peak_bytes"]
-            found.setdefault(encoding, {})[key] = peak / 2**20
-    return found
+            for length in lengths
+        }
+        for encoding in encodings
+    }
 
 
 def main() -> None:

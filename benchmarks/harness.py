@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import json
 import random
+import resource
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -151,6 +154,41 @@ def interleave(
                 contender.samples.append(rate)
                 contender.utilisation.append(rate * flops / reference)
     return statistics.median(references)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * resource.getpagesize()
+
+
+def _high_water_bytes() -> int:
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+def peak_bytes(run: Callable[[], object]) -> int:
+    """Peak resident memory while ``run`` runs, above what the process held before.
+
+    Meant for a fresh process (``probe_in_subprocess``): ru_maxrss would carry an
+    earlier peak, so the kernel's high-water mark is reset first (Linux: "5" into
+    /proc/self/clear_refs)."""
+    before = _rss_bytes()
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")
+    run()
+    return _high_water_bytes() - before
+
+
+def probe_in_subprocess(module: str, *args: str) -> float | str:
+    """Run ``python -m module --probe ARGS`` in a fresh process: the peak in MiB it
+    prints as JSON on its last line, or why it failed."""
+    done = subprocess.run(
+        [sys.executable, "-m", module, "--probe", *args], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        return "failed: " + done.stderr.strip()[-120:]
+    return json.loads(done.stdout.strip().splitlines()[-1])["peak_bytes"] / 2**20
 
 
 def _quartiles(values: list[float]) -> tuple[float, float]:

@@ -3,12 +3,15 @@
     python -m benchmarks.train_step [--rounds 5] [--encodings rope alibi] [--out FILE]
 
 dim 128, depth 4, 4 heads of 32, batch 16 x 256, fp32 on the CPU: forward, backward
-and a fused AdamW step (the same optimizer for both) per unit of work.
+and a fused AdamW step (the same optimizer for both) per unit of work. Memory: for
+each model, a fresh process runs its first training step and reports the peak
+resident memory above the built model (activations, gradients, optimizer state).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
@@ -19,7 +22,11 @@ from benchmarks.harness import (
     flops_per_token,
     interleave,
     pairs,
+    peak_bytes,
+    posbench_model,
+    probe_in_subprocess,
     report,
+    xtransformers_model,
 )
 
 BATCH, LENGTH = 16, 256
@@ -40,13 +47,38 @@ def step_fn(model: torch.nn.Module, tokens: torch.Tensor):
     return step
 
 
+def probe(implementation: str, encoding: str) -> None:
+    """In a fresh process: peak memory of one model's first training step."""
+    build = posbench_model if implementation == "posbench" else xtransformers_model
+    torch.manual_seed(0)
+    step = step_fn(build(encoding, LENGTH).train(), torch.randint(0, 256, (BATCH, LENGTH + 1)))
+    print(json.dumps({"encoding": encoding, "peak_bytes": peak_bytes(step)}))
+
+
+def memory(encodings: list[str]) -> dict[str, dict]:
+    return {
+        encoding: {
+            f"{implementation}_peak_MiB": probe_in_subprocess(
+                "benchmarks.train_step", implementation, encoding
+            )
+            for implementation in ("posbench", "x-transformers")
+        }
+        for encoding in encodings
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2, help="steps per contender per round")
     parser.add_argument("--encodings", nargs="*", default=list(XT_CONFIGS))
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory probes")
+    parser.add_argument("--probe", nargs=2, metavar=("IMPLEMENTATION", "ENCODING"))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if args.probe:
+        probe(*args.probe)
+        return
     torch.manual_seed(0)
     tokens = torch.randint(0, 256, (BATCH, LENGTH + 1))
     contenders = pairs(args.encodings, LENGTH, lambda model: step_fn(model.train(), tokens))
@@ -56,6 +88,7 @@ def main() -> None:
         reference,
         f"training step, batch {BATCH} x {LENGTH}, fp32, {torch.get_num_threads()} threads",
         args.out,
+        {} if args.no_memory else memory(args.encodings),
     )
 
 

@@ -4,6 +4,8 @@ implementations run back to back every round, and ratios are paired per round.""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -62,3 +64,51 @@ def test_model_flops_count_the_full_attention_square() -> None:
     weights = 4 * 12 * 128 * 128 + 256 * 128
     assert flops_per_token(256, True) == 6 * weights + 12 * 4 * 128 * 256
     assert flops_per_token(2048, False) == (6 * weights + 12 * 4 * 128 * 2048) / 3
+
+
+def _run_benchmark(module: str, args: list[str], out: Path) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-m", module, *args, "--out", str(out)],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "| encoding |" in done.stdout  # the markdown table
+    return json.loads(out.read_text())
+
+
+def test_the_cpu_benchmarks_run_and_report_every_promised_column(tmp_path: Path) -> None:
+    # One round, both implementations, real models: what the README's tables come from.
+    train = _run_benchmark(
+        "benchmarks.train_step",
+        ["--rounds", "1", "--steps", "1", "--encodings", "alibi"],
+        tmp_path / "train.json",
+    )
+    (row,) = train["rows"]
+    assert row["encoding"] == "alibi" and train["matmul_flops_per_s"] > 0
+    for side in ("posbench", "x-transformers"):
+        assert row[f"{side}_tokens_per_s"] > 0 and 0 < row[f"{side}_utilisation"] < 1
+        # Activations, gradients and AdamW state of a 0.8M-parameter model: MiBs, not bytes.
+        assert 10 < row[f"{side}_peak_MiB"] < 4096
+    assert row["ratio"] > 0
+    evaluation = _run_benchmark(
+        "benchmarks.eval_length",
+        [
+            "--length",
+            "512",
+            "--batch",
+            "1",
+            "--rounds",
+            "1",
+            "--encodings",
+            "alibi",
+            "--memory",
+            "1024",
+        ],
+        tmp_path / "eval.json",
+    )
+    (row,) = evaluation["rows"]
+    assert row["posbench_tokens_per_s"] > 0 and row["ratio"] > 0
+    assert 0 < row["peak_MiB_at_1024"] < 1024
