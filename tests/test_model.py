@@ -327,3 +327,22 @@ def test_rotary_tables_take_no_gradient() -> None:
         )
     with pytest.raises(ValueError, match="take no gradient"):
         rotate_pairs(torch.randn(1, 1, 4, 4), learned, tables.sin_q)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("name", ["xpos", "learned"])
+def test_the_model_compiles_as_one_graph_and_matches_eager(name: str) -> None:
+    # spec.compile (the GPU path) must not graph-break in the hot loop: the rotation's
+    # strided writes and the learned table's range check step aside under compile.
+    torch._dynamo.reset()
+    model = build_model(ModelConfig(d_model=16, n_layers=2, n_heads=2), name, train_length=8)
+    tokens = torch.randint(0, 256, (2, 8))
+    compiled = torch.compile(model, fullgraph=True)
+    out = compiled(tokens)
+    grads = torch.autograd.grad(out.square().mean(), list(model.parameters()))
+    expected = model(tokens)
+    expected_grads = torch.autograd.grad(expected.square().mean(), list(model.parameters()))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    for ours, theirs in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
+    torch._dynamo.reset()

@@ -216,6 +216,11 @@ def split_heads(
     """q, k, v ``[B, H, T, head_dim]`` out of the fused projection, q and k rotated."""
     if tables is not None and (tables.cos_q.requires_grad or tables.cos_k.requires_grad):
         raise ValueError("rotary tables are functions of positions; they take no gradient")
+    if torch.compiler.is_compiling():
+        # Plain ops under torch.compile (see rotate_pairs_traced); autograd does the rest.
+        batch, length, _ = qkv.shape
+        q, k, v = qkv.view(batch, length, 3, n_heads, -1).permute(2, 0, 3, 1, 4)
+        return (q, k, v) if tables is None else (*tables.rotate(q, k), v)
     return _SplitHeads.apply(qkv, n_heads, tables)
 
 

@@ -40,7 +40,10 @@ class Learned(PositionEncoding):
         )
 
     def embed(self, x: Tensor, positions: Tensor) -> Tensor:
-        highest = int(positions.max())
-        if highest >= self.train_length or int(positions.min()) < 0:
-            raise PositionOutOfRange(self._beyond(highest))
+        # Under torch.compile the positions come from ``positions()``, whose length is
+        # checked already; reading their values back would break the graph.
+        if not torch.compiler.is_compiling():
+            highest = int(positions.max())
+            if highest >= self.train_length or int(positions.min()) < 0:
+                raise PositionOutOfRange(self._beyond(highest))
         return x + self.table[positions].to(x.dtype)

@@ -125,11 +125,22 @@ class _RotatePairs(torch.autograd.Function):
         return rotated(grad, cos, sin, inverse=True), None, None
 
 
+def rotate_pairs_traced(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """The same rotation in out-of-place ops, for torch.compile: Dynamo cannot trace
+    ``out=`` into strided views, and Inductor fuses these ops into one kernel itself."""
+    half = cos.shape[-1]
+    x1, x2 = x[..., :half].float(), x[..., half : 2 * half].float()
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    return out if x.shape[-1] == 2 * half else torch.cat((out, x[..., 2 * half :]), dim=-1)
+
+
 def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """RoPE's rotation of ``x [..., T, head_dim]`` by half-width tables (a rotation is
     linear, so the backward pass is the opposite rotation: no saved activations)."""
     if cos.requires_grad or sin.requires_grad:
         raise ValueError("rotary tables are functions of positions; they take no gradient")
+    if torch.compiler.is_compiling():
+        return rotate_pairs_traced(x, cos, sin)
     return _RotatePairs.apply(x, cos, sin)
 
 
