@@ -11,6 +11,7 @@ from x_transformers.x_transformers import AlibiPositionalBias, RelativePositionB
 
 from worker.encodings import REGISTRY, build
 from worker.encodings.alibi import alibi_slopes
+from worker.encodings.fire import lookup_rows
 from worker.encodings.t5 import t5_bucket
 
 BIAS_ENCODINGS = sorted(name for name, e in REGISTRY.items() if e.family == "bias")
@@ -160,10 +161,25 @@ def test_fire_pieces_evaluate_its_mlp_exactly(seed: int) -> None:
         for x in (normalized, probes[None]):
             expected = fire.mlp(x[..., None]).permute(2, 0, 1)
             torch.testing.assert_close(fire.piecewise_bias(x), expected, atol=2e-5, rtol=1e-5)
-    # What evaluation uses (no autograd) is what training uses (the MLP).
-    with torch.no_grad():
-        evaluated = fire.bias(40, 90)
-    torch.testing.assert_close(evaluated, fire.bias(40, 90).detach(), atol=2e-5, rtol=1e-5)
+    # Training reads the pieces too: the gradient of every parameter (the MLP's, c and
+    # the threshold's) is the MLP's own, in float64 to rounding.
+    fire = fire.double()
+    pieces = fire.bias(40, 90)
+    through_mlp = fire.mlp(fire.normalized_distance(40, 90).double()[..., None]).permute(2, 0, 1)
+    torch.testing.assert_close(pieces, through_mlp)
+    weight = torch.randn(pieces.shape, generator=generator, dtype=torch.float64)
+    ours = torch.autograd.grad((pieces * weight).sum(), list(fire.parameters()))
+    theirs = torch.autograd.grad((through_mlp * weight).sum(), list(fire.parameters()))
+    for name, a, b in zip(dict(fire.named_parameters()), ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def test_fire_lookup_sums_each_rows_gradient() -> None:
+    table = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
+    index = torch.randint(0, 7, (5, 11))
+    index[0, 0] = 6  # the last row is used; row 5 may not be: its gradient is then 0
+    assert torch.autograd.gradcheck(lambda t: lookup_rows(index, t), (table,))
+    torch.testing.assert_close(lookup_rows(index, table), table[index])
 
 
 @pytest.mark.parametrize("name", BIAS_ENCODINGS)
