@@ -1,6 +1,6 @@
 """Training-step throughput: posbench against x-transformers, every encoding.
 
-    python -m benchmarks.train_step [--rounds 5] [--encodings rope alibi] [--out FILE]
+    python -m benchmarks.train_step [--rounds 5] [--encodings rope alibi] [--compile] [--out FILE]
 
 dim 128, depth 4, 4 heads of 32, batch 16 x 256, fp32 on the CPU: forward, backward
 and a fused AdamW step (the same optimizer for both) per unit of work. Memory: for
@@ -32,12 +32,13 @@ from benchmarks.harness import (
 BATCH, LENGTH = 16, 256
 
 
-def step_fn(model: torch.nn.Module, tokens: torch.Tensor):
+def step_fn(model: torch.nn.Module, tokens: torch.Tensor, compile: bool = False):
     # The same optimizer for both models: fused AdamW, the fastest on the CPU.
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    forward = torch.compile(model) if compile else model
 
     def step() -> int:
-        logits = model(tokens[:, :-1])
+        logits = forward(tokens[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -72,6 +73,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2, help="steps per contender per round")
     parser.add_argument("--encodings", nargs="*", default=list(XT_CONFIGS))
+    parser.add_argument(
+        "--compile", action="store_true", help="both models under torch.compile (compiled first)"
+    )
     parser.add_argument("--no-memory", action="store_true", help="skip the memory probes")
     parser.add_argument("--probe", nargs=2, metavar=("IMPLEMENTATION", "ENCODING"))
     parser.add_argument("--out", type=Path)
@@ -81,12 +85,15 @@ def main() -> None:
         return
     torch.manual_seed(0)
     tokens = torch.randint(0, 256, (BATCH, LENGTH + 1))
-    contenders = pairs(args.encodings, LENGTH, lambda model: step_fn(model.train(), tokens))
+    contenders = pairs(
+        args.encodings, LENGTH, lambda model: step_fn(model.train(), tokens, args.compile)
+    )
     reference = interleave(contenders, args.rounds, args.steps, flops_per_token(LENGTH, True))
     report(
         contenders,
         reference,
-        f"training step, batch {BATCH} x {LENGTH}, fp32, {torch.get_num_threads()} threads",
+        f"training step, batch {BATCH} x {LENGTH}, fp32, {torch.get_num_threads()} threads"
+        + (", both compiled" if args.compile else ""),
         args.out,
         {} if args.no_memory else memory(args.encodings),
     )
