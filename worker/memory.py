@@ -48,8 +48,12 @@ def _libc() -> ctypes.CDLL | None:
 def bound_heap_for(length: int) -> bool:
     """Fix glibc's mmap threshold before working on ``length``-token sequences that
     are long; returns whether the policy is in force (False off glibc)."""
-    if length < LONG_SEQUENCE:
-        return False
+    return length >= LONG_SEQUENCE and fix_mmap_threshold()
+
+
+def fix_mmap_threshold() -> bool:
+    """Every allocation past ``FIXED_THRESHOLD`` gets its own mapping, returned to the
+    system when freed, so the resident set follows the live tensors (False off glibc)."""
     libc = _libc()
     return bool(libc is not None and libc.mallopt(M_MMAP_THRESHOLD, FIXED_THRESHOLD))
 
