@@ -4,8 +4,8 @@
 
 dim 128, depth 4, 4 heads of 32, batch 16 x 256, fp32 on the CPU: forward, backward
 and a fused AdamW step (the same optimizer for both) per unit of work. Memory: for
-each model, a fresh process runs its first training step and reports the peak
-resident memory above the built model (activations, gradients, optimizer state).
+each model, a fresh process runs a warm-up step, then reports the peak resident
+memory of one more step above the warmed-up process (see ``probe``).
 """
 
 from __future__ import annotations
