@@ -213,9 +213,8 @@ class _SplitHeads(torch.autograd.Function):
 def split_heads(
     qkv: Tensor, n_heads: int, tables: RotaryTables | None
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """q, k, v ``[B, H, T, head_dim]`` out of the fused projection, q and k rotated."""
-    if tables is not None and (tables.cos_q.requires_grad or tables.cos_k.requires_grad):
-        raise ValueError("rotary tables are functions of positions; they take no gradient")
+    """q, k, v ``[B, H, T, head_dim]`` out of the fused projection, q and k rotated
+    (``RotaryTables`` refuses tables that need a gradient when it is built)."""
     if torch.compiler.is_compiling():
         # Plain ops under torch.compile (see rotate_pairs_traced); autograd does the rest.
         batch, length, _ = qkv.shape

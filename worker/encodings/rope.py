@@ -81,8 +81,17 @@ class RotaryTables:
     cos_k: Tensor
     sin_k: Tensor
 
+    def __post_init__(self) -> None:
+        _check_no_gradient(self.cos_q, self.sin_q, self.cos_k, self.sin_k)
+
     def rotate(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         return rotate_pairs(q, self.cos_q, self.sin_q), rotate_pairs(k, self.cos_k, self.sin_k)
+
+
+def _check_no_gradient(*tables: Tensor) -> None:
+    # The custom backward passes return no gradient for the tables.
+    if any(table.requires_grad for table in tables):
+        raise ValueError("rotary tables are functions of positions; they take no gradient")
 
 
 def rotate_pairs_into(
@@ -137,8 +146,7 @@ def rotate_pairs_traced(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """RoPE's rotation of ``x [..., T, head_dim]`` by half-width tables (a rotation is
     linear, so the backward pass is the opposite rotation: no saved activations)."""
-    if cos.requires_grad or sin.requires_grad:
-        raise ValueError("rotary tables are functions of positions; they take no gradient")
+    _check_no_gradient(cos, sin)
     if torch.compiler.is_compiling():
         return rotate_pairs_traced(x, cos, sin)
     return _RotatePairs.apply(x, cos, sin)
