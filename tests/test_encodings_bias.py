@@ -96,6 +96,25 @@ def test_kerple_power_formula_and_bounds() -> None:
         assert float(bias[h, 2, 2]) == 0.0
 
 
+@pytest.mark.parametrize(
+    ("name", "r1_high", "r2_high"),
+    # chijames/KERPLE: log kernel -p log(1 + a d) with p ~ U(0, 2), a ~ U(0, 1);
+    # power kernel -a d^p with a ~ U(0, 1), p ~ U(0, 2).
+    [("kerple_log", 2.0, 1.0), ("kerple_power", 1.0, 2.0)],
+)
+def test_kerple_initial_values_follow_the_reference_ranges(
+    name: str, r1_high: float, r2_high: float
+) -> None:
+    torch.manual_seed(0)
+    kerple = build(name, **dims(n_heads=512))
+    for value, high in ((kerple.r1.detach(), r1_high), (kerple.r2.detach(), r2_high)):
+        assert float(value.min()) > 0 and float(value.max()) <= high
+        # 512 uniform draws fill their range: the largest is above 90% of it and the
+        # mean is near the middle (a range half as wide would fail both).
+        assert float(value.max()) > 0.9 * high
+        assert float(value.mean()) == pytest.approx(high / 2, rel=0.1)
+
+
 @pytest.mark.parametrize("name", ["kerple_log", "kerple_power"])
 def test_kerple_parameters_stay_positive_under_adversarial_training(name: str) -> None:
     kerple = build(name, **dims(n_heads=4))

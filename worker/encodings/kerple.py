@@ -8,7 +8,9 @@ positive for the kernel to be valid. The reference implementation clamps them
 to at least 0.01 after each step; here they are reparametrised as
 0.01 + softplus (and 0.01 + 1.99 sigmoid for the power, so r2 <= 2), which keeps
 them in range without a hook in the optimiser. The initial values follow the
-reference code: r1 ~ U(0, 2), r2 ~ U(0, 1) per head.
+reference code (chijames/KERPLE, ``ParallelKerpleLog`` / ``ParallelKerplePower``), per
+head: for the log kernel r1 ~ U(0, 2) outside the log and r2 ~ U(0, 1) inside it; for
+the power kernel the coefficient r1 ~ U(0, 1) and the exponent r2 ~ U(0, 2).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def _initial(n_heads: int, high: float) -> Tensor:
 
 class _Kerple(PositionEncoding):
     has_bias = True
+    R1_INIT_HIGH = 2.0  # r1 ~ U(0, R1_INIT_HIGH) at initialisation
 
     def kernel(self, distance: Tensor) -> Tensor:
         raise NotImplementedError
@@ -53,7 +56,7 @@ class _Kerple(PositionEncoding):
 
     def __init__(self, **dims: int) -> None:
         super().__init__(**dims)
-        self.raw_r1 = nn.Parameter(_raw_positive(_initial(self.n_heads, 2.0)))
+        self.raw_r1 = nn.Parameter(_raw_positive(_initial(self.n_heads, self.R1_INIT_HIGH)))
 
     @property
     def r1(self) -> Tensor:
@@ -77,10 +80,12 @@ class KerpleLog(_Kerple):
 
 class KerplePower(_Kerple):
     name = "kerple_power"
+    R1_INIT_HIGH = 1.0
 
     def __init__(self, **dims: int) -> None:
         super().__init__(**dims)
-        r2 = _initial(self.n_heads, 1.0)
+        # The exponent starts in (0, 2), kept off 2 where the inverse sigmoid is infinite.
+        r2 = _initial(self.n_heads, POWER_MAX).clamp(max=POWER_MAX - 2 * EPS)
         self.raw_r2 = nn.Parameter(torch.logit((r2 - EPS) / (POWER_MAX - EPS)))
 
     @property
