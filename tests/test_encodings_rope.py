@@ -166,20 +166,34 @@ def test_dynamic_ntk_recomputes_the_factor_per_length() -> None:
 
 
 def test_yarn_ramp_by_hand() -> None:
-    # head_dim 8, L = 2048: frequencies 1, 0.1, 0.01, 0.001 make
-    # r = 2048 f / 2pi = 325.9, 32.6, 3.26, 0.326 rotations over L.
+    # head_dim 8, base 10^4, L = 2048: frequencies 1, 0.1, 0.01, 0.001 make
+    # 2048 f / 2pi = 325.9, 32.6, 3.26, 0.326 rotations over L. The pair turning r times
+    # is j(r) = 8 ln(2048 / (2 pi r)) / (2 ln 10^4): j(32) = 1.008, j(1) = 2.513, so the
+    # ramp runs from floor(1.008) = 1 to ceil(2.513) = 3 in the pair index (the YaRN
+    # authors' code): weights 0, 0, 1/2, 1 on dividing each frequency by s = 4.
     rope = build("rope", n_heads=1, head_dim=8, d_model=8, train_length=2048)
     yarn = rope.with_scaling("yarn", 4.0)
-    rotations = [2048 * f / (2 * math.pi) for f in (1.0, 0.1, 0.01, 0.001)]
-    gamma = [min(1.0, max(0.0, (r - 1) / 31)) for r in rotations]
-    assert gamma[0] == 1.0 and gamma[1] == 1.0 and 0 < gamma[2] < 1 and gamma[3] == 0.0
-    expected = [
-        (1 - g) * f / 4 + g * f for g, f in zip(gamma, (1.0, 0.1, 0.01, 0.001), strict=True)
-    ]
+    expected = [1.0, 0.1, 0.5 * 0.01 / 4 + 0.5 * 0.01, 0.001 / 4]
     torch.testing.assert_close(yarn.inv_freq, torch.tensor(expected), rtol=1e-5, atol=0)
-    # High frequencies extrapolate (unchanged), the lowest interpolates (divided by s).
-    assert float(yarn.inv_freq[0]) == pytest.approx(1.0)
-    assert float(yarn.inv_freq[3]) == pytest.approx(0.001 / 4)
+    # The paper's text, linear in the rotation count, would give pair 2 the weight
+    # (3.26 - 1) / 31 = 0.073 on dividing: 0.0093, not 0.00625.
+    assert float(yarn.inv_freq[2]) == pytest.approx(0.00625, rel=1e-5)
+
+
+def test_yarn_matches_the_reference_ramp_at_a_realistic_size() -> None:
+    # head_dim 128, base 10^4, L = 4096, s = 16 (a LLaMA-like model): the ramp runs
+    # from floor(j(32)) = 20 to ceil(j(1)) = 46 in the pair index.
+    rope = build("rope", n_heads=1, head_dim=128, d_model=128, train_length=4096)
+    yarn = rope.with_scaling("yarn", 16.0)
+    j = [128 * math.log(4096 / (2 * math.pi * r)) / (2 * math.log(1e4)) for r in (32, 1)]
+    low, high = math.floor(j[0]), math.ceil(j[1])
+    assert (low, high) == (20, 46)
+    for pair in range(64):
+        f = 1e4 ** (-2 * pair / 128)
+        weight = min(1.0, max(0.0, (pair - low) / (high - low)))
+        assert float(yarn.inv_freq[pair]) == pytest.approx(
+            weight * f / 16 + (1 - weight) * f, rel=1e-5
+        )
 
 
 def test_yarn_temperature_scales_logits_by_its_square() -> None:

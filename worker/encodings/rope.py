@@ -16,10 +16,13 @@ evaluation time only, without retraining:
 - ``ntk``: base multiplied by s^(r/(r-2)) (bloc97);
 - ``dynamic_ntk``: the same with s = max(1, length / L) for each evaluated length;
 - ``yarn``: per-dimension blend of interpolation and extrapolation by how many
-  rotations a dimension makes over the original length L (ramp from alpha=1 to
-  beta=32 rotations), plus the attention temperature sqrt(1/t) = 0.1 ln(s) + 1
-  (Peng et al. 2023). The factor multiplies both q and k, so logits scale by its
-  square, which is the paper's 1/t.
+  rotations a dimension makes over the original length L (pairs turning more than
+  beta=32 times keep their frequency, fewer than alpha=1 times are interpolated, a
+  ramp linear in the pair index in between, as in the authors' code), plus the
+  attention temperature sqrt(1/t) = 0.1 ln(s) + 1 (Peng et al. 2023). The factor
+  multiplies both q and k, so logits scale by its square, which is the paper's 1/t.
+  With ``rotary_fraction < 1`` it scales the rotated dimensions only, as in HF
+  transformers' partial-rotary models.
 """
 
 from __future__ import annotations
@@ -43,15 +46,36 @@ def rope_inv_freq(base: float, rotary_dim: int) -> Tensor:
     return (base**-exponent).to(torch.float32)
 
 
+def yarn_correction_pair(rotations: float, base: float, rotary_dim: int, length: int) -> float:
+    """The (fractional) pair index whose frequency base^(-2j/r) turns ``rotations`` times
+    over ``length`` positions: j = r ln(length / (2 pi rotations)) / (2 ln base)."""
+    return rotary_dim * math.log(length / (2 * math.pi * rotations)) / (2 * math.log(base))
+
+
 def yarn_inv_freq(
-    inv_freq: Tensor, factor: float, original_length: int, alpha: float, beta: float
+    base: float, rotary_dim: int, factor: float, original_length: int, alpha: float, beta: float
 ) -> Tensor:
-    """YaRN's "NTK-by-parts" frequencies: interpolate dimensions that rotate fewer
-    than alpha times over the original length, keep those that rotate more than
-    beta times, and blend linearly in between."""
-    rotations = original_length * inv_freq.double() / (2 * math.pi)
-    gamma = ((rotations - alpha) / (beta - alpha)).clamp(0.0, 1.0)
-    blended = (1 - gamma) * inv_freq.double() / factor + gamma * inv_freq.double()
+    """YaRN's "NTK-by-parts" frequencies: keep the pairs that turn more than beta times
+    over the original length, interpolate (divide by s) those that turn fewer than
+    alpha times, and blend in between along a ramp that is linear in the pair index,
+    from floor(j(beta)) to ceil(j(alpha)).
+
+    That is the ramp of the YaRN authors' code (jquesnelle/yarn), which produced the
+    paper's tables and which HF transformers and vLLM follow. The paper's text writes
+    the blend as linear in the rotation count, (r - alpha) / (beta - alpha); rotations
+    fall geometrically with the pair index, so the two differ inside the ramp."""
+    pairs = rotary_dim // 2
+    low = max(math.floor(yarn_correction_pair(beta, base, rotary_dim, original_length)), 0)
+    # Clamped to rotary_dim - 1 (not pairs - 1) like the reference code.
+    high = min(
+        math.ceil(yarn_correction_pair(alpha, base, rotary_dim, original_length)), rotary_dim - 1
+    )
+    if high <= low:
+        high = low + 1e-3  # a step instead of a ramp, as in the reference code
+    # 0 keeps a pair's frequency (extrapolation), 1 divides it by s (interpolation).
+    ramp = ((torch.arange(pairs, dtype=torch.float64) - low) / (high - low)).clamp(0.0, 1.0)
+    extrapolated = rope_inv_freq(base, rotary_dim).double()
+    blended = ramp * extrapolated / factor + (1 - ramp) * extrapolated
     return blended.to(torch.float32)
 
 
@@ -212,8 +236,13 @@ class Rope(PositionEncoding):
             scaled.inv_freq = rope_inv_freq(ntk_base, self.rotary_dim).to(base_freq.device)
         elif method == "yarn":
             scaled.inv_freq = yarn_inv_freq(
-                base_freq, factor, original_length, resolved["alpha"], resolved["beta"]
-            )
+                self.base,
+                self.rotary_dim,
+                factor,
+                original_length,
+                resolved["alpha"],
+                resolved["beta"],
+            ).to(base_freq.device)
         return scaled
 
     def frequencies(self, length: int) -> Tensor:
