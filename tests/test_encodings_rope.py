@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import dims
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from x_transformers.x_transformers import RotaryEmbedding, apply_rotary_pos_emb
 
 from worker.encodings import EncodingConfigError, build
-from worker.encodings.rope import yarn_attention_factor
+from worker.encodings.rope import rotate_pairs, yarn_attention_factor
 from worker.encodings.xpos import xpos_zeta
+from worker.model import ModelConfig, build_model, decayed_attention
 
 
 def to_interleaved(x: torch.Tensor, rotary_dim: int) -> torch.Tensor:
@@ -125,6 +128,50 @@ def test_xpos_stays_finite_at_long_lengths() -> None:
     q = torch.randn(1, 4, 32_768, 32)
     rq, rk = xpos.rotate(q, q, torch.arange(32_768))
     assert torch.isfinite(rq).all() and torch.isfinite(rk).all()
+
+
+def test_xpos_applies_its_decay_per_query_block_past_one_tables_span() -> None:
+    # scale_base 8 makes the span small: one table of 1500 positions would need
+    # zeta_0^(-750 / 8) = e^117, past float32's e^88.7.
+    xpos = build("xpos", n_heads=2, head_dim=8, d_model=16, train_length=64, scale_base=8.0)
+    length = 1500
+    assert xpos.table_span < length
+    positions = torch.arange(length)
+    assert not torch.isfinite(xpos.decay(positions) ** -1).all()  # the one-table way
+    tables = xpos.rotary_tables(positions)
+    assert tables.decay is not None
+    with pytest.raises(ValueError, match="block by block"):
+        tables.rotate(torch.zeros(1, 2, length, 8), torch.zeros(1, 2, length, 8))
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, length, 8, generator=generator) for _ in range(3))
+    rq = rotate_pairs(q, tables.cos_q, tables.sin_q)
+    rk = rotate_pairs(k, tables.cos_k, tables.sin_k)
+    ours = decayed_attention(rq, rk, v, replace(tables.decay, max_rows=256))
+    # Reference in float64, where one table centred on the sequence fits (e^59 each way):
+    # logits q_n . k_m zeta^((n - m) / 8) by the paper's formula.
+    scale = xpos.zeta.double() ** ((positions.double() - length // 2) / 8.0)[:, None]
+    wide_q, wide_k = rq.double().clone(), rk.double().clone()
+    for wide, sign in ((wide_q, 1), (wide_k, -1)):
+        wide[..., :4] *= scale**sign
+        wide[..., 4:] *= scale**sign
+    reference = F.scaled_dot_product_attention(wide_q, wide_k, v.double(), is_causal=True)
+    assert torch.isfinite(ours).all()
+    torch.testing.assert_close(ours.double(), reference, rtol=1e-4, atol=1e-5)
+
+
+def test_an_xpos_model_past_one_tables_span_agrees_with_its_prefix() -> None:
+    # Causal: a prefix short enough for one table must give the same outputs as the
+    # long sequence evaluated in decay blocks.
+    config = ModelConfig(d_model=16, n_layers=2, n_heads=2, vocab_size=32)
+    model = build_model(config, "xpos", train_length=64, scale_base=8.0).eval()
+    span = model.encoding.table_span
+    tokens = torch.randint(0, 32, (2, span + 300))
+    model.attention_score_budget = 2 * 2 * (span + 300) * 200  # blocks of 200 queries
+    with torch.no_grad():
+        whole = model(tokens)
+        prefix = model(tokens[:, :span])
+    assert torch.isfinite(whole).all()
+    torch.testing.assert_close(whole[:, :span], prefix, rtol=1e-4, atol=1e-4)
 
 
 # -- inference-time scalings -------------------------------------------------------------

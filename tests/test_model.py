@@ -259,6 +259,10 @@ def _tables(length: int, half: int, per_sequence: int | None = None) -> RotaryTa
     )
 
 
+def _table_tensors(tables: RotaryTables) -> tuple[torch.Tensor, ...]:
+    return tables.cos_q, tables.sin_q, tables.cos_k, tables.sin_k
+
+
 @pytest.mark.parametrize(("head_dim", "rotary_half", "per_sequence"), [(8, 4, None), (8, 2, 2)])
 def test_split_heads_rotates_and_its_gradient_is_exact(
     head_dim: int, rotary_half: int, per_sequence: int | None
@@ -292,7 +296,7 @@ def test_split_heads_rotates_and_its_gradient_is_exact(
 def test_rotation_runs_in_float32_for_bf16_inputs() -> None:
     # bf16 carries 8 mantissa bits: the rotation is computed wide and rounded once.
     tables = _tables(7, 4)
-    tables = RotaryTables(*(t.float() for t in vars(tables).values()))
+    tables = RotaryTables(*(t.float() for t in _table_tensors(tables)))
     x = torch.randn(2, 3, 7, 8)
     low = rotate_pairs(x.bfloat16(), tables.cos_q, tables.sin_q)
     assert low.dtype == torch.bfloat16
@@ -322,9 +326,7 @@ def test_rotary_tables_take_no_gradient() -> None:
     tables = _tables(4, 2)
     learned = tables.cos_q.clone().requires_grad_()
     with pytest.raises(ValueError, match="take no gradient"):
-        split_heads(
-            torch.randn(1, 4, 3 * 8), 2, RotaryTables(learned, *list(vars(tables).values())[1:])
-        )
+        split_heads(torch.randn(1, 4, 3 * 8), 2, RotaryTables(learned, *_table_tensors(tables)[1:]))
     with pytest.raises(ValueError, match="take no gradient"):
         rotate_pairs(torch.randn(1, 1, 4, 4), learned, tables.sin_q)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +22,14 @@ from torch import Tensor, nn
 from jobs.spec import MODEL_PRESETS
 from worker.encodings import build
 from worker.encodings.base import PositionEncoding
-from worker.encodings.rope import RotaryTables, rotate_pairs_into, rotated
+from worker.encodings.rope import (
+    BlockDecay,
+    RotaryTables,
+    rotate_pairs,
+    rotate_pairs_into,
+    rotated,
+    scale_pairs,
+)
 
 
 @dataclass(frozen=True)
@@ -219,8 +226,34 @@ def split_heads(
         # Plain ops under torch.compile (see rotate_pairs_traced); autograd does the rest.
         batch, length, _ = qkv.shape
         q, k, v = qkv.view(batch, length, 3, n_heads, -1).permute(2, 0, 3, 1, 4)
-        return (q, k, v) if tables is None else (*tables.rotate(q, k), v)
+        if tables is None:
+            return q, k, v
+        return (
+            rotate_pairs(q, tables.cos_q, tables.sin_q),
+            rotate_pairs(k, tables.cos_k, tables.sin_k),
+            v,
+        )
     return _SplitHeads.apply(qkv, n_heads, tables)
+
+
+def decayed_attention(q: Tensor, k: Tensor, v: Tensor, decay: BlockDecay) -> Tensor:
+    """Causal attention of rotated q, k with xPos's decay applied per block of queries
+    (``BlockDecay``): block [s, e) attends keys [0, e) under a causal mask."""
+    length = q.shape[-2]
+    blocks = []
+    for start in range(0, length, decay.max_rows):
+        end = min(length, start + decay.max_rows)
+        query_scale, key_scale = decay.scales(start, end)
+        visible = torch.ones(end - start, end, dtype=torch.bool, device=q.device).tril(start)
+        blocks.append(
+            F.scaled_dot_product_attention(
+                scale_pairs(q[:, :, start:end], query_scale),
+                scale_pairs(k[:, :, :end], key_scale),
+                v[:, :, :end],
+                attn_mask=visible,
+            )
+        )
+    return torch.cat(blocks, dim=2)
 
 
 class CausalSelfAttention(nn.Module):
@@ -243,7 +276,11 @@ class CausalSelfAttention(nn.Module):
         with ``attn_bias`` built non-causal to match."""
         batch, length, d_model = x.shape
         q, k, v = split_heads(self.qkv(x), self.n_heads, tables)  # each [B, H, T, head_dim]
-        if attn_bias is None:
+        if tables is not None and tables.decay is not None:
+            if not causal:
+                raise ValueError("xPos's decay beyond one table's span is causal only")
+            y = decayed_attention(q, k, v, tables.decay)
+        elif attn_bias is None:
             # No bias: the fused causal kernel (flash) serves.
             y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         elif not causal:
@@ -354,6 +391,11 @@ class Transformer(nn.Module):
             )
         # Rotary tables, like the bias, are built once per pass and shared by the layers.
         tables = self.encoding.rotary_tables(positions)
+        if tables is not None and tables.decay is not None:
+            # Blocks of xPos's decay hold batch x heads x rows x keys scores at most.
+            rows = max(1, self.attention_score_budget // (batch * self.config.n_heads * length))
+            decay = replace(tables.decay, max_rows=min(tables.decay.max_rows, rows))
+            tables = replace(tables, decay=decay)
         for block in self.blocks:
             x = block(x, tables, attn_bias)
         x = self.final_norm(x)

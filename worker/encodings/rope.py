@@ -104,12 +104,57 @@ class RotaryTables:
     sin_q: Tensor
     cos_k: Tensor
     sin_k: Tensor
+    # xPos over more positions than one float32 table can scale: the tables are plain
+    # rotations and attention applies this decay one block of queries at a time.
+    decay: BlockDecay | None = None
 
     def __post_init__(self) -> None:
         _check_no_gradient(self.cos_q, self.sin_q, self.cos_k, self.sin_k)
 
     def rotate(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        if self.decay is not None:
+            raise ValueError(
+                f"xPos over {self.decay.positions.shape[-1]} positions has no float32 q and k "
+                "for the whole sequence; attention applies its decay block by block"
+            )
         return rotate_pairs(q, self.cos_q, self.sin_q), rotate_pairs(k, self.cos_k, self.sin_k)
+
+
+@dataclass(frozen=True)
+class BlockDecay:
+    """xPos's decay zeta_j^((n - m) / scale_base) for query n and key m, applied per block
+    of queries: the queries [s, e) are scaled by zeta^((n - c) / scale_base) and the keys
+    [0, e) by zeta^((c - m) / scale_base), centred on the block's last query c. Both
+    exponents stay small for the queries; the keys' only shrink with distance (far keys
+    underflow to 0, where the exact product is below float32's resolution anyway), so
+    no length overflows, where one table for the whole sequence overflows float32 past
+    about 141 x scale_base positions."""
+
+    zeta: Tensor  # [r/2]
+    scale_base: float
+    positions: Tensor  # [T] or [B, T]
+    max_rows: int  # queries per block, so that zeta^(-rows / scale_base) stays in range
+
+    def scales(self, start: int, end: int) -> tuple[Tensor, Tensor]:
+        """Float32 per-pair scales: queries ``[..., end-start, r/2]``, keys ``[..., end, r/2]``
+        (with a heads axis for per-sequence positions)."""
+        pos = self.positions.to(torch.float32)
+        centre = pos[..., end - 1 : end]
+        query = self.zeta ** ((pos[..., start:end] - centre) / self.scale_base)[..., None]
+        key = self.zeta ** ((centre - pos[..., :end]) / self.scale_base)[..., None]
+        if pos.dim() == 2:
+            query, key = query[:, None], key[:, None]
+        return query, key
+
+
+def scale_pairs(x: Tensor, scale: Tensor) -> Tensor:
+    """x with both members of rotated pair j multiplied by ``scale[..., j]`` (computed in
+    float32, rounded once); dimensions past the rotated ones unchanged."""
+    half = scale.shape[-1]
+    out = x.to(torch.promote_types(x.dtype, torch.float32), copy=True)
+    out[..., :half] *= scale
+    out[..., half : 2 * half] *= scale
+    return out.to(x.dtype)
 
 
 def _check_no_gradient(*tables: Tensor) -> None:
