@@ -5,11 +5,13 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from jobs.spec import parse_spec
 from worker.encodings import REGISTRY
-from worker.evaluate import evaluation_plan
-from worker.study import run_one
+from worker.evaluate import evaluate, evaluation_plan
+from worker.model import ModelConfig, build_model
+from worker.study import prepared_task, run_one
 
 TINY = {"model": "tiny", "train": {"length": 16, "steps": 6, "batch_size": 4}}
 
@@ -133,3 +135,30 @@ def test_every_encoding_evaluates_the_small_model_at_32x(encoding: str) -> None:
         assert row.not_applicable is not None
     else:
         assert row.tokens == 4096 and math.isfinite(row.loss)
+
+
+def test_randomized_positions_evaluate_reproducibly_per_run_seed() -> None:
+    # Randomized positions are drawn at evaluation too; the draws are seeded by the
+    # run's seed and the point of the plan, never by whatever the global RNG holds.
+    spec = parse_spec(
+        {**TINY, "encodings": ["randomized"], "eval": {"lengths": [16, 32], "tokens": 256}}
+    )
+    task = prepared_task(spec)
+    model = build_model(ModelConfig(**spec.model.dims()), "randomized", train_length=16)
+
+    def losses(seed: int, global_seed: int) -> list[float]:
+        torch.manual_seed(global_seed)
+        rows = evaluate(
+            model,
+            task,
+            spec.eval,
+            train_length=16,
+            scalable=True,
+            device=torch.device("cpu"),
+            seed=seed,
+        )
+        return [row.loss for row in rows]
+
+    first = losses(seed=0, global_seed=1)
+    assert losses(seed=0, global_seed=2) == first
+    assert losses(seed=1, global_seed=1) != first

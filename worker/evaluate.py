@@ -14,6 +14,7 @@ import itertools
 import math
 import resource
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -143,6 +144,7 @@ def evaluate_length(
     variant: VariantSpec,
     train_length: int,
     device: torch.device,
+    seed: int = 0,
 ) -> Evaluation:
     row = Evaluation(variant=variant.label, protocol=protocol, length=length)
     limit = model.encoding.max_length
@@ -167,10 +169,17 @@ def evaluate_length(
             examples=spec.examples,
             stride=spec.stride,
         )
-        if variant.method == "none":
-            return _run_batches(model, batches, length, device)
-        with model.scaled(variant.method, row.factor, train_length):
-            return _run_batches(model, batches, length, device)
+        # Random draws inside the model (randomized positions are sampled at evaluation
+        # too, as in Ruoss et al.'s code) come from a generator seeded by the run's seed
+        # and this point of the plan: a rerun or a resumed run measures the same thing.
+        point = f"{seed}/{variant.label}/{protocol}/{length}".encode()
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(zlib.crc32(point))
+            if variant.method == "none":
+                return _run_batches(model, batches, length, device)
+            with model.scaled(variant.method, row.factor, train_length):
+                return _run_batches(model, batches, length, device)
 
     result = halving_on_oom(run, batch_size)
     elapsed = time.perf_counter() - started
@@ -214,9 +223,11 @@ def evaluate(
     device: torch.device,
     on_evaluation: Callable[[Evaluation], None] | None = None,
     skip: set[tuple[str, str, int]] | None = None,
+    seed: int = 0,
 ) -> list[Evaluation]:
     """Evaluate at every point of the plan; ``skip`` holds (variant, protocol, length)
-    keys already stored (a resumed run does not redo them)."""
+    keys already stored (a resumed run does not redo them). ``seed`` (the run's) seeds
+    any random draw the model makes, per point of the plan."""
     model.to(device)
     model.eval()
     rows = []
@@ -232,6 +243,7 @@ def evaluate(
             variant=variant,
             train_length=train_length,
             device=device,
+            seed=seed,
         )
         rows.append(row)
         if on_evaluation is not None:

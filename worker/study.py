@@ -162,6 +162,7 @@ def run_one(
         device=device,
         on_evaluation=on_evaluation,
         skip=skip_evaluations,
+        seed=run.seed,
     )
     order = None
     if spec.eval.order_probe and task.metric == "perplexity":
