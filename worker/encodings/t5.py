@@ -2,9 +2,11 @@
 
 A learned scalar per (bucket, head), one table shared by every layer. The
 distance n = i - j >= 0 falls in its own bucket while n < num_buckets/2; from
-there to max_distance buckets are log-spaced; everything at or beyond
-max_distance shares the last bucket, which is why T5 extrapolates: far-away
-tokens all look alike.
+there buckets are log-spaced so that max_distance would start bucket num_buckets;
+the index is clamped to the last bucket, which with the defaults (32, 128) is
+reached at n = 113 (HF transformers' formula, pinned in the tests). Every distance
+past it shares that bucket, which is why T5 extrapolates: far-away tokens all look
+alike.
 """
 
 from __future__ import annotations
