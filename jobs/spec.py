@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -27,7 +28,14 @@ from pydantic import (
 )
 
 from worker.data.registry import TASKS, task_info
-from worker.encodings.registry import REGISTRY, EncodingConfigError, info
+from worker.encodings.registry import (
+    REGISTRY,
+    EncodingConfigError,
+    fits_model,
+    info,
+    rotary_width,
+    short_repr,
+)
 
 # Bounds. Generous for a GPU cluster, small enough that one study cannot hog it.
 MAX_RUNS = 64
@@ -55,7 +63,8 @@ class SpecError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: "128" is not an int, 1 is not true, true is not a seed.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class TaskSpec(_Strict):
@@ -94,12 +103,22 @@ class ModelSpec(_Strict):
     @classmethod
     def _preset(cls, value: Any) -> Any:
         if isinstance(value, str):
-            if value not in MODEL_PRESETS:
+            value = {"preset": value}
+        if isinstance(value, dict) and value.get("preset") is not None:
+            name = value["preset"]
+            if not isinstance(name, str) or name not in MODEL_PRESETS:
                 raise ValueError(
-                    f"unknown model preset {value!r} (allowed: {', '.join(MODEL_PRESETS)}, or "
+                    f"unknown model preset {name!r} (allowed: {', '.join(MODEL_PRESETS)}, or "
                     "d_model / n_layers / n_heads)"
                 )
-            return {**MODEL_PRESETS[value], "preset": value}
+            dims = MODEL_PRESETS[name]
+            clash = [k for k in dims if k in value and value[k] != dims[k]]
+            if clash:
+                raise ValueError(
+                    f"preset {name!r} has {', '.join(f'{k}={dims[k]}' for k in clash)}; give "
+                    "either a preset or dimensions, not both"
+                )
+            return {**value, **dims}
         return value
 
     @model_validator(mode="after")
@@ -162,7 +181,11 @@ class EncodingSpec(_Strict):
     @model_validator(mode="after")
     def _known(self) -> EncodingSpec:
         entry = info(self.name)
-        entry.resolve(self.params)  # raises a readable error; defaults stay implicit
+        resolved = entry.resolve(self.params)  # raises a readable error
+        # Keep what was given, checked and typed (20000 -> 20000.0 for a float); a null
+        # means the default, which stays implicit.
+        given = {k: resolved[k] for k, v in self.params.items() if v is not None}
+        object.__setattr__(self, "params", given)
         return self
 
     @property
@@ -174,11 +197,17 @@ class EncodingSpec(_Strict):
         """``rope`` or ``rope(base=500000)``: the name plus every non-default parameter."""
         entry = REGISTRY[self.name]
         changed = [
-            f"{p.name}={self.params[p.name]}"
+            f"{p.name}={_format_param(self.params[p.name])}"
             for p in entry.params
             if p.name in self.params and self.params[p.name] != p.default
         ]
         return f"{self.name}({', '.join(changed)})" if changed else self.name
+
+
+def _format_param(value: Any) -> str:
+    if isinstance(value, float):
+        return str(int(value)) if value.is_integer() and abs(value) < 1e15 else repr(value)
+    return str(value)
 
 
 class VariantSpec(_Strict):
@@ -206,7 +235,9 @@ class VariantSpec(_Strict):
             try:
                 return float(value)
             except ValueError:
-                raise ValueError(f"factor must be a number >= 1 or 'auto', got {value!r}") from None
+                raise ValueError(
+                    f"factor must be a number >= 1 or 'auto', got {short_repr(value)}"
+                ) from None
         return value
 
     @model_validator(mode="after")
@@ -267,6 +298,26 @@ class EvalSpec(_Strict):
     def _unique(cls, protocols: list[str]) -> list[str]:
         return list(dict.fromkeys(protocols))
 
+    @field_validator("variants")
+    @classmethod
+    def _variants(cls, variants: list[VariantSpec]) -> list[VariantSpec]:
+        labels = [v.label for v in variants]
+        twice = sorted({x for x in labels if labels.count(x) > 1})
+        if twice:
+            raise ValueError(f"listed twice: {', '.join(twice)}")
+        # The trained model ('none') is always evaluated, listed or not: one canonical
+        # list, so a spec with and without it is the same study (and the same runs).
+        return [VariantSpec()] + [v for v in variants if v.method != "none"]
+
+    @model_validator(mode="after")
+    def _stride(self) -> EvalSpec:
+        if self.stride is not None and "sliding" not in self.protocols:
+            raise ValueError(
+                "eval.stride applies to the 'sliding' protocol only; add 'sliding' to "
+                "eval.protocols or remove the stride"
+            )
+        return self
+
 
 class RunSpec(_Strict):
     """One trained model of a study: (encoding, seed), with its config hash."""
@@ -278,6 +329,16 @@ class RunSpec(_Strict):
 
 class StudySpec(_Strict):
     name: str = Field("study", min_length=1, max_length=120)
+
+    @field_validator("name")
+    @classmethod
+    def _printable(cls, name: str) -> str:
+        if not name.strip():
+            raise ValueError("must not be blank")
+        if any(not ch.isprintable() for ch in name):
+            raise ValueError("must be printable text (no control characters or line breaks)")
+        return name
+
     task: TaskSpec = Field(default_factory=TaskSpec)
     model: ModelSpec = Field(default_factory=lambda: ModelSpec.model_validate("small"))
     train: TrainSpec = Field(default_factory=TrainSpec)
@@ -297,10 +358,10 @@ class StudySpec(_Strict):
                 f"at most {MAX_RUNS} per study"
             )
         labels = [e.label for e in self.encodings]
-        if len(set(labels)) != len(labels):
-            problems.append(
-                f"encodings: listed twice: {sorted({x for x in labels if labels.count(x) > 1})}"
-            )
+        hashes = [self.config_hash(e, 0) for e in self.encodings]
+        if len(set(hashes)) != len(hashes):
+            twice = sorted({labels[i] for i, h in enumerate(hashes) if hashes.count(h) > 1})
+            problems.append(f"encodings: the same configuration listed twice: {twice}")
         if len(set(self.seeds)) != len(self.seeds):
             problems.append("seeds: each seed may appear once")
         train_tokens = self.train.steps * self.train.batch_size * self.train.length
@@ -336,13 +397,27 @@ class StudySpec(_Strict):
                 "this study trains none of them"
             )
         for encoding in self.encodings:
-            if encoding.name == "randomized":
-                limit = encoding.resolved_params["max_position"] or 64 * self.train.length
-                if limit < max(self.eval.lengths):
-                    problems.append(
-                        f"encodings: randomized max_position = {limit} must be at least the "
-                        f"longest evaluation length {max(self.eval.lengths)}"
-                    )
+            problems += [
+                f"encodings: {encoding.label}: {problem}"
+                for problem in fits_model(
+                    encoding.name,
+                    encoding.resolved_params,
+                    head_dim=self.model.head_dim,
+                    train_length=self.train.length,
+                    longest=max(self.eval.lengths),
+                )
+            ]
+            if (
+                encoding.name in ("rope", "xpos")
+                and rotary_width(self.model.head_dim, encoding.resolved_params) < 4
+            ):
+                for variant in scalings:
+                    if variant.method in ("ntk", "dynamic_ntk"):
+                        problems.append(
+                            f"eval.variants: {variant.label!r} raises the base to the power "
+                            f"r/(r-2) and needs a rotary width r >= 4; {encoding.label} "
+                            f"rotates {rotary_width(self.model.head_dim, encoding.resolved_params)}"
+                        )
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -428,13 +503,15 @@ def describe(error: ValidationError) -> list[str]:
         elif kind == "missing":
             lines.append(f"{where}: required")
         elif kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than"):
-            lines.append(f"{where} = {value!r}: {message.lower().replace('input should', 'must')}")
+            lines.append(
+                f"{where} = {short_repr(value)}: {message.lower().replace('input should', 'must')}"
+            )
         elif kind in ("too_short", "too_long"):
             lines.append(f"{where}: {message.lower().replace('list should', 'must')}")
         elif kind == "value_error":
             lines.append(f"{where}: {message}" if where != "spec" else message)
         else:
-            lines.append(f"{where} = {value!r}: {message}")
+            lines.append(f"{where} = {short_repr(value)}: {message}")
     return lines
 
 
@@ -450,15 +527,77 @@ def parse_spec(data: Any) -> StudySpec:
         raise SpecError([str(err)]) from None
 
 
+MAX_SPEC_BYTES = 1 << 20
+MAX_SPEC_NODES = 100_000  # values in the parsed spec, counting every use of a YAML alias
+
+
+class _SpecLoader(yaml.SafeLoader):
+    """YAML 1.1's safe loader, with two changes: a key given twice is an error (not
+    last-wins), and 1e4 is a number (YAML 1.1 wants 1.0e+4; JSON, Python and people
+    write 1e4)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                mark = key_node.start_mark
+                raise SpecError(
+                    [f"line {mark.line + 1}: key {short_repr(key)} is given twice; give it once"]
+                )
+            seen[key] = True
+        return super().construct_mapping(node, deep=deep)
+
+
+_SpecLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise SpecError([f"key {short_repr(twice[0])} is given twice; give it once"])
+    return dict(pairs)
+
+
+def _count_nodes(data: Any, budget: int = MAX_SPEC_NODES) -> int:
+    """Values in ``data``, stopping past ``budget`` (YAML aliases can nest a tiny file
+    into billions of values)."""
+    count, stack = 0, [data]
+    while stack and count <= budget:
+        item = stack.pop()
+        count += 1
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return count
+
+
 def load_spec(path: str | Path) -> StudySpec:
     """Read a YAML or JSON spec file."""
     path = Path(path)
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError as err:
         raise SpecError([f"cannot read spec file {path}: {err.strerror}"]) from None
+    if len(raw) > MAX_SPEC_BYTES:
+        raise SpecError([f"{path} is {len(raw):,} bytes; a spec is at most {MAX_SPEC_BYTES:,}"])
     try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise SpecError([f"{path} is not UTF-8 text (byte {err.start})"]) from None
+    if not text.strip():
+        raise SpecError([f"{path} is empty; a spec needs at least 'encodings'"])
+    try:
+        if path.suffix == ".json":
+            data = json.loads(text, object_pairs_hook=_json_object)
+        else:
+            data = yaml.load(text, Loader=_SpecLoader)  # a SafeLoader subclass
     except json.JSONDecodeError as err:
         where = f"line {err.lineno}, column {err.colno}"
         raise SpecError([f"{path} is not valid JSON: {where}: {err.msg}"]) from None
@@ -467,6 +606,8 @@ def load_spec(path: str | Path) -> StudySpec:
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise SpecError([f"{path} is not valid YAML: {where}{problem}"]) from None
+    if _count_nodes(data) > MAX_SPEC_NODES:
+        raise SpecError([f"{path} expands to more than {MAX_SPEC_NODES:,} values (YAML aliases?)"])
     return parse_spec(data)
 
 

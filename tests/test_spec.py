@@ -136,12 +136,86 @@ def test_cross_field_limits() -> None:
         (with_value("eval.variants", ["dynamic_ntk:2"]), "variant 'dynamic_ntk' takes no factor"),
         (
             {**BASE, "encodings": ["randomized"], "eval": {"lengths": [32, 4096]}},
-            "randomized max_position = 2048 must be at least the longest evaluation length 4096",
+            "randomized: max_position = 2048 must be at least the training length 32 and the "
+            "longest evaluation length 4096",
         ),
         (
             {**BASE, "task": "copy", "eval": {"protocols": ["sliding"], "stride": 8}},
             "'sliding' applies to language modelling, not 'copy'",
         ),
+        # A null parameter is the default: the same configuration as the bare name.
+        ({**BASE, "encodings": ["rope", {"name": "rope", "base": None}]}, "listed twice: ['rope']"),
+        (
+            {**BASE, "encodings": [{"name": "rope", "base": 2e4}, {"name": "rope", "base": 20000}]},
+            "listed twice: ['rope(base=20000)']",
+        ),
+        ({**BASE, "encodings": ["yarn"]}, "RoPE scalings are evaluation variants: eval.variants"),
+        ({**BASE, "task": {"name": "copy", "alphabet": None}}, "'alphabet' must be int in"),
+        ({**BASE, "task": {"name": "lm", "corpus": "bogus"}}, "corpus 'bogus' is not one of"),
+        ({**BASE, "task": {"name": "lm", "corpus": ""}}, "corpus '' is not one of"),
+        ({**BASE, "task": {"name": "lm", "corpus": "text:"}}, "corpus 'text:' is not one of"),
+        ({**BASE, "task": {"name": "lm", "corpus": "hf::x"}}, "corpus 'hf::x' names no dataset"),
+        (
+            {
+                **BASE,
+                "encodings": [{"name": "randomized", "max_position": 32}],
+                "eval": {"lengths": [32]},
+                "train": {"length": 64},
+            },
+            "max_position = 32 must be at least the training length 64",
+        ),
+        (
+            {
+                **BASE,
+                "model": {"d_model": 32, "n_heads": 16},
+                "eval": {"variants": ["none", "ntk:4"]},
+            },
+            "'ntk:4' raises the base to the power r/(r-2) and needs a rotary width r >= 4",
+        ),
+        (
+            {
+                **BASE,
+                "model": {"d_model": 16, "n_heads": 4},
+                "encodings": [{"name": "rope", "rotary_fraction": 0.25}],
+            },
+            "rotary_fraction=0.25 of head_dim=4 leaves fewer than 2 dimensions to rotate",
+        ),
+        (
+            {**BASE, "encodings": [{"name": "fire", "init_c": 1e300}]},
+            "'init_c' must be float in [0.0001, 100]",
+        ),
+        (
+            {**BASE, "encodings": [{"name": "xpos", "scale_base": 1e9}]},
+            "'scale_base' must be float in [1, 1e+06]",
+        ),
+        (
+            {**BASE, "encodings": [{"name": "t5", "num_buckets": 1024, "max_distance": 8}]},
+            "max_distance=8 must exceed num_buckets / 2 = 512",
+        ),
+        ({**BASE, "model": {"preset": "bogus"}}, "unknown model preset 'bogus'"),
+        (
+            {**BASE, "model": {"preset": "tiny", "d_model": 128}},
+            "preset 'tiny' has d_model=64; give either a preset or dimensions, not both",
+        ),
+        (
+            with_value("train.length", "128"),
+            "train.length = '128': Input should be a valid integer",
+        ),
+        (
+            with_value("train.compile", "yes"),
+            "train.compile = 'yes': Input should be a valid boolean",
+        ),
+        ({**BASE, "seeds": [True]}, "seeds[0] = True: Input should be a valid integer"),
+        (
+            with_value("eval.variants", [{"method": "pi", "factor": True}]),
+            "eval.variants[0].factor",
+        ),
+        (with_value("eval.stride", 8), "eval.stride applies to the 'sliding' protocol only"),
+        (with_value("eval.variants", ["none", "none"]), "listed twice: none"),
+        (with_value("eval.variants", ["pi:4", "pi:4.0"]), "listed twice: pi:4"),
+        ({**BASE, "name": "  "}, "name: must not be blank"),
+        ({**BASE, "name": "a\nb"}, "name: must be printable text"),
+        ({**BASE, "name": "a\x00b"}, "name: must be printable text"),
     ],
 )
 def test_cross_field_and_registry_errors(spec: dict[str, Any], message: str) -> None:
@@ -220,3 +294,63 @@ def test_yaml_round_trip() -> None:
 
     spec = preset_spec("quick")
     assert parse_spec(yaml.safe_load(spec.to_yaml())) == spec
+
+
+def test_a_model_preset_may_be_given_as_a_mapping() -> None:
+    spec = parse_spec({**BASE, "model": {"preset": "large"}})
+    assert (spec.model.d_model, spec.model.n_layers, spec.model.n_heads) == (768, 12, 12)
+    # What to_yaml writes (the preset and its dimensions) reads back as itself.
+    again = parse_spec({**BASE, "model": spec.model.model_dump()})
+    assert again.model == spec.model
+
+
+def test_the_trained_model_is_always_the_first_variant() -> None:
+    # 'none' is evaluated whether listed or not: both forms are one study, one hash.
+    listed = parse_spec(with_value("eval.variants", ["none", "yarn:4"]))
+    implied = parse_spec(with_value("eval.variants", ["yarn:4"]))
+    assert [v.label for v in implied.eval.variants] == ["none", "yarn:4"]
+    assert [r.config_hash for r in listed.runs()] == [r.config_hash for r in implied.runs()]
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        (
+            "twice.yaml",
+            b"encodings: [rope]\ntrain: {steps: 10}\ntrain: {steps: 20}\n",
+            "line 3: key 'train' is given twice",
+        ),
+        ("twice.json", b'{"encodings": ["rope"], "seeds": [0], "seeds": [1]}', "'seeds' is given"),
+        ("latin1.yaml", b"encodings: [rope]\nname: \xff\xfe\n", "is not UTF-8 text (byte 24)"),
+        ("empty.yaml", b"\n  \n", "is empty; a spec needs at least 'encodings'"),
+        (
+            "bomb.yaml",
+            b"a: &a [x, x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+            b"c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]\n"
+            b"d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]\n"
+            b"e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]\nencodings: [rope]\n",
+            "expands to more than 100,000 values",
+        ),
+    ],
+)
+def test_spec_files_are_read_strictly(
+    tmp_path: Path, name: str, content: bytes, message: str
+) -> None:
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(SpecError) as caught:
+        load_spec(path)
+    assert message in str(caught.value)
+
+
+def test_yaml_reads_exponent_numbers_as_numbers(tmp_path: Path) -> None:
+    # YAML 1.1 reads 1e4 as the string '1e4'; people mean ten thousand.
+    path = tmp_path / "spec.yaml"
+    path.write_text("encodings: [{name: rope, base: 1e4}, {name: rope, base: 5E+5}]\n")
+    spec = load_spec(path)
+    assert [e.resolved_params["base"] for e in spec.encodings] == [1e4, 5e5]
+
+
+def test_errors_never_echo_a_huge_value() -> None:
+    message = rejected({**BASE, "encodings": [{"name": "rope", "base": "x" * 200_000}]})
+    assert len(message) < 300 and "(200,002 characters)" in message

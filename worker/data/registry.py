@@ -37,7 +37,15 @@ class TaskInfo:
         out: dict[str, Any] = {}
         for p in self.params:
             value = params.get(p.name, p.default)
-            out[p.name] = p.check(f"task {self.name!r}", value) if value is not None else None
+            if value is None:
+                raise TaskConfigError(
+                    f"task {self.name!r}: parameter {p.name!r} must be {p.allowed()}, got null"
+                )
+            out[p.name] = p.check(f"task {self.name!r}", value)
+        if self.name == "lm":
+            problem = corpus_problem(out["corpus"])
+            if problem:
+                raise TaskConfigError(f"task 'lm': {problem}")
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -49,6 +57,23 @@ class TaskInfo:
             "min_length": self.min_length,
             "params": [p.to_json() for p in self.params],
         }
+
+
+CORPORA = "pystdlib, text:<path> (a UTF-8 file or folder) or hf:<name>[:<config>]"
+
+
+def corpus_problem(corpus: str) -> str | None:
+    """What is wrong with the form of a corpus name, or None. Whether a text: path
+    exists is checked where the corpus is read (a worker's file system, not the
+    submitter's)."""
+    kind, _, rest = corpus.partition(":")
+    if corpus == "pystdlib":
+        return None
+    if kind in ("text", "hf") and rest.strip():
+        if kind == "hf" and not rest.split(":")[0].strip():
+            return f"corpus {corpus!r} names no dataset (hf:<name>[:<config>])"
+        return None
+    return f"corpus {corpus!r} is not one of {CORPORA}"
 
 
 TASKS: dict[str, TaskInfo] = {

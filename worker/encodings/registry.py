@@ -22,6 +22,12 @@ class EncodingConfigError(ValueError):
     """A user asked for an encoding, parameter or scaling that does not exist or is out of range."""
 
 
+def short_repr(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters: error messages never echo a huge input."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 4]}... ({len(text):,} characters)"
+
+
 @dataclass(frozen=True)
 class Param:
     """One tunable parameter of an encoding, with its type, default and bounds."""
@@ -53,31 +59,33 @@ class Param:
         where = f"{owner}: parameter {self.name!r}"
         if self.type is bool:
             if not isinstance(value, bool):
-                raise EncodingConfigError(f"{where} must be true or false, got {value!r}")
+                raise EncodingConfigError(f"{where} must be true or false, got {short_repr(value)}")
         elif self.type is int:
             if isinstance(value, bool) or not isinstance(value, int):
                 if isinstance(value, float) and value.is_integer():
                     value = int(value)
                 else:
                     raise EncodingConfigError(
-                        f"{where} must be an integer ({self.allowed()}), got {value!r}"
+                        f"{where} must be an integer ({self.allowed()}), got {short_repr(value)}"
                     )
         elif self.type is float:
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise EncodingConfigError(
-                    f"{where} must be a number ({self.allowed()}), got {value!r}"
+                    f"{where} must be a number ({self.allowed()}), got {short_repr(value)}"
                 )
             value = float(value)
             if not math.isfinite(value):
-                raise EncodingConfigError(f"{where} must be finite, got {value!r}")
+                raise EncodingConfigError(f"{where} must be finite, got {short_repr(value)}")
         elif self.type is str and not isinstance(value, str):
-            raise EncodingConfigError(f"{where} must be a string ({self.allowed()}), got {value!r}")
+            raise EncodingConfigError(
+                f"{where} must be a string ({self.allowed()}), got {short_repr(value)}"
+            )
         if self.choices is not None and value not in self.choices:
-            raise EncodingConfigError(f"{where} must be {self.allowed()}, got {value!r}")
+            raise EncodingConfigError(f"{where} must be {self.allowed()}, got {short_repr(value)}")
         if self.low is not None and value < self.low:
-            raise EncodingConfigError(f"{where} must be {self.allowed()}, got {value!r}")
+            raise EncodingConfigError(f"{where} must be {self.allowed()}, got {short_repr(value)}")
         if self.high is not None and value > self.high:
-            raise EncodingConfigError(f"{where} must be {self.allowed()}, got {value!r}")
+            raise EncodingConfigError(f"{where} must be {self.allowed()}, got {short_repr(value)}")
         return value
 
     def to_json(self) -> dict[str, Any]:
@@ -219,7 +227,14 @@ REGISTRY: dict[str, EncodingInfo] = {
             params=(
                 _ROPE_BASE,
                 _ROTARY_FRACTION,
-                Param("scale_base", float, 512.0, "distance over which the decay acts", low=1.0),
+                Param(
+                    "scale_base",
+                    float,
+                    512.0,
+                    "distance over which the decay acts",
+                    low=1.0,
+                    high=1e6,
+                ),
             ),
             scalable=True,
         ),
@@ -277,13 +292,16 @@ REGISTRY: dict[str, EncodingInfo] = {
             implementation="worker.encodings.fire:FIRE",
             params=(
                 Param("mlp_width", int, 32, "hidden width of the bias MLP", low=4, high=512),
-                Param("init_c", float, 0.1, "initial c of psi(x) = log(c·x + 1)", low=1e-4),
+                Param(
+                    "init_c", float, 0.1, "initial c of psi(x) = log(c·x + 1)", low=1e-4, high=100.0
+                ),
                 Param(
                     "init_threshold",
                     float,
                     512.0,
                     "initial threshold L of the normaliser psi(max(L, i))",
                     low=1.0,
+                    high=float(1 << 22),
                 ),
             ),
         ),
@@ -362,9 +380,46 @@ def info(name: str) -> EncodingInfo:
     try:
         return REGISTRY[name]
     except KeyError:
+        hint = (
+            " (RoPE scalings are evaluation variants: eval.variants, e.g. [none, yarn:auto])"
+            if name in SCALINGS
+            else ""
+        )
         raise EncodingConfigError(
-            f"unknown encoding {name!r} (available: {', '.join(REGISTRY)})"
+            f"unknown encoding {name!r} (available: {', '.join(REGISTRY)}){hint}"
         ) from None
+
+
+def rotary_width(head_dim: int, params: Mapping[str, Any]) -> int:
+    """How many of a head's dimensions a rotary encoding rotates (an even number)."""
+    return int(head_dim * params.get("rotary_fraction", 1.0)) // 2 * 2
+
+
+def fits_model(
+    name: str, params: Mapping[str, Any], *, head_dim: int, train_length: int, longest: int
+) -> list[str]:
+    """What keeps an encoding with resolved ``params`` from fitting a model with this head
+    size, trained at ``train_length`` and evaluated up to ``longest`` tokens (torch-free,
+    for the spec; the constructors raise the same)."""
+    problems = []
+    if name in ("rope", "xpos") and rotary_width(head_dim, params) < 2:
+        problems.append(
+            f"rotary_fraction={params['rotary_fraction']} of head_dim={head_dim} leaves fewer "
+            "than 2 dimensions to rotate"
+        )
+    if name == "t5" and params["max_distance"] <= params["num_buckets"] // 2:
+        problems.append(
+            f"max_distance={params['max_distance']} must exceed num_buckets / 2 = "
+            f"{params['num_buckets'] // 2} (the exact buckets; log-spaced ones follow)"
+        )
+    if name == "randomized":
+        limit = params["max_position"] or 64 * train_length
+        if limit < max(train_length, longest):
+            problems.append(
+                f"max_position = {limit} must be at least the training length {train_length} "
+                f"and the longest evaluation length {longest}"
+            )
+    return problems
 
 
 def scaling_info(name: str) -> ScalingInfo:
