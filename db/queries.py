@@ -43,6 +43,12 @@ def studies(url: str, study_ids: Sequence[int] | None = None) -> pd.DataFrame:
     return _frame(url, statement)
 
 
+def study_spec(url: str, study_id: int) -> dict | None:
+    """The spec a study was submitted with (as stored), or None for no such study."""
+    with engine_for(normalize_url(url)).connect() as connection:
+        return connection.scalar(select(Study.spec).where(Study.id == study_id))
+
+
 def runs(
     url: str, study_id: int | None = None, run_ids: Sequence[int] | None = None
 ) -> pd.DataFrame:

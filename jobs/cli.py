@@ -6,6 +6,7 @@ Exit codes: 0 success, 2 bad input (one-line reason on stderr), 1 failure.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Annotated, NoReturn
 
@@ -21,6 +22,20 @@ app = typer.Typer(
     add_completion=False,
 )
 console = Console()
+MAX_ID = 2**63 - 1  # the database's integer ids
+
+
+@app.callback()
+def _settings() -> None:
+    """Read the POSBENCH_* settings once, before any command: a bad one exits 2."""
+    from pydantic import ValidationError
+
+    from jobs.settings import describe_settings_error, get_settings
+
+    try:
+        get_settings()
+    except ValidationError as err:
+        fail("invalid settings: " + describe_settings_error(err), code=2)
 
 
 @app.command()
@@ -100,15 +115,36 @@ def _load(spec_file: Path | None, preset: str | None):
         fail("invalid spec: " + "; ".join(err.problems), code=2)
 
 
+def _check_id(value: int | None, what: str) -> None:
+    if value is not None and not 1 <= value <= MAX_ID:
+        fail(f"{what} must be a positive integer below 2^63, got {value}", code=2)
+
+
+def _check_port(port: int) -> None:
+    if not 1 <= port <= 65535:
+        fail(f"--port must be in 1..65535, got {port}", code=2)
+
+
 def _database() -> str:
+    from sqlalchemy.engine import make_url
+
     from db.migrate import current
     from jobs.settings import get_settings
 
     url = get_settings().database
+    parsed = make_url(url)
+    on_disk = parsed.get_backend_name() == "sqlite" and parsed.database not in (
+        None,
+        "",
+        ":memory:",
+    )
+    # Reading must not create a database (or its folders) where none is.
+    if on_disk and not Path(parsed.database or "").expanduser().is_file():
+        fail(f"no database at {parsed.database}: run `posbench db upgrade`", code=1)
     try:
         revision = current(url)
     except Exception as err:
-        fail(f"cannot reach the database {_redact(url)}: {err}", code=1)
+        fail(f"cannot reach the database {_redact(url)}: {_first_line(err)}", code=1)
     if revision is None:
         fail(f"the database {_redact(url)} has no schema yet: run `posbench db upgrade`", code=1)
     return url
@@ -118,6 +154,11 @@ def _redact(url: str) -> str:
     from sqlalchemy.engine import make_url
 
     return make_url(url).render_as_string(hide_password=True)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(getattr(err, "orig", None) or err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 @app.command()
@@ -170,13 +211,15 @@ def submit(
 @app.command()
 def status(
     study: Annotated[
-        int | None, typer.Argument(help="A study id; all studies without it.", show_default=False)
+        int | None,
+        typer.Argument(help="A study id; all studies without it.", show_default=False),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print as JSON.")] = False,
 ) -> None:
     """Studies and their runs: status, progress, failures."""
     from db import queries
 
+    _check_id(study, "the study id")
     url = _database()
     if study is None:
         frame = queries.studies(url)
@@ -211,6 +254,8 @@ def _on_runs(action, study: int | None, run: int | None):
 
     if (study is None) == (run is None):
         fail("give a study id or --run ID", code=2)
+    _check_id(study, "the study id")
+    _check_id(run, "--run")
     _database()
     try:
         return action(study_id=study, run_id=run)
@@ -243,7 +288,14 @@ def retry(study: StudyArgument = None, run: RunOption = None) -> None:
 def results(
     study: Annotated[int, typer.Option("--study", help="The study id.")],
     output: Annotated[str, typer.Option("--format", help="table, csv or json.")] = "table",
-    protocol: Annotated[str | None, typer.Option("--protocol")] = None,
+    protocol: Annotated[
+        str | None,
+        typer.Option(
+            "--protocol",
+            help="nonoverlapping or sliding (default: every protocol for curves, the first "
+            "for summaries and pairwise).",
+        ),
+    ] = None,
     view: Annotated[
         str,
         typer.Option(
@@ -263,6 +315,7 @@ def results(
     from db import queries
     from jobs import analysis
 
+    _check_id(study, "--study")
     if output not in ("table", "csv", "json"):
         fail(f"--format must be table, csv or json, got {output!r}", code=2)
     views = ("curves", "summaries", "pairwise", "groups")
@@ -270,11 +323,29 @@ def results(
         fail(f"--view must be one of {', '.join(views)}, got {view!r}", code=2)
     if factor is not None and view != "pairwise":
         fail("--factor applies to --view pairwise only", code=2)
+    if factor is not None and not (math.isfinite(factor) and factor > 0):
+        fail(f"--factor must be a positive number, got {factor}", code=2)
+    protocols = ("nonoverlapping", "sliding")
+    if protocol is not None and protocol not in protocols:
+        fail(f"--protocol must be one of {', '.join(protocols)}, got {protocol!r}", code=2)
     url = _database()
     studies = queries.studies(url, [study])
     if studies.empty:
         fail(f"no study with id {study}", code=2)
     row = studies.iloc[0]
+    if protocol is not None:
+        evaluated = (queries.study_spec(url, study) or {}).get("eval", {}).get("protocols", [])
+        if protocol not in evaluated:
+            fail(
+                f"study {study} is evaluated with {', '.join(evaluated)}, not {protocol!r}",
+                code=2,
+            )
+    if view == "groups" and row["metric"] != "accuracy":
+        fail(
+            f"--view groups applies to synthetic tasks; study {study} ({row['task']}) is "
+            "language modelling",
+            code=2,
+        )
     frame = queries.curves(url, study_ids=[study], protocol=protocol)
     if view in ("summaries", "pairwise") and protocol is None and not frame.empty:
         # One protocol at a time: its curves are the ones summarised and compared.
@@ -334,7 +405,10 @@ def db_upgrade() -> None:
     from jobs.settings import get_settings
 
     url = get_settings().database
-    upgrade(url)
+    try:
+        upgrade(url)
+    except Exception as err:
+        fail(f"cannot upgrade the database {_redact(url)}: {_first_line(err)}", code=1)
     console.print(f"database {_redact(url)} is at the latest schema")
     filled = backfill_summaries(url)
     if filled:
@@ -391,8 +465,15 @@ def dashboard(
 ) -> None:
     """Serve the Streamlit dashboard (health check: /_stcore/health)."""
     import os
+    import socket
 
     from jobs.embedded import dashboard_command
+
+    _check_port(port)
+    try:
+        socket.getaddrinfo(address, port)
+    except (socket.gaierror, UnicodeError):
+        fail(f"--address {address!r} is not an address or host name of this machine", code=2)
 
     command = dashboard_command(port, address)
     os.execvp(command[0], command)
@@ -406,6 +487,7 @@ def up(
     """The whole service on this machine: private Redis, SQLite, one worker, dashboard."""
     from jobs.embedded import serve
 
+    _check_port(port)
     raise typer.Exit(serve(dashboard=dashboard, port=port, console=console))
 
 

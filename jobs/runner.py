@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import pandas as pd
 import typer
@@ -18,9 +20,11 @@ from jobs.report import format_value, markdown_frame, markdown_table, plot_curve
 from jobs.spec import StudySpec
 
 
-def _table(curves: dict[str, dict[int, float | None]], metric: str, train_length: int) -> Table:
+def _table(
+    curves: dict[str, dict[int, float | None]], metric: str, train_length: int, protocol: str
+) -> Table:
     lengths = sorted({n for points in curves.values() for n in points})
-    table = Table(title=f"{metric} by evaluation length (train length {train_length})")
+    table = Table(title=f"{metric} by evaluation length ({protocol}, train length {train_length})")
     table.add_column("encoding")
     for n in lengths:
         table.add_column(
@@ -45,15 +49,36 @@ def _summary_grid(result) -> pd.DataFrame:
     return analysis.summary_grid(analysis.summary_statistics(frame), analysis.KEY_SUMMARIES)
 
 
+def folder_name(name: str) -> str:
+    """A study name as one safe path component: letters, digits, '.', '-' and '_' kept,
+    anything else (separators, '..', spaces) turned into '-'."""
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip(".-") or "study"
+    return slug[:80]
+
+
+def _fail(message: str) -> NoReturn:
+    Console(stderr=True).print(f"[bold red]error:[/] {message}", soft_wrap=True)
+    raise typer.Exit(2)
+
+
 def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: str | None) -> None:
+    from jobs.settings import get_settings
     from worker.data.registry import TaskConfigError
-    from worker.study import resolve_device, run_study
+    from worker.study import DeviceError, prepared_task, resolve_device, run_study
     from worker.train import TrainingDiverged
 
     console = Console(stderr=as_json)
-    out = out or Path(".posbench") / "runs" / f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = out or get_settings().home / "runs" / f"{folder_name(spec.name)}-{stamp}"
+    # Everything that can be refused is checked before the first progress bar.
+    if out.exists() and not out.is_dir():
+        _fail(f"--out {out} is a file; give a folder (created if missing)")
+    try:
+        torch_device = resolve_device(device)
+        task = prepared_task(spec)
+    except (DeviceError, TaskConfigError) as err:
+        _fail(str(err))
     runs = spec.runs()
-    torch_device = resolve_device(device)
     console.print(
         f"study [bold]{spec.name}[/]: {len(runs)} runs x {spec.train.steps} steps on "
         f"{torch_device}, evaluated at {', '.join(map(str, spec.eval.lengths))}"
@@ -76,6 +101,7 @@ def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: 
         with progress:
             result = run_study(
                 spec,
+                task=task,
                 device=torch_device,
                 checkpoint_dir=out / "checkpoints",
                 on_progress=lambda run, p: progress.update(
@@ -87,18 +113,29 @@ def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: 
                     bars[run.config_hash], status=f"evaluated {row.variant} @ {row.length}"
                 ),
             )
-    except TaskConfigError as err:
-        Console(stderr=True).print(f"[bold red]error:[/] {err}")
-        raise typer.Exit(2) from None
     except TrainingDiverged as err:
         Console(stderr=True).print(f"[bold red]run failed:[/] {err}")
         raise typer.Exit(1) from None
-    curves = result.curves()
+    # One table and one plot per protocol: curves.png for the first, curves-<name>.png
+    # for the others (sliding windows score differently; their lines are not comparable).
+    protocols = spec.eval.protocols
+    curves = {protocol: result.curves(protocol) for protocol in protocols}
+    plots = {
+        protocol: out / ("curves.png" if i == 0 else f"curves-{protocol}.png")
+        for i, protocol in enumerate(protocols)
+    }
     payload = result.to_dict()
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(payload, indent=1))
-    (out / "table.md").write_text(markdown_table(curves, result.metric, spec.train.length) + "\n")
-    plot_curves(curves, result.metric, spec.train.length, out / "curves.png", spec.name)
+    sections = [
+        (f"## {protocol}\n\n" if len(protocols) > 1 else "")
+        + markdown_table(curves[protocol], result.metric, spec.train.length)
+        for protocol in protocols
+    ]
+    (out / "table.md").write_text("\n\n".join(sections) + "\n")
+    for protocol in protocols:
+        title = spec.name if len(protocols) == 1 else f"{spec.name} ({protocol})"
+        plot_curves(curves[protocol], result.metric, spec.train.length, plots[protocol], title)
     grid = _summary_grid(result)
     if not grid.empty:
         with (out / "table.md").open("a") as table:
@@ -106,9 +143,11 @@ def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: 
     if as_json:
         sys.stdout.write(json.dumps(payload) + "\n")
         return
-    console.print(_table(curves, result.metric, spec.train.length))
+    for protocol in protocols:
+        console.print(_table(curves[protocol], result.metric, spec.train.length, protocol))
     if not grid.empty:
         from jobs.watch import frame_table
 
         console.print(frame_table(grid.reset_index(), "summaries across seeds"))
-    console.print(f"results: {out / 'results.json'}  curves: {out / 'curves.png'}")
+    shown = "  ".join(str(path) for path in plots.values())
+    console.print(f"results: {out / 'results.json'}  curves: {shown}")

@@ -19,11 +19,16 @@
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+BROKER_SCHEMES = ("redis", "rediss", "redis+socket")
+DATABASE_BACKENDS = ("sqlite", "postgresql")
+DEVICE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
 
 
 class Settings(BaseSettings):
@@ -45,6 +50,63 @@ class Settings(BaseSettings):
     visibility_timeout: int = Field(172_800, gt=0)
     dashboard_password: SecretStr | None = None
 
+    @field_validator("database_url")
+    @classmethod
+    def _database_url(cls, url: str | None) -> str | None:
+        if url is None:
+            return url
+        from sqlalchemy.engine import make_url
+        from sqlalchemy.exc import ArgumentError
+
+        try:
+            backend = make_url(url).get_backend_name()
+        except ArgumentError:
+            backend = None
+        if backend not in DATABASE_BACKENDS and backend != "postgres":
+            raise ValueError(
+                "must be an SQLAlchemy URL of SQLite or PostgreSQL, e.g. sqlite:///posbench.db "
+                "or postgresql://user:password@host/posbench"
+            )
+        return url
+
+    @field_validator("broker_url")
+    @classmethod
+    def _broker_url(cls, url: str | None) -> str | None:
+        scheme = None if url is None else url.partition("://")[0]
+        if url is not None and ("://" not in url or scheme not in BROKER_SCHEMES):
+            raise ValueError(
+                f"must be a Redis URL ({', '.join(s + '://' for s in BROKER_SCHEMES)}), "
+                "e.g. redis://localhost:6379/0"
+            )
+        return url
+
+    @field_validator("artifacts")
+    @classmethod
+    def _artifacts(cls, location: str | None) -> str | None:
+        if location is not None and "://" in location and not location.startswith("file://"):
+            raise ValueError(
+                "must be a folder or a file:// URL (object stores are not supported; mount "
+                "one as a folder)"
+            )
+        return location
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, device: str | None) -> str | None:
+        if device is not None and not DEVICE.match(device):
+            raise ValueError("must be cpu, cuda, cuda:N or mps")
+        return device
+
+    @model_validator(mode="after")
+    def _timings(self) -> Settings:
+        if self.stale_after_seconds < 2 * self.heartbeat_seconds:
+            raise ValueError(
+                f"POSBENCH_STALE_AFTER_SECONDS = {self.stale_after_seconds:g} must be at least "
+                f"twice POSBENCH_HEARTBEAT_SECONDS = {self.heartbeat_seconds:g}, or healthy "
+                "runs would be requeued"
+            )
+        return self
+
     @property
     def corpus_cache(self) -> Path:
         return self.cache_dir or self.home / "cache"
@@ -65,6 +127,22 @@ class Settings(BaseSettings):
     def artifacts_dir(self) -> Path:
         location = self.artifacts or str(self.home / "artifacts")
         return Path(location.removeprefix("file://")).resolve()
+
+
+def describe_settings_error(error: ValidationError) -> str:
+    """One line per problem, named by its environment variable."""
+    lines = []
+    for problem in error.errors(include_url=False):
+        message = problem["msg"].removeprefix("Value error, ")
+        if problem["loc"]:
+            field = str(problem["loc"][0])
+            variable = "POSBENCH_" + field.upper()
+            # URLs may carry a password: name them, never echo them.
+            shown = "" if field.endswith("url") else f" = {problem.get('input')!r}"
+            lines.append(f"{variable}{shown}: {message}")
+        else:
+            lines.append(message)
+    return "; ".join(lines)
 
 
 @lru_cache(maxsize=1)

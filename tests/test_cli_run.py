@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
+import torch
 from conftest import posbench_cli
 
 
@@ -42,13 +44,37 @@ def test_run_a_spec_file_and_print_the_table(tmp_path: Path) -> None:
     spec.write_text(
         "name: mini\nmodel: tiny\ntrain: {length: 16, steps: 4, batch_size: 2}\n"
         "encodings: [t5, {name: rope, rotary_fraction: 0.5}]\n"
-        "eval: {lengths: [16, 32], tokens: 128}\n"
+        "eval: {lengths: [16, 32], tokens: 128, protocols: [nonoverlapping, sliding], "
+        "stride: 8}\n"
     )
-    done = posbench("run", str(spec), "--out", str(tmp_path / "o"))
+    out = tmp_path / "o"
+    done = posbench("run", str(spec), "--out", str(out))
     assert done.returncode == 0, done.stderr
-    assert "perplexity by evaluation length" in done.stdout
+    # One table and one plot per protocol.
+    assert "perplexity by evaluation length (nonoverlapping" in done.stdout
+    assert "perplexity by evaluation length (sliding" in done.stdout
     assert "rope(rotary_fraction=0.5)" in done.stdout
     assert "summaries across seeds" in done.stdout
+    table = (out / "table.md").read_text()
+    assert "## nonoverlapping" in table and "## sliding" in table
+    for plot in ("curves.png", "curves-sliding.png"):
+        assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_results_go_under_posbench_home_in_a_folder_named_safely(tmp_path: Path) -> None:
+    spec = tmp_path / "study.yaml"
+    spec.write_text(
+        "name: ../../escape me\nmodel: tiny\ntrain: {length: 16, steps: 2, batch_size: 2}\n"
+        "encodings: [nope]\neval: {lengths: [16], tokens: 64, order_probe: false}\n"
+    )
+    home = tmp_path / "home"
+    done = posbench_cli(
+        "run", str(spec), env={**os.environ, "POSBENCH_HOME": str(home)}, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    (folder,) = (home / "runs").iterdir()
+    assert folder.name.startswith("escape-me-") and (folder / "results.json").is_file()
+    assert not (tmp_path / "escape me").exists()
 
 
 def test_bad_input_exits_2_with_one_readable_reason(tmp_path: Path) -> None:
@@ -65,3 +91,17 @@ def test_bad_input_exits_2_with_one_readable_reason(tmp_path: Path) -> None:
     corpus.write_text("encodings: [rope]\nmodel: tiny\ntask: {name: lm, corpus: 'text:/nope'}\n")
     missing = posbench("run", str(corpus), "--out", str(tmp_path / "o"))
     assert missing.returncode == 2 and "no such file or folder" in missing.stderr
+    assert "queued" not in missing.stdout + missing.stderr  # refused before any progress bar
+    good = tmp_path / "good.yaml"
+    good.write_text("encodings: [rope]\nmodel: tiny\ntrain: {length: 16, steps: 2}\n")
+    device = posbench("run", str(good), "--device", "bogus")
+    assert device.returncode == 2 and "device 'bogus' is not one of cpu, cuda" in device.stderr
+    if not torch.cuda.is_available():
+        cuda = posbench("run", str(good), "--device", "cuda")
+        assert cuda.returncode == 2 and "sees no CUDA device" in cuda.stderr
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    into_file = posbench("run", str(good), "--out", str(a_file))
+    assert into_file.returncode == 2 and "is a file; give a folder" in into_file.stderr
+    for result in (device, into_file):
+        assert "Traceback" not in result.stderr

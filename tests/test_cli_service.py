@@ -35,6 +35,17 @@ def test_commands_before_the_schema_exists_say_how_to_create_it(env) -> None:
         (["results", "--study", "1", "--format", "xml"], "--format must be table, csv or json"),
         (["worker", "--queues", "tpu"], "unknown queue 'tpu' (allowed: gpu, cpu)"),
         (["submit", "--preset", "huge"], "unknown preset 'huge' (available: smoke, quick"),
+        (["status", str(10**20)], "the study id must be a positive integer below 2^63"),
+        (["cancel", "--run", str(10**20)], "--run must be a positive integer below 2^63"),
+        (["results", "--study", str(10**20)], "--study must be a positive integer below 2^63"),
+        (["results", "--study", "1", "--protocol", "bogus"], "--protocol must be one of"),
+        (
+            ["results", "--study", "1", "--view", "pairwise", "--factor", "nan"],
+            "--factor must be a positive number, got nan",
+        ),
+        (["dashboard", "--port", "70000"], "--port must be in 1..65535, got 70000"),
+        (["up", "--port", "0"], "--port must be in 1..65535, got 0"),
+        (["dashboard", "--address", "not a host!"], "--address 'not a host!' is not an address"),
     ],
 )
 def test_bad_ids_and_options_exit_2(env, args: list[str], message: str) -> None:
@@ -48,3 +59,44 @@ def test_status_lists_no_study_on_an_empty_database(env) -> None:
     posbench(env, "db", "upgrade")
     done = posbench(env, "status", "--json")
     assert done.returncode == 0 and done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("POSBENCH_DATABASE_URL", "garbage", "POSBENCH_DATABASE_URL: must be an SQLAlchemy URL"),
+        ("POSBENCH_BROKER_URL", "htp:/nonsense", "POSBENCH_BROKER_URL: must be a Redis URL"),
+        ("POSBENCH_HEARTBEAT_SECONDS", "abc", "POSBENCH_HEARTBEAT_SECONDS = 'abc'"),
+        ("POSBENCH_MAX_ATTEMPTS", "0", "POSBENCH_MAX_ATTEMPTS = '0'"),
+        ("POSBENCH_STALE_AFTER_SECONDS", "1", "must be at least twice POSBENCH_HEARTBEAT"),
+        ("POSBENCH_ARTIFACTS", "s3://bucket/ckpt", "must be a folder or a file:// URL"),
+        ("POSBENCH_DEVICE", "tpu", "POSBENCH_DEVICE = 'tpu': must be cpu, cuda, cuda:N or mps"),
+    ],
+)
+def test_bad_settings_exit_2_before_any_command_runs(
+    tmp_path: Path, variable: str, value: str, message: str
+) -> None:
+    env = isolated_env(tmp_path, **{variable: value})
+    for args in (["status"], ["submit", "--preset", "smoke"], ["db", "upgrade"]):
+        done = posbench(env, *args)
+        assert done.returncode == 2, done.stderr
+        assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_reading_commands_never_create_a_database(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/typo/dir/x.db"
+    env = isolated_env(tmp_path / "home", POSBENCH_DATABASE_URL=url)
+    done = posbench(env, "status")
+    assert done.returncode == 1 and "no database at" in done.stderr
+    assert not (tmp_path / "typo").exists()
+
+
+def test_an_unreachable_database_is_one_line(tmp_path: Path) -> None:
+    url = "postgresql://user:secret@127.0.0.1:1/nowhere"
+    env = isolated_env(tmp_path, POSBENCH_DATABASE_URL=url)
+    for args in (["status"], ["db", "upgrade"]):
+        done = posbench(env, *args)
+        assert done.returncode == 1
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+        assert "Traceback" not in done.stderr and "secret" not in done.stderr

@@ -325,7 +325,8 @@ def test_the_trained_model_is_always_the_first_variant() -> None:
         ("empty.yaml", b"\n  \n", "is empty; a spec needs at least 'encodings'"),
         (
             "bomb.yaml",
-            b"a: &a [x, x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+            b"a: &a [x, x, x, x, x, x, x, x, x, x]\n"
+            b"b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
             b"c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]\n"
             b"d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]\n"
             b"e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]\nencodings: [rope]\n",

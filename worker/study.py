@@ -31,11 +31,31 @@ from worker.probes import OrderProbe, order_probe
 from worker.train import TrainPoint, TrainResult, train
 
 
+class DeviceError(ValueError):
+    """A device that is not a torch device, or not on this machine."""
+
+
 def resolve_device(requested: str | None = None) -> torch.device:
+    """The requested device (or POSBENCH_DEVICE), checked against this machine; CUDA when
+    there is one otherwise."""
     name = requested or get_settings().device
-    if name:
-        return torch.device(name)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not name:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise DeviceError(f"device {name!r} is not one of cpu, cuda, cuda:N, mps") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise DeviceError(f"device {name!r}: this machine's torch sees no CUDA device")
+        if device.index is not None and device.index >= count:
+            raise DeviceError(f"device {name!r}: this machine has CUDA devices 0..{count - 1}")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise DeviceError(f"device {name!r}: MPS is not available on this machine")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        raise DeviceError(f"device {name!r} is not one of cpu, cuda, cuda:N, mps")
+    return device
 
 
 @lru_cache(maxsize=1)
@@ -235,10 +255,12 @@ def run_study(
     on_progress: Callable[[RunSpec, TrainPoint], None] | None = None,
     on_run_start: Callable[[RunSpec], None] | None = None,
     on_evaluation: Callable[[RunSpec, Evaluation], None] | None = None,
+    task: Task | None = None,
 ) -> StudyResult:
-    """Every run of ``spec``, one after another, in this process."""
+    """Every run of ``spec``, one after another, in this process (``task``: the study's
+    task already prepared)."""
     result = StudyResult(spec)
-    task = prepared_task(spec)
+    task = task or prepared_task(spec)
     for run in spec.runs():
         if on_run_start is not None:
             on_run_start(run)
