@@ -106,7 +106,10 @@ def render() -> None:
         format_func=lambda n: f"{n} ({REGISTRY[n].family})",
     )
     n_heads = int(b.number_input("Heads", 1, 16, 8, key="explore_heads"))
-    head_dim = int(c.number_input("Head dim", 2, 256, 64, step=2, key="explore_head_dim"))
+    # Even sizes from 4: RoPE rotates pairs, and NTK's base^(r/(r-2)) needs r >= 4.
+    head_dim = int(
+        c.select_slider("Head dim", [4, 8, 16, 32, 64, 128, 256], value=64, key="explore_head_dim")
+    )
     length = int(d.number_input("Length", 8, 4096, 256, key="explore_length"))
     train_length = length
     entry = REGISTRY[name]

@@ -30,8 +30,9 @@ def runs_view(study_id: int, tokens_per_step: int) -> tuple[pd.DataFrame, pd.Dat
             "status": runs["status"],
             "progress": (runs["step"] / runs["total_steps"]).fillna(0.0),
             "step": runs["step"].astype(str) + " / " + runs["total_steps"].astype(str),
-            "loss": runs["latest_loss"].round(4),
-            "tokens/s": runs["tokens_per_second"].round(0),
+            # Numeric even when every run is still queued (or reused) and the column is null.
+            "loss": pd.to_numeric(runs["latest_loss"]).round(4),
+            "tokens/s": pd.to_numeric(runs["tokens_per_second"]).round(0),
             "ETA": [eta(row, tokens_per_step) for _, row in runs.iterrows()],
             "attempts": runs["attempts"],
             "failure": runs["failure_reason"].fillna(""),

@@ -6,6 +6,7 @@ the CLI validates every change, and its messages appear next to the form.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import streamlit as st
@@ -24,6 +25,11 @@ CUSTOM = {
     "encodings": ["rope", "alibi"],
     "eval": {"lengths": [128, 256, 512, 1024]},
 }
+
+
+def parse_seeds(text: str) -> list[int]:
+    """'0, 1 2' -> [0, 1, 2]: integers separated by commas and/or spaces."""
+    return [int(part) for part in re.split(r"[\s,]+", text.strip()) if part]
 
 
 def _names(items: list[Any]) -> list[str]:
@@ -142,10 +148,10 @@ def form(base: dict[str, Any], prefix: str) -> tuple[dict[str, Any], list[str]]:
             "Seeds",
             ", ".join(str(s) for s in base.get("seeds", [0])),
             key=key("seeds"),
-            help="comma-separated integers",
+            help="integers separated by commas or spaces",
         )
         try:
-            spec["seeds"] = [int(s) for s in seeds.replace(" ", "").split(",") if s]
+            spec["seeds"] = parse_seeds(seeds)
         except ValueError:
             problems.append(f"seeds: {seeds!r} is not a comma-separated list of integers")
     with right:

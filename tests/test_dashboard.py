@@ -115,6 +115,29 @@ def test_queue_shows_progress_failures_and_provenance(settings) -> None:
     assert "4 done" in app.caption[0].value and "1 running" in app.caption[0].value
 
 
+def test_queue_shows_a_study_whose_runs_are_all_still_queued(settings) -> None:
+    # Every loss and throughput is null (nothing ran yet, or every run was reused).
+    from jobs.service import submit
+    from jobs.spec import parse_spec
+
+    spec = parse_spec({"model": "tiny", "train": {"length": 16}, "encodings": ["nope", "rope"]})
+    study = submit(spec, settings=settings, send=lambda run_id: None).study_id
+    app = page("queue")
+    app.query_params["study"] = str(study)
+    app.run()
+    assert not app.exception, app.exception
+    assert list(app.dataframe[0].value["status"]) == ["queued", "queued"]
+
+
+def test_seeds_may_be_separated_by_commas_or_spaces() -> None:
+    from dashboard.submit_page import parse_seeds
+
+    assert parse_seeds("0 1") == [0, 1]
+    assert parse_seeds(" 1, 2  3,4 ") == [1, 2, 3, 4]
+    with pytest.raises(ValueError):
+        parse_seeds("1 x")
+
+
 def test_queue_cancel_button_cancels_queued_runs(settings) -> None:
     from jobs.service import submit
     from jobs.spec import parse_spec
@@ -186,6 +209,7 @@ def test_explore_renders_every_encoding(settings, name: str) -> None:
     app = page("explore")
     app.session_state["explore_encoding"] = name
     app.session_state["explore_length"] = 64
+    app.session_state["explore_head_dim"] = 4  # the smallest head on offer
     app.run()
     assert not app.exception, app.exception
     drawn = figures(app)
