@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -348,3 +350,49 @@ def test_the_model_compiles_as_one_graph_and_matches_eager(name: str) -> None:
     for ours, theirs in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (
+            lambda: build("alibi", n_heads=4, head_dim=16, d_model=999, train_length=8),
+            "d_model=999 must equal n_heads x head_dim = 4 x 16",
+        ),
+        (
+            lambda: build("learned", n_heads=4, head_dim=16, d_model=64, train_length=10**9),
+            "train_length=1000000000 exceeds the limit",
+        ),
+        (
+            lambda: build(
+                "randomized", n_heads=4, head_dim=16, d_model=64, train_length=256, max_position=16
+            ),
+            "max_position = 16 must be at least the training length 256",
+        ),
+        (lambda: ModelConfig(n_heads=0), "n_heads must be a positive integer, got 0"),
+        (
+            lambda: build_model("tiny", "rope", train_length=16, seed="x"),
+            "seed must be an integer in [0, 2^63), got 'x'",
+        ),
+        (lambda: build_model("tiny", "rope", train_length=16, seed=2**70), "seed must be"),
+    ],
+)
+def test_the_python_api_refuses_bad_shapes_and_seeds(make, message: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        make()
+    assert message in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("method", "options", "message"),
+    [
+        ("yarn", {"factor": "4"}, "factor must be a number, got '4'"),
+        ("pi", {"factor": True}, "factor must be a number, got True"),
+        ("pi", {"factor": 4.0, "original_length": -5}, "original_length must be a positive"),
+        ("dynamic_ntk", {"original_length": 0.5}, "original_length must be a positive"),
+    ],
+)
+def test_scaled_refuses_bad_factors_and_lengths(method: str, options: dict, message: str) -> None:
+    model = build_model("tiny", "rope", train_length=16)
+    with pytest.raises(ValueError, match=re.escape(message)), model.scaled(method, **options):
+        pass

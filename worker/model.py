@@ -45,6 +45,9 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
     def __post_init__(self) -> None:
+        for name, value in self.as_dict().items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
 
@@ -407,6 +410,14 @@ class Transformer(nn.Module):
         self, method: str, factor: float | None = None, original_length: int | None = None
     ) -> Iterator[Transformer]:
         """Evaluate with a RoPE inference-time scaling (PI, NTK, YaRN) for the duration."""
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, int | float)):
+            raise ValueError(f"factor must be a number, got {factor!r}")
+        if original_length is not None and (
+            isinstance(original_length, bool)
+            or not isinstance(original_length, int)
+            or original_length < 1
+        ):
+            raise ValueError(f"original_length must be a positive integer, got {original_length!r}")
         with_scaling = getattr(self.encoding, "with_scaling", None)
         if with_scaling is None:
             raise ValueError(
@@ -448,6 +459,8 @@ def build_model(
     **encoding_params: object,
 ) -> Transformer:
     """A model with ``encoding``; weights the encoding does not own depend on ``seed`` only."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be an integer in [0, 2^63), got {seed!r}")
     if isinstance(config, str):
         try:
             config = PRESETS[config]

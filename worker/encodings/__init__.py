@@ -18,6 +18,7 @@ from worker.encodings.registry import (
     EncodingInfo,
     Param,
     ScalingInfo,
+    fits_model,
     info,
     scaling_info,
 )
@@ -38,6 +39,11 @@ __all__ = [
 ]
 
 
+# The longest training length an encoding is built for (the spec allows 16k; a learned
+# table this long is already 4M x d_model).
+MAX_TRAIN_LENGTH = 1 << 22
+
+
 def _check_dims(n_heads: int, head_dim: int, d_model: int, train_length: int) -> None:
     for label, value in (
         ("n_heads", n_heads),
@@ -47,6 +53,14 @@ def _check_dims(n_heads: int, head_dim: int, d_model: int, train_length: int) ->
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise EncodingConfigError(f"{label} must be a positive integer, got {value!r}")
+    if d_model != n_heads * head_dim:
+        raise EncodingConfigError(
+            f"d_model={d_model} must equal n_heads x head_dim = {n_heads} x {head_dim}"
+        )
+    if train_length > MAX_TRAIN_LENGTH:
+        raise EncodingConfigError(
+            f"train_length={train_length} exceeds the limit of {MAX_TRAIN_LENGTH:,}"
+        )
 
 
 def build(
@@ -66,6 +80,11 @@ def build(
     entry = info(name)
     _check_dims(n_heads, head_dim, d_model, train_length)
     resolved = entry.resolve(params)
+    problems = fits_model(
+        name, resolved, head_dim=head_dim, train_length=train_length, longest=train_length
+    )
+    if problems:
+        raise EncodingConfigError(f"encoding {name!r}: {'; '.join(problems)}")
     module_name, class_name = entry.implementation.split(":")
     cls = getattr(importlib.import_module(module_name), class_name)
     return cls(
