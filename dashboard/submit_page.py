@@ -74,8 +74,16 @@ def form(base: dict[str, Any], prefix: str) -> tuple[dict[str, Any], list[str]]:
     def key(name: str) -> str:
         return f"{prefix}:{name}"
 
+    name_column, queue_column = st.columns([3, 1])
     spec: dict[str, Any] = {
-        "name": st.text_input("Study name", base.get("name", "study"), key=key("name"))
+        "name": name_column.text_input("Study name", base.get("name", "study"), key=key("name")),
+        "queue": queue_column.selectbox(
+            "Queue",
+            ["gpu", "cpu"],
+            index=["gpu", "cpu"].index(base.get("queue", "gpu")),
+            key=key("queue"),
+            help="the workers that train it (posbench worker --queues)",
+        ),
     }
     left, right = st.columns(2)
     with left:

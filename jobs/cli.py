@@ -176,9 +176,19 @@ def submit(
     ] = False,
     wait: Annotated[bool, typer.Option("--wait", help="Show live progress until done.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the submission as JSON.")] = False,
+    queue: Annotated[
+        str | None,
+        typer.Option(
+            "--queue", help="gpu or cpu: the workers that train it (default: the spec's)."
+        ),
+    ] = None,
 ) -> None:
     """Queue a study on the service: its runs go to the workers through the broker."""
     spec = _load(spec_file, preset)
+    if queue is not None:
+        if queue not in ("gpu", "cpu"):
+            fail(f"--queue must be gpu or cpu, got {queue!r}", code=2)
+        spec = spec.model_copy(update={"queue": queue})
     _database()
     from jobs.service import submit as submit_study
 

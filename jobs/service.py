@@ -48,11 +48,22 @@ class Submitted:
     unsent: list[int]  # stored, but the broker could not be reached; the reconciler re-sends
 
 
+def queue_of(url: str, run_id: int) -> str:
+    """The queue a run's study asked for (``queue`` in its spec; 'gpu' by default)."""
+    with transaction(url) as session:
+        spec = session.scalar(
+            select(Study.spec).join(Run, Run.study_id == Study.id).where(Run.id == run_id)
+        )
+    return (spec or {}).get("queue", "gpu")
+
+
 def celery_send(run_id: int) -> None:
-    """Enqueue ``train_run(run_id)`` by name: the producer never imports the task's code."""
+    """Enqueue ``train_run(run_id)`` by name on its study's queue: the producer never
+    imports the task's code."""
     from jobs.celery_app import producer
 
-    producer().send_task(TRAIN_RUN, args=[run_id], queue="gpu")
+    queue = queue_of(get_settings().database, run_id)
+    producer().send_task(TRAIN_RUN, args=[run_id], queue=queue, routing_key=queue)
 
 
 def _copied(row: Base, *, skip: tuple[str, ...] = (), **changes: object) -> Base:

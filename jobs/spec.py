@@ -347,6 +347,11 @@ class StudySpec(_Strict):
         list[Annotated[int, Field(ge=0, lt=2**31)]], Field(min_length=1, max_length=16)
     ] = Field(default_factory=lambda: [0])
     eval: EvalSpec = Field(default_factory=EvalSpec)
+    queue: Literal["gpu", "cpu"] = Field(
+        "gpu",
+        description="the workers that train it: 'gpu' or 'cpu' (posbench worker --queues); "
+        "not part of a run's config hash",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> StudySpec:

@@ -118,10 +118,19 @@ class Cluster:
     def send(self, run_id: int) -> None:
         make_celery(self.settings).send_task(TRAIN_RUN, args=[run_id], queue="gpu")
 
-    def start_worker(self, name: str = "w1") -> subprocess.Popen[bytes]:
+    def start_worker(self, name: str = "w1", queues: str = "gpu,cpu") -> subprocess.Popen[bytes]:
         log = open(self.home / f"{name}.log", "ab")  # noqa: SIM115
         process = subprocess.Popen(
-            [sys.executable, "-m", "jobs.cli", "worker", "--name", f"{name}@%h"],
+            [
+                sys.executable,
+                "-m",
+                "jobs.cli",
+                "worker",
+                "--name",
+                f"{name}@%h",
+                "--queues",
+                queues,
+            ],
             cwd=ROOT,
             env=self.env,
             stdout=log,

@@ -99,6 +99,28 @@ def test_submit_train_evaluate_query(cluster_factory, database_url: str) -> None
     assert {row["label"] for row in json.loads(done.stdout)} == {"rope", "alibi"}
 
 
+def test_a_cpu_study_goes_to_the_cpu_queue(cluster_factory, sqlite_url: str) -> None:
+    # posbench submit routes each run to its study's queue; a worker that listens to
+    # 'cpu' only trains it (the default, 'gpu', would never reach that worker).
+    cluster = cluster_factory(sqlite_url)
+    cluster.start_worker(queues="cpu")
+    path = cluster.home / "cpu.json"
+    path.write_text(
+        json.dumps({**spec(["nope"], steps=10).model_dump(mode="json"), "queue": "cpu"})
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "jobs.cli", "submit", str(path)],
+        cwd=ROOT,
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    (run,) = cluster.wait_for(all_done, what="the cpu run done")
+    assert run.worker.startswith("w1@")
+
+
 def test_kill_9_mid_training_resumes_from_the_checkpoint(cluster_factory, sqlite_url: str) -> None:
     cluster = cluster_factory(sqlite_url)
     worker = cluster.start_worker("first")
