@@ -219,6 +219,9 @@ def retry(
         for run in _select_runs(session, study_id, run_id):
             if run.status in ("failed", "cancelled"):
                 run.status, run.cancel_requested = "queued", False
+                # attempts counts claims since the user last queued it: a retry starts
+                # the worker-death budget (POSBENCH_MAX_ATTEMPTS) afresh.
+                run.attempts = 0
                 run.failure_reason = run.finished_at = run.lease = run.enqueued_at = None
                 requeued.append(run.id)
     enqueue(requeued, settings=settings, send=send)
@@ -246,7 +249,7 @@ def reconcile(
     *,
     settings: Settings | None = None,
     send: Send | None = None,
-    queue_empty: Callable[[], bool | None] = queue_is_empty,
+    queue_empty: Callable[[str], bool | None] = queue_is_empty,
 ) -> dict[str, list[int]]:
     """Put stranded runs back in the queue.
 
@@ -296,12 +299,20 @@ def reconcile(
         never_sent = list(
             session.scalars(select(Run.id).where(Run.status == "queued", Run.enqueued_at.is_(None)))
         )
-        waiting = list(
-            session.scalars(
-                select(Run.id).where(Run.status == "queued", Run.enqueued_at < stale_before)
-            )
-        )
-    lost = waiting if waiting and queue_empty() else []
+        waiting = session.execute(
+            select(Run.id, Study.spec)
+            .join(Study, Study.id == Run.study_id)
+            .where(Run.status == "queued", Run.enqueued_at < stale_before)
+        ).all()
+    # A message is lost when its run still waits but its own queue is empty.
+    empty: dict[str, bool | None] = {}
+    lost = []
+    for run_id, spec in waiting:
+        queue = (spec or {}).get("queue", "gpu")
+        if queue not in empty:
+            empty[queue] = queue_empty(queue)
+        if empty[queue]:
+            lost.append(run_id)
     resent = sorted(set(never_sent) | set(lost))
     enqueue(resent, settings=settings, send=send)
     return {"revived": revived, "failed": exhausted, "resent": resent}

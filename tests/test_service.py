@@ -207,11 +207,13 @@ def test_reconciler_revives_stale_runs_and_fails_them_after_max_attempts(
     assert store.claim(settings.database, run_id, "w1") is not None
     go_silent()
     send = Recorder()
-    assert reconcile(settings=settings, send=send, queue_empty=lambda: True)["revived"] == [run_id]
+    assert reconcile(settings=settings, send=send, queue_empty=lambda queue: True)["revived"] == [
+        run_id
+    ]
     assert run_id in send.sent
     assert store.claim(settings.database, run_id, "w2") is not None  # attempt 2
     go_silent()
-    outcome = reconcile(settings=settings, send=Recorder(), queue_empty=lambda: True)
+    outcome = reconcile(settings=settings, send=Recorder(), queue_empty=lambda queue: True)
     assert outcome["failed"] == [run_id]
     with transaction(settings.database) as session:
         run = session.get(Run, run_id)
@@ -223,7 +225,37 @@ def test_reconciler_resends_lost_messages_only_when_the_queue_is_empty(settings:
     long_ago = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=5)
     with transaction(settings.database) as session:
         session.execute(update(Run).values(enqueued_at=long_ago))
-    assert reconcile(settings=settings, send=Recorder(), queue_empty=lambda: False)["resent"] == []
     assert (
-        reconcile(settings=settings, send=Recorder(), queue_empty=lambda: True)["resent"] == run_ids
+        reconcile(settings=settings, send=Recorder(), queue_empty=lambda queue: False)["resent"]
+        == []
     )
+    assert (
+        reconcile(settings=settings, send=Recorder(), queue_empty=lambda queue: True)["resent"]
+        == run_ids
+    )
+
+
+def test_a_lost_message_is_resent_when_its_own_queue_is_empty(settings: Settings) -> None:
+    gpu = submit(parse_spec(SPEC), settings=settings, send=Recorder()).queued
+    cpu = submit(parse_spec({**SPEC, "queue": "cpu"}), settings=settings, send=Recorder()).queued
+    long_ago = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=5)
+    with transaction(settings.database) as session:
+        session.execute(update(Run).values(enqueued_at=long_ago))
+    asked = []
+
+    def only_cpu_is_empty(queue: str) -> bool:
+        asked.append(queue)
+        return queue == "cpu"
+
+    outcome = reconcile(settings=settings, send=Recorder(), queue_empty=only_cpu_is_empty)
+    assert outcome["resent"] == cpu and not set(gpu) & set(outcome["resent"])
+    assert sorted(asked) == ["cpu", "gpu"]  # each queue asked once
+
+
+def test_a_retry_starts_the_worker_death_budget_afresh(settings: Settings) -> None:
+    run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder()).queued[0]
+    lease = store.claim(settings.database, run_id, "w1")[0]
+    store.finish(settings.database, run_id, lease, "failed", reason="boom")
+    assert retry(run_id=run_id, settings=settings, send=Recorder()) == [run_id]
+    with transaction(settings.database) as session:
+        assert session.get(Run, run_id).attempts == 0
