@@ -12,7 +12,7 @@ TORCH  ?= torch==2.13.0
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet $(TORCH)
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
