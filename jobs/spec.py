@@ -30,6 +30,7 @@ from pydantic import (
 from worker.data.registry import TASKS, task_info
 from worker.encodings.registry import (
     REGISTRY,
+    SCALINGS,
     EncodingConfigError,
     fits_model,
     info,
@@ -218,6 +219,8 @@ class VariantSpec(_Strict):
 
     method: Literal["none", "pi", "ntk", "dynamic_ntk", "yarn"] = "none"
     factor: float | Literal["auto"] | None = None
+    # The scaling's own parameters (YaRN's alpha and beta), checked against the registry.
+    params: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="before")
     @classmethod
@@ -240,8 +243,36 @@ class VariantSpec(_Strict):
                 ) from None
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_params(cls, value: Any) -> Any:
+        # {method: yarn, factor: 8, beta: 16} is accepted as well as params: {beta: 16}.
+        if isinstance(value, dict) and "params" not in value:
+            rest = {k: v for k, v in value.items() if k not in ("method", "factor")}
+            if rest:
+                kept = {k: v for k, v in value.items() if k in ("method", "factor")}
+                return {**kept, "params": rest}
+        return value
+
     @model_validator(mode="after")
     def _factor(self) -> VariantSpec:
+        if self.params:
+            spec = SCALINGS.get(self.method)
+            allowed = {p.name: p for p in spec.params} if spec else {}
+            checked = {}
+            for name, value in self.params.items():
+                if name not in allowed:
+                    raise ValueError(
+                        f"variant {self.method!r} has no parameter {name!r} "
+                        f"(allowed: {', '.join(allowed) or 'none'})"
+                    )
+                checked[name] = allowed[name].check(f"variant {self.method!r}", value)
+            if self.method == "yarn":
+                alpha = checked.get("alpha", allowed["alpha"].default)
+                beta = checked.get("beta", allowed["beta"].default)
+                if beta <= alpha:
+                    raise ValueError(f"variant 'yarn' needs beta > alpha, got {alpha} and {beta}")
+            object.__setattr__(self, "params", checked)
         if self.method in ("none", "dynamic_ntk"):
             if self.factor is not None:
                 raise ValueError(f"variant {self.method!r} takes no factor")
@@ -253,10 +284,13 @@ class VariantSpec(_Strict):
 
     @property
     def label(self) -> str:
-        if self.factor is None:
-            return self.method
-        factor = self.factor if self.factor == "auto" else f"{float(self.factor):g}"
-        return f"{self.method}:{factor}"
+        name = self.method
+        if self.factor is not None:
+            factor = self.factor if self.factor == "auto" else f"{float(self.factor):g}"
+            name = f"{name}:{factor}"
+        if self.params:
+            name += "(" + ", ".join(f"{k}={_format_param(v)}" for k, v in self.params.items()) + ")"
+        return name
 
     def factor_at(self, eval_length: int, train_length: int) -> float | None:
         if self.factor is None:

@@ -284,3 +284,15 @@ def test_scalings_do_not_stack() -> None:
     rope = build("rope", **dims())
     twice = rope.with_scaling("ntk", 4.0).with_scaling("pi", 2.0)
     torch.testing.assert_close(twice.inv_freq, rope.inv_freq)
+
+
+def test_model_scaled_passes_yarn_parameters_through() -> None:
+    config = ModelConfig(d_model=64, n_layers=1, n_heads=1, vocab_size=32)
+    model = build_model(config, "rope", train_length=2048)
+    with model.scaled("yarn", 4.0) as scaled:
+        default = scaled.encoding.inv_freq.clone()
+    with model.scaled("yarn", 4.0, beta=8.0) as scaled:
+        narrower = scaled.encoding.inv_freq.clone()
+    expected = model.encoding.with_scaling("yarn", 4.0, beta=8.0).inv_freq
+    torch.testing.assert_close(narrower, expected)
+    assert not torch.equal(default, narrower)

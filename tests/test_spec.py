@@ -355,3 +355,17 @@ def test_yaml_reads_exponent_numbers_as_numbers(tmp_path: Path) -> None:
 def test_errors_never_echo_a_huge_value() -> None:
     message = rejected({**BASE, "encodings": [{"name": "rope", "base": "x" * 200_000}]})
     assert len(message) < 300 and "(200,002 characters)" in message
+
+
+def test_yarn_parameters_may_be_set_per_variant() -> None:
+    spec = parse_spec(
+        with_value("eval.variants", ["none", {"method": "yarn", "factor": 8, "beta": 16}])
+    )
+    (yarn,) = [v for v in spec.eval.variants if v.method == "yarn"]
+    assert yarn.params == {"beta": 16.0} and yarn.label == "yarn:8(beta=16)"
+    for variant, message in [
+        ({"method": "yarn", "gamma": 1}, "variant 'yarn' has no parameter 'gamma'"),
+        ({"method": "pi", "beta": 2}, "variant 'pi' has no parameter 'beta' (allowed: none)"),
+        ({"method": "yarn", "alpha": 8, "beta": 4}, "variant 'yarn' needs beta > alpha"),
+    ]:
+        assert message in rejected(with_value("eval.variants", [variant]))

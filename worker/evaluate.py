@@ -178,7 +178,7 @@ def evaluate_length(
             torch.manual_seed(zlib.crc32(point))
             if variant.method == "none":
                 return _run_batches(model, batches, length, device)
-            with model.scaled(variant.method, row.factor, train_length):
+            with model.scaled(variant.method, row.factor, train_length, **variant.params):
                 return _run_batches(model, batches, length, device)
 
     result = halving_on_oom(run, batch_size)

@@ -407,9 +407,14 @@ class Transformer(nn.Module):
 
     @contextlib.contextmanager
     def scaled(
-        self, method: str, factor: float | None = None, original_length: int | None = None
+        self,
+        method: str,
+        factor: float | None = None,
+        original_length: int | None = None,
+        **params: float,
     ) -> Iterator[Transformer]:
-        """Evaluate with a RoPE inference-time scaling (PI, NTK, YaRN) for the duration."""
+        """Evaluate with a RoPE inference-time scaling (PI, NTK, YaRN) for the duration;
+        ``params`` are the scaling's own (YaRN's ``alpha`` and ``beta``)."""
         if factor is not None and (isinstance(factor, bool) or not isinstance(factor, int | float)):
             raise ValueError(f"factor must be a number, got {factor!r}")
         if original_length is not None and (
@@ -424,7 +429,7 @@ class Transformer(nn.Module):
                 f"RoPE scalings apply to rotary encodings only, not {self.encoding.name!r}"
             )
         trained = self.encoding
-        self.encoding = with_scaling(method, factor, original_length)
+        self.encoding = with_scaling(method, factor, original_length, **params)
         try:
             yield self
         finally:
