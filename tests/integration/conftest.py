@@ -115,6 +115,17 @@ class Cluster:
         )
         return env
 
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """``posbench ARGS`` in a subprocess pointed at this cluster."""
+        return subprocess.run(
+            [sys.executable, "-m", "jobs.cli", *args],
+            cwd=ROOT,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
     def send(self, run_id: int) -> None:
         make_celery(self.settings).send_task(TRAIN_RUN, args=[run_id], queue="gpu")
 

@@ -4,8 +4,6 @@ PostgreSQL; and the faults the reliability contract promises to survive."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +16,7 @@ from db.models import Evaluation, Study, TrainPoint
 from jobs.service import cancel, submit
 from jobs.spec import parse_spec
 
-from .conftest import ROOT, Cluster
+from .conftest import Cluster
 
 LENGTHS = [32, 64]
 
@@ -77,24 +75,7 @@ def test_submit_train_evaluate_query(cluster_factory, database_url: str) -> None
     assert sorted(points["step"].unique()) == [5, 10, 15, 20, 25, 30]
     study = queries.studies(database_url, [submitted.study_id]).iloc[0]
     assert (study["done"], study["runs"]) == (2, 2)
-    env = {**cluster.env}
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jobs.cli",
-            "results",
-            "--study",
-            str(submitted.study_id),
-            "--format",
-            "json",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = cluster.cli("results", "--study", str(submitted.study_id), "--format", "json")
     assert done.returncode == 0, done.stderr
     assert {row["label"] for row in json.loads(done.stdout)} == {"rope", "alibi"}
 
@@ -108,14 +89,7 @@ def test_a_cpu_study_goes_to_the_cpu_queue(cluster_factory, sqlite_url: str) -> 
     path.write_text(
         json.dumps({**spec(["nope"], steps=10).model_dump(mode="json"), "queue": "cpu"})
     )
-    done = subprocess.run(
-        [sys.executable, "-m", "jobs.cli", "submit", str(path)],
-        cwd=ROOT,
-        env=cluster.env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = cluster.cli("submit", str(path))
     assert done.returncode == 0, done.stderr
     (run,) = cluster.wait_for(all_done, what="the cpu run done")
     assert run.worker.startswith("w1@")
@@ -223,14 +197,7 @@ def test_bad_input_exits_2_and_writes_nothing(
     cluster = cluster_factory(sqlite_url)
     path = tmp_path / "spec.yaml"
     path.write_text(content)
-    done = subprocess.run(
-        [sys.executable, "-m", "jobs.cli", "submit", str(path)],
-        cwd=ROOT,
-        env=cluster.env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = cluster.cli("submit", str(path))
     assert done.returncode == 2 and message in done.stderr, done.stderr
     with transaction(sqlite_url) as session:
         assert session.scalar(select(func.count()).select_from(Study)) == 0
