@@ -380,7 +380,15 @@ def results(
 
         console.print(curve_table(frame, row))
     elif frame.empty:
-        console.print(f"study {study} ({row['name']}): no {view} yet (they come as runs finish)")
+        if int(row["queued"] or 0) + int(row["running"] or 0) == 0:
+            console.print(
+                f"study {study} ({row['name']}): no {view}: every run has ended and none "
+                "could be computed (see posbench status)"
+            )
+        else:
+            console.print(
+                f"study {study} ({row['name']}): no {view} yet (they come as runs finish)"
+            )
     else:
         from jobs.watch import frame_table
 

@@ -17,7 +17,8 @@ FINISHED = ("done", "failed", "cancelled")
 def frame_table(frame: pd.DataFrame, title: str) -> Table:
     table = Table(title=title)
     for column in frame.columns:
-        table.add_column(str(column))
+        # A sentence (the pairwise claim) keeps room to read; numbers give way.
+        table.add_column(str(column), min_width=36 if column == "claim" else None)
     for row in frame.itertuples(index=False):
         table.add_row(*(_cell(v) for v in row))
     return table
