@@ -32,13 +32,18 @@ def task(tmp_path_factory: pytest.TempPathFactory):
 
 def test_warmup_then_cosine_to_the_floor() -> None:
     spec = TrainSpec(steps=100, lr=1e-3, warmup=0.1, min_lr_ratio=0.1)
+    # Steps 0..9 warm up to the peak (reached once, at step 9); steps 10..99 decay, the
+    # last step executed (99) at the floor.
     assert lr_at(0, spec) == pytest.approx(1e-4)
     assert lr_at(9, spec) == pytest.approx(1e-3)
-    assert lr_at(10, spec) == pytest.approx(1e-3)
-    assert lr_at(55, spec) == pytest.approx(1e-4 + 0.9e-3 * 0.5)
-    assert lr_at(100, spec) == pytest.approx(1e-4)
-    lrs = [lr_at(s, spec) for s in range(10, 100)]
-    assert all(a >= b for a, b in itertools.pairwise(lrs))
+    assert lr_at(10, spec) < 1e-3
+    assert lr_at(54, spec) == pytest.approx(1e-4 + 0.9e-3 * 0.5)  # half way: 45 of 90
+    assert lr_at(99, spec) == pytest.approx(1e-4)
+    lrs = [lr_at(s, spec) for s in range(9, 100)]
+    assert all(a > b for a, b in itertools.pairwise(lrs))
+    # A warmup fraction shorter than one step still warms up for one step.
+    short = TrainSpec(steps=10, lr=1e-3, warmup=0.05, min_lr_ratio=0.1)
+    assert lr_at(0, short) == pytest.approx(1e-3) and lr_at(9, short) == pytest.approx(1e-4)
 
 
 def test_weight_decay_applies_to_matrices_only() -> None:
@@ -47,6 +52,18 @@ def test_weight_decay_applies_to_matrices_only() -> None:
     assert all(p.dim() >= 2 for p in decayed["params"]) and decayed["weight_decay"] == 0.1
     assert all(p.dim() < 2 for p in kept["params"]) and kept["weight_decay"] == 0.0
     assert len(kept["params"]) == 2 * 2 + 1  # the LayerNorm gains
+
+
+@pytest.mark.parametrize("encoding", ["t5", "learned", "fire", "kerple_log"])
+def test_position_encoding_parameters_are_never_decayed(encoding: str) -> None:
+    # T5's table, the learned table and FIRE's MLP are matrices, KERPLE's are vectors:
+    # every encoding's own parameters are treated alike, without decay.
+    model = build_model("tiny", encoding, train_length=16)
+    decayed, kept = make_optimizer(model, TrainSpec()).param_groups
+    own = {id(p) for p in model.encoding.parameters()}
+    assert own and own <= {id(p) for p in kept["params"]}
+    assert not own & {id(p) for p in decayed["params"]}
+    assert any(p is model.token_embedding.weight for p in decayed["params"])
 
 
 @pytest.mark.parametrize("encoding", ["rope", "randomized", "t5"])
@@ -71,6 +88,86 @@ def test_resume_continues_exactly(encoding: str, task, tmp_path: Path) -> None:
         assert torch.equal(value, resumed.state_dict()[key]), key
 
 
+def test_a_checkpoint_inside_a_reporting_interval_resumes_the_same_curve(
+    task, tmp_path: Path
+) -> None:
+    # Checkpoint at step 3 of an interval of 5: the point at step 5 must average steps
+    # 1-5 after a resume too, not only the steps since it.
+    spec = TrainSpec(length=16, steps=10, batch_size=2, checkpoint_every=3, progress_every=5)
+    straight = train(build_model("tiny", "nope", train_length=16), task, spec, seed=1, device=CPU)
+    checkpoint = tmp_path / "run.pt"
+    model = build_model("tiny", "nope", train_length=16)
+    train(model, task, spec, seed=1, device=CPU, checkpoint=checkpoint, stop_after=3)
+    model = build_model("tiny", "nope", train_length=16)
+    resumed = train(model, task, spec, seed=1, device=CPU, checkpoint=checkpoint)
+    assert resumed.resumed_from == 3
+    assert [p.loss for p in resumed.curve] == [p.loss for p in straight.curve]
+    assert all(b.elapsed > a.elapsed for a, b in itertools.pairwise(resumed.curve))
+
+
+def test_a_foreign_or_corrupt_checkpoint_is_set_aside(task, tmp_path: Path) -> None:
+    spec = TrainSpec(length=16, steps=4, batch_size=2, checkpoint_every=2)
+    checkpoint = tmp_path / "run.pt"
+    model = build_model("tiny", "alibi", train_length=16)
+    train(model, task, spec, seed=0, device=CPU, checkpoint=checkpoint, fingerprint="alibi-0")
+    # Another run's configuration: ignored (moved aside), training starts at step 0.
+    other = train(
+        build_model("tiny", "nope", train_length=16),
+        task,
+        spec,
+        seed=0,
+        device=CPU,
+        checkpoint=checkpoint,
+        fingerprint="nope-0",
+    )
+    assert other.resumed_from == 0 and other.steps == 4
+    assert load_checkpoint(checkpoint, CPU, "nope-0")["step"] == 4
+    assert len(list(tmp_path.glob("run.pt.*.stale"))) == 1
+    checkpoint.write_bytes(b"not a checkpoint")
+    again = train(
+        build_model("tiny", "nope", train_length=16),
+        task,
+        spec,
+        seed=0,
+        device=CPU,
+        checkpoint=checkpoint,
+        fingerprint="nope-0",
+    )
+    assert again.resumed_from == 0 and len(list(tmp_path.glob("run.pt.*.stale"))) == 2
+
+
+def test_no_checkpoint_holds_a_diverged_model(task, tmp_path: Path) -> None:
+    # Checkpoints every 6 steps, reports every 4: the NaN from step 5 is caught when
+    # step 6 is about to be saved, not at the report of step 8 after the save.
+    model = build_model("tiny", "rope", train_length=16)
+    spec = TrainSpec(length=16, steps=20, batch_size=2, progress_every=4, checkpoint_every=6)
+    checkpoint = tmp_path / "run.pt"
+
+    def poison(point) -> None:
+        if point.step == 4:
+            with torch.no_grad():
+                model.final_norm.weight.fill_(float("nan"))
+
+    with pytest.raises(TrainingDiverged, match=r"between steps 5 and 6"):
+        train(model, task, spec, seed=0, device=CPU, on_progress=poison, checkpoint=checkpoint)
+    assert not checkpoint.exists()
+
+
+def test_a_process_that_lost_the_run_writes_no_checkpoint(task, tmp_path: Path) -> None:
+    spec = TrainSpec(length=16, steps=6, batch_size=2, progress_every=2, checkpoint_every=2)
+    checkpoint = tmp_path / "run.pt"
+    train(
+        build_model("tiny", "nope", train_length=16),
+        task,
+        spec,
+        seed=0,
+        device=CPU,
+        checkpoint=checkpoint,
+        may_write=lambda: False,
+    )
+    assert not checkpoint.exists()
+
+
 def test_checkpoints_are_written_atomically(task, tmp_path: Path) -> None:
     spec = TrainSpec(length=16, steps=4, batch_size=2, checkpoint_every=2)
     checkpoint = tmp_path / "ckpt" / "run.pt"
@@ -87,12 +184,31 @@ def test_checkpoints_are_written_atomically(task, tmp_path: Path) -> None:
     assert state["step"] == 4 and set(state) >= {"model", "optimizer", "cpu_rng", "data_rng"}
 
 
-def test_same_seed_same_batches_for_every_encoding(task) -> None:
+def test_same_seed_same_batches_for_every_encoding(task, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Through train() itself: randomized positions draw random numbers too, and must
+    # not shift the data order.
     seen: dict[str, list[torch.Tensor]] = {}
-    for encoding in ("nope", "alibi"):
-        generator = torch.Generator().manual_seed(5)
-        seen[encoding] = [task.train_batch(2, 16, generator).inputs for _ in range(3)]
-    assert all(torch.equal(a, b) for a, b in zip(seen["nope"], seen["alibi"], strict=True))
+    batch = task.train_batch
+    for encoding in ("nope", "alibi", "randomized"):
+        drawn: list[torch.Tensor] = []
+
+        def recorded(*args, drawn=drawn):
+            made = batch(*args)
+            drawn.append(made.inputs)
+            return made
+
+        monkeypatch.setattr(task, "train_batch", recorded)
+        train(
+            build_model("tiny", encoding, train_length=16),
+            task,
+            TrainSpec(length=16, steps=3, batch_size=2),
+            seed=5,
+            device=CPU,
+        )
+        seen[encoding] = drawn
+    assert len(seen["nope"]) == 3
+    for encoding in ("alibi", "randomized"):
+        assert all(torch.equal(a, b) for a, b in zip(seen["nope"], seen[encoding], strict=True))
 
 
 def test_nan_loss_fails_the_run_with_a_reason(task) -> None:

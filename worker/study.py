@@ -148,6 +148,7 @@ def run_one(
     on_progress: Callable[[TrainPoint], None] | None = None,
     on_evaluation: Callable[[Evaluation], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    may_write: Callable[[], bool] | None = None,
     skip_evaluations: set[tuple[str, str, int]] | None = None,
     task: Task | None = None,
 ) -> RunResult:
@@ -170,8 +171,10 @@ def run_one(
         seed=run.seed,
         device=device,
         checkpoint=checkpoint,
+        fingerprint=run.config_hash,
         on_progress=on_progress,
         should_stop=should_stop,
+        may_write=may_write,
     )
     rows = evaluate(
         model,

@@ -71,6 +71,7 @@ def _train_and_evaluate(url: str, run_id: int, lease: str, spec, run, beat) -> s
             on_progress=on_progress,
             on_evaluation=lambda row: store.record_evaluation(url, run_id, lease, row),
             should_stop=lambda: cancel["asked"] or beat.lost,
+            may_write=lambda: not beat.lost,
             skip_evaluations=store.stored_evaluations(url, run_id),
         )
     except RunCancelled as err:

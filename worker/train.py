@@ -1,17 +1,24 @@
 """The training loop: identical for every encoding, so curves differ only by the encoding.
 
-AdamW with weight decay on matrices only, linear warmup then cosine decay to
-``min_lr_ratio`` x the peak, gradient clipping. bf16 autocast on CUDA, fp32 on
-the CPU. A checkpoint (model, optimizer, RNG states, step, curve) is written
-atomically every ``checkpoint_every`` steps; a run that finds one resumes from
-it and continues exactly as if it had never stopped.
+AdamW with weight decay on the model's matrices (never on the position encoding's
+own parameters, nor on gains), linear warmup then cosine decay to ``min_lr_ratio``
+x the peak, gradient clipping. bf16 autocast on CUDA, fp32 on the CPU. A
+checkpoint (model, optimizer, RNG states, step, curve, the running interval) is
+written atomically and durably every ``checkpoint_every`` steps, stamped with the
+run's fingerprint; a run that finds its own checkpoint resumes from it and
+continues exactly as if it had never stopped (on the CPU bit for bit; CUDA's
+atomic-add kernels make even two uninterrupted runs differ in the last bits). A
+checkpoint of another configuration, of another format version or unreadable is
+set aside and the run starts afresh.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,7 +31,8 @@ from jobs.spec import TrainSpec
 from worker.data.base import Batch, Task
 from worker.model import Transformer
 
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2
+log = logging.getLogger(__name__)
 
 
 class TrainingDiverged(RuntimeError):
@@ -56,20 +64,34 @@ class TrainResult:
         return {**asdict(self), "curve": [asdict(p) for p in self.curve]}
 
 
+def warmup_steps(spec: TrainSpec) -> int:
+    """Steps of linear warmup: the warmup fraction of the steps, rounded, and at least
+    one whenever the fraction is not zero."""
+    return max(1, round(spec.warmup * spec.steps)) if spec.warmup > 0 else 0
+
+
 def lr_at(step: int, spec: TrainSpec) -> float:
-    """Learning rate for 0-based ``step``: linear warmup, then cosine to min_lr_ratio x peak."""
-    warmup = int(spec.warmup * spec.steps)
+    """Learning rate for 0-based ``step`` of ``spec.steps``: linear warmup reaching the
+    peak on the last warmup step, then cosine decay reaching min_lr_ratio x peak on the
+    last step (the peak is used once, the floor is reached)."""
+    warmup = warmup_steps(spec)
     if step < warmup:
         return spec.lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, spec.steps - warmup)
+    decay_steps = spec.steps - warmup
+    progress = (step - warmup + 1) / decay_steps if decay_steps > 0 else 1.0
     floor = spec.lr * spec.min_lr_ratio
     return floor + (spec.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
 def make_optimizer(model: Transformer, spec: TrainSpec) -> torch.optim.AdamW:
-    # Decay matrices (embeddings, projections, tables); never gains, slopes or scalars.
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    keep = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    # Decay the model's matrices (embedding, projections); never gains, and never the
+    # position encoding's own parameters (T5's bucket table, a learned position table,
+    # KERPLE's r1 / r2, FIRE's MLP): decay would pull them toward no position signal,
+    # more for some encodings than others, and the encoding is what is compared.
+    encoding = {id(p) for p in model.encoding.parameters()}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trainable if p.dim() >= 2 and id(p) not in encoding]
+    keep = [p for p in trainable if p.dim() < 2 or id(p) in encoding]
     groups = [
         {"params": decay, "weight_decay": spec.weight_decay},
         {"params": keep, "weight_decay": 0.0},
@@ -88,17 +110,51 @@ def batch_loss(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
 
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    """Write to a temporary file in the same folder, then rename: never half a checkpoint."""
+    """Write to a temporary file in the same folder, flush it to disk, then rename: never
+    half a checkpoint, even after a power loss; the temporary is removed on failure."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(state, temporary)
-    os.replace(temporary, path)
+    # A random name: processes on different hosts sharing the folder can share a pid.
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(temporary, "wb") as handle:
+            torch.save(state, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)  # the rename itself is durable
+    finally:
+        os.close(folder)
 
 
-def load_checkpoint(path: Path, device: torch.device) -> dict[str, Any] | None:
+def load_checkpoint(
+    path: Path, device: torch.device, fingerprint: str | None = None
+) -> dict[str, Any] | None:
+    """The checkpoint at ``path`` when it is this run's (same format version and, when
+    given, the same fingerprint); None when there is none. One that is unreadable, of
+    another version or of another configuration is renamed aside (``.stale``), so the
+    run starts afresh instead of failing on it at every retry."""
     if not path.exists():
         return None
-    return torch.load(path, map_location=device, weights_only=True)
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+        problem = None
+        if state.get("version") != CHECKPOINT_VERSION:
+            problem = f"format version {state.get('version')}, not {CHECKPOINT_VERSION}"
+        elif fingerprint is not None and state.get("fingerprint") != fingerprint:
+            problem = f"another configuration ({state.get('fingerprint')})"
+    except Exception as err:  # truncated, not a checkpoint, or not torch's format
+        state, problem = None, f"unreadable ({type(err).__name__})"
+    if problem is None:
+        return state
+    aside = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}.stale")
+    os.replace(path, aside)
+    log.warning("checkpoint %s is %s: moved to %s, starting afresh", path, problem, aside.name)
+    return None
 
 
 def train(
@@ -109,13 +165,18 @@ def train(
     seed: int,
     device: torch.device,
     checkpoint: Path | None = None,
+    fingerprint: str | None = None,
     on_progress: Callable[[TrainPoint], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    may_write: Callable[[], bool] | None = None,
     stop_after: int | None = None,
 ) -> TrainResult:
     """Train ``model`` for ``spec.steps`` steps (or until ``stop_after``, for tests).
 
     The data order depends on ``seed`` alone, so every encoding sees the same batches.
+    ``fingerprint`` (the run's config hash) stamps the checkpoint; ``may_write`` says
+    whether this process still owns the run (a worker that lost its lease must not
+    overwrite the new owner's checkpoint).
     """
     model.to(device)
     model.train()
@@ -123,7 +184,8 @@ def train(
     data_rng = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # randomized positions draw from the global generator
     step, curve = 0, []
-    state = load_checkpoint(checkpoint, device) if checkpoint else None
+    elapsed_before, interval = 0.0, {"loss_sum": 0.0, "steps": 0}
+    state = load_checkpoint(checkpoint, device, fingerprint) if checkpoint else None
     if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -133,12 +195,17 @@ def train(
             torch.cuda.set_rng_state(state["cuda_rng"].cpu(), device)
         step = int(state["step"])
         curve = [TrainPoint(**p) for p in state["curve"]]
+        elapsed_before, interval = float(state["elapsed"]), state["interval"]
     resumed_from = step
 
     def snapshot() -> dict[str, Any]:
         snap = {
             "version": CHECKPOINT_VERSION,
+            "fingerprint": fingerprint,
             "step": step,
+            # The interval in progress, so a resumed run reports the same curve.
+            "interval": {"loss_sum": float(loss_sum.item()), "steps": interval_steps},
+            "elapsed": elapsed_before + time.perf_counter() - started,
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
             "cpu_rng": torch.get_rng_state(),
@@ -153,10 +220,30 @@ def train(
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     tokens_per_step = spec.batch_size * spec.length
     started = time.perf_counter()
-    interval_start, interval_steps = started, 0
-    loss_sum = torch.zeros((), device=device)
+    # Steps of the reporting interval (it may have begun before a resume) and the
+    # steps timed in this process since the last report (throughput).
+    interval_steps, timed_steps, interval_start = int(interval["steps"]), 0, started
+    loss_sum = torch.tensor(float(interval["loss_sum"]), device=device)
     last_loss = curve[-1].loss if curve else float("nan")
     end = spec.steps if stop_after is None else min(spec.steps, stop_after)
+
+    def check_finite() -> float:
+        # One host sync per report or checkpoint, not per step; a checkpoint never
+        # holds the weights of a diverged run.
+        mean_loss = loss_sum.item() / max(1, interval_steps)
+        if not math.isfinite(mean_loss):
+            raise TrainingDiverged(
+                f"the training loss became {mean_loss} between steps "
+                f"{step - interval_steps + 1} and {step} (lr {lr:.3g}); "
+                "try a lower learning rate"
+            )
+        return mean_loss
+
+    def write_checkpoint() -> None:
+        if checkpoint is not None and (may_write is None or may_write()):
+            check_finite()
+            save_checkpoint(checkpoint, snapshot())
+
     while step < end:
         batch = task.train_batch(spec.batch_size, spec.length, data_rng).to(device)
         lr = lr_at(step, spec)
@@ -172,38 +259,33 @@ def train(
         loss_sum += loss.detach()
         step += 1
         interval_steps += 1
-        report = step % spec.progress_every == 0 or step == end
+        timed_steps += 1
+        # The last step reports; stopping early (stop_after, tests) is like a kill.
+        report = step % spec.progress_every == 0 or step == spec.steps
         if report:
-            # One host sync per interval, not per step.
-            mean_loss = loss_sum.item() / interval_steps
-            if not math.isfinite(mean_loss):
-                raise TrainingDiverged(
-                    f"the training loss became {mean_loss} between steps "
-                    f"{step - interval_steps + 1} and {step} (lr {lr:.3g}); "
-                    "try a lower learning rate"
-                )
+            mean_loss = check_finite()
             now = time.perf_counter()
             point = TrainPoint(
                 step=step,
                 loss=mean_loss,
                 lr=lr,
-                tokens_per_second=interval_steps
-                * tokens_per_step
-                / max(now - interval_start, 1e-9),
-                elapsed=now - started,
+                tokens_per_second=timed_steps * tokens_per_step / max(now - interval_start, 1e-9),
+                elapsed=elapsed_before + now - started,
             )
             curve.append(point)
             last_loss = mean_loss
             loss_sum.zero_()
-            interval_start, interval_steps = now, 0
+            interval_steps = timed_steps = 0
             if on_progress is not None:
                 on_progress(point)
-        if checkpoint is not None and (step % spec.checkpoint_every == 0 or step == end):
-            save_checkpoint(checkpoint, snapshot())
+        if step % spec.checkpoint_every == 0 or step == end:
+            write_checkpoint()
         if report and should_stop is not None and should_stop():
-            if checkpoint is not None:
-                save_checkpoint(checkpoint, snapshot())
+            write_checkpoint()
             raise RunCancelled(f"cancelled at step {step} of {spec.steps}")
+        if report:
+            # Time spent reporting and checkpointing is not charged to the next interval.
+            interval_start = time.perf_counter()
     model.eval()
     return TrainResult(
         steps=step,
