@@ -81,16 +81,33 @@ def transaction(url: str) -> Iterator[Session]:
         yield session
 
 
-def with_retry(work: Callable[[], T], attempts: int = 5) -> T:
-    """Run ``work`` again when the database reports a transient lock or dropped connection."""
+# SQLSTATE classes and codes worth another try: connection failures (08...), the
+# server shutting down (57P0x), serialization failures and deadlocks.
+TRANSIENT_SQLSTATES = ("40001", "40P01", "57P01", "57P02", "57P03")
+
+
+def is_transient(err: OperationalError) -> bool:
+    """Whether a database error is worth retrying: SQLite busy / locked, a dropped or
+    refused PostgreSQL connection, a serialization failure or a deadlock."""
+    if err.connection_invalidated or "locked" in str(err) or "busy" in str(err):
+        return True
+    state = getattr(err.orig, "sqlstate", None)
+    if state is not None:
+        return state.startswith("08") or state in TRANSIENT_SQLSTATES
+    # psycopg raises connection failures (refused, reset) without a SQLSTATE.
+    return type(err.orig).__module__.startswith("psycopg")
+
+
+def with_retry(work: Callable[[], T], attempts: int = 10, max_wait: float = 5.0) -> T:
+    """Run ``work`` again while the database reports a transient error, backing off
+    from 0.2 s to ``max_wait`` (about 25 s in all: a database restart, not an outage)."""
     for attempt in range(attempts):
         try:
             return work()
         except OperationalError as err:
-            transient = "locked" in str(err) or "busy" in str(err) or err.connection_invalidated
-            if not transient or attempt == attempts - 1:
+            if not is_transient(err) or attempt == attempts - 1:
                 raise
-            time.sleep(0.2 * 2**attempt)
+            time.sleep(min(max_wait, 0.2 * 2**attempt))
     raise AssertionError("unreachable")
 
 

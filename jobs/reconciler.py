@@ -12,6 +12,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 
 from jobs.service import reconcile
 from jobs.settings import get_settings
@@ -21,11 +22,16 @@ log = logging.getLogger("posbench.reconciler")
 
 def loop(stop: threading.Event) -> None:
     settings = get_settings()
+    failed_at: float | None = None
     while not stop.wait(settings.reconcile_seconds):
+        # After the database was away, heartbeats could not be written either: wait one
+        # stale window of successful passes before calling a silent run dead.
+        trusting = failed_at is None or time.monotonic() - failed_at > settings.stale_after_seconds
         try:
-            changed = reconcile(settings=settings)
+            changed = reconcile(settings=settings, revive_stale=trusting)
         except Exception:  # the database or broker is briefly away: try again next pass
             log.exception("reconciler pass failed; trying again later")
+            failed_at = time.monotonic()
             continue
         if any(changed.values()):
             log.warning("reconciler: %s", changed)

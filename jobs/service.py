@@ -171,27 +171,36 @@ def enqueue(
             continue
         sent.append(run_id)
     if sent:
-        # One stamp for the batch; a crash before it only means a harmless re-send.
-        with transaction(settings.database) as session:
-            session.execute(update(Run).where(Run.id.in_(sent)).values(enqueued_at=utcnow()))
+        # One stamp for the batch; a crash before it only means a harmless re-send, and
+        # so does a failure to write it: the study is stored, so never report it unsent.
+        try:
+            with transaction(settings.database) as session:
+                session.execute(update(Run).where(Run.id.in_(sent)).values(enqueued_at=utcnow()))
+        except Exception as err:
+            log.warning("could not stamp runs %s as sent (they will be sent again): %s", sent, err)
     return unsent
 
 
 def _select_runs(session: Session, study_id: int | None, run_id: int | None) -> list[Run]:
+    """The runs to act on, locked until the transaction ends (PostgreSQL: a claim or a
+    finish waits for the cancel or retry, then sees its result; SQLite's BEGIN
+    IMMEDIATE already serialises writers)."""
     if run_id is not None:
-        run = session.get(Run, run_id)
+        run = session.get(Run, run_id, with_for_update=True)
         if run is None:
             raise NotFound(f"no run with id {run_id}")
         return [run]
     if session.get(Study, study_id) is None:
         raise NotFound(f"no study with id {study_id}")
-    return list(session.scalars(select(Run).where(Run.study_id == study_id).order_by(Run.id)))
+    runs = select(Run).where(Run.study_id == study_id).order_by(Run.id).with_for_update()
+    return list(session.scalars(runs))
 
 
 def cancel(
     *, study_id: int | None = None, run_id: int | None = None, settings: Settings | None = None
 ) -> dict[str, int]:
-    """Queued runs are cancelled at once; running ones stop at their next progress report."""
+    """Queued runs are cancelled at once; running ones stop within a heartbeat or a
+    progress report, whichever comes first (training or evaluating)."""
     settings = settings or get_settings()
     counts = {"cancelled": 0, "stopping": 0}
     with transaction(settings.database) as session:
@@ -250,6 +259,7 @@ def reconcile(
     settings: Settings | None = None,
     send: Send | None = None,
     queue_empty: Callable[[str], bool | None] = queue_is_empty,
+    revive_stale: bool = True,
 ) -> dict[str, list[int]]:
     """Put stranded runs back in the queue.
 
@@ -257,21 +267,45 @@ def reconcile(
       OOM, lost node); requeue it, it resumes from its checkpoint;
     - queued, but never sent, or sent long ago while the queue is empty: its message
       was lost; send it again (a duplicate is harmless, the claim is atomic).
+
+    ``revive_stale=False`` skips the first: right after the database was unreachable,
+    every heartbeat looks stale though the workers are alive (see jobs.reconciler).
     """
     settings = settings or get_settings()
     now = utcnow()
     stale_before = now - dt.timedelta(seconds=settings.stale_after_seconds)
 
-    def revive() -> tuple[list[int], list[int]]:
+    def revive() -> tuple[list[int], list[int], list[int]]:
         with transaction(settings.database) as session:
             stale = session.execute(
-                select(Run.id, Run.attempts).where(
+                select(Run.id, Run.attempts, Run.cancel_requested).where(
                     Run.status == "running", Run.heartbeat_at < stale_before
                 )
             ).all()
-            revived = [run_id for run_id, attempts in stale if attempts < settings.max_attempts]
-            exhausted = [run_id for run_id, attempts in stale if attempts >= settings.max_attempts]
+            # A cancel asked of a run whose worker then died is honoured, not lost.
+            cancelled = [run_id for run_id, _, asked in stale if asked]
+            revived = [
+                run_id
+                for run_id, attempts, asked in stale
+                if not asked and attempts < settings.max_attempts
+            ]
+            exhausted = [
+                run_id
+                for run_id, attempts, asked in stale
+                if not asked and attempts >= settings.max_attempts
+            ]
             guard = (Run.status == "running", Run.heartbeat_at < stale_before)
+            if cancelled:
+                session.execute(
+                    update(Run)
+                    .where(Run.id.in_(cancelled), *guard)
+                    .values(
+                        status="cancelled",
+                        lease=None,
+                        finished_at=now,
+                        failure_reason="cancelled (its worker stopped before it could stop)",
+                    )
+                )
             if revived:
                 session.execute(
                     update(Run)
@@ -292,9 +326,9 @@ def reconcile(
                         ),
                     )
                 )
-            return revived, exhausted
+            return revived, exhausted, cancelled
 
-    revived, exhausted = with_retry(revive)
+    revived, exhausted, cancelled = with_retry(revive) if revive_stale else ([], [], [])
     with transaction(settings.database) as session:
         never_sent = list(
             session.scalars(select(Run.id).where(Run.status == "queued", Run.enqueued_at.is_(None)))
@@ -315,7 +349,7 @@ def reconcile(
             lost.append(run_id)
     resent = sorted(set(never_sent) | set(lost))
     enqueue(resent, settings=settings, send=send)
-    return {"revived": revived, "failed": exhausted, "resent": resent}
+    return {"revived": revived, "failed": exhausted, "cancelled": cancelled, "resent": resent}
 
 
 def backfill_summaries(url: str) -> int:

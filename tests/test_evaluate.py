@@ -162,3 +162,25 @@ def test_randomized_positions_evaluate_reproducibly_per_run_seed() -> None:
     first = losses(seed=0, global_seed=1)
     assert losses(seed=0, global_seed=2) == first
     assert losses(seed=1, global_seed=1) != first
+
+
+def test_a_cancel_stops_evaluation_between_points() -> None:
+    from worker.train import RunCancelled
+
+    spec = parse_spec({**TINY, "encodings": ["nope"], "eval": {"lengths": [16, 32], "tokens": 64}})
+    task = prepared_task(spec)
+    model = build_model(ModelConfig(**spec.model.dims()), "nope", train_length=16)
+    stored = []
+    asked = iter([False, True])
+    with pytest.raises(RunCancelled, match="cancelled while evaluating, before none @ 32"):
+        evaluate(
+            model,
+            task,
+            spec.eval,
+            train_length=16,
+            scalable=False,
+            device=torch.device("cpu"),
+            on_evaluation=stored.append,
+            should_stop=lambda: next(asked),
+        )
+    assert [row.length for row in stored] == [16]  # the point before the cancel stays

@@ -145,10 +145,13 @@ def test_claim_is_exclusive_and_guards_every_write(settings: Settings) -> None:
     assert first is not None
     assert store.claim(settings.database, run_id, "b") is None  # a duplicate message
     lease = first[0]
-    assert not store.heartbeat(settings.database, run_id, "not-the-lease")
+    assert store.heartbeat(settings.database, run_id, "not-the-lease") == (False, False)
     with pytest.raises(store.LeaseLost):
         store.record_progress(settings.database, run_id, "not-the-lease", Point(1, 1, 1, 1, 1))
-    assert store.heartbeat(settings.database, run_id, lease)
+    assert store.heartbeat(settings.database, run_id, lease) == (True, False)
+    cancel(run_id=run_id, settings=settings)
+    # The heartbeat carries a cancel to the run in every phase.
+    assert store.heartbeat(settings.database, run_id, lease) == (True, True)
 
 
 def test_evaluations_are_idempotent_upserts(settings: Settings) -> None:
@@ -259,3 +262,21 @@ def test_a_retry_starts_the_worker_death_budget_afresh(settings: Settings) -> No
     assert retry(run_id=run_id, settings=settings, send=Recorder()) == [run_id]
     with transaction(settings.database) as session:
         assert session.get(Run, run_id).attempts == 0
+
+
+def test_a_cancel_outlives_the_worker_that_was_asked(settings: Settings) -> None:
+    # Cancel a running run, then its worker dies before reading the flag: the
+    # reconciler ends it as cancelled instead of queueing it to train again.
+    run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder()).queued[0]
+    assert store.claim(settings.database, run_id, "w1") is not None
+    assert cancel(run_id=run_id, settings=settings) == {"cancelled": 0, "stopping": 1}
+    long_ago = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=5)
+    with transaction(settings.database) as session:
+        session.execute(update(Run).where(Run.id == run_id).values(heartbeat_at=long_ago))
+    # Right after the database was away, silent runs are not called dead.
+    held = reconcile(settings=settings, send=Recorder(), revive_stale=False)
+    assert held["cancelled"] == [] and held["revived"] == []
+    outcome = reconcile(settings=settings, send=Recorder(), queue_empty=lambda queue: True)
+    assert outcome["cancelled"] == [run_id] and outcome["revived"] == []
+    with transaction(settings.database) as session:
+        assert session.get(Run, run_id).status == "cancelled"

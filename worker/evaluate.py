@@ -224,6 +224,7 @@ def evaluate(
     on_evaluation: Callable[[Evaluation], None] | None = None,
     skip: set[tuple[str, str, int]] | None = None,
     seed: int = 0,
+    should_stop: Callable[[], bool] | None = None,
 ) -> list[Evaluation]:
     """Evaluate at every point of the plan; ``skip`` holds (variant, protocol, length)
     keys already stored (a resumed run does not redo them). ``seed`` (the run's) seeds
@@ -234,6 +235,10 @@ def evaluate(
     for variant, protocol, length in evaluation_plan(spec, scalable):
         if skip and (variant.label, protocol, length) in skip:
             continue
+        if should_stop is not None and should_stop():
+            from worker.train import RunCancelled
+
+            raise RunCancelled(f"cancelled while evaluating, before {variant.label} @ {length}")
         row = evaluate_length(
             model,
             task,

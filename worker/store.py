@@ -43,7 +43,6 @@ def claim(url: str, run_id: int, worker: str) -> tuple[str, dict, Run] | None:
                     worker=worker,
                     heartbeat_at=now,
                     attempts=Run.attempts + 1,
-                    cancel_requested=False,
                 )
             ).rowcount
             if not claimed:
@@ -68,8 +67,34 @@ def _guarded(url: str, run_id: int, owner: str, values: dict[str, object]) -> bo
     return with_retry(attempt)
 
 
-def heartbeat(url: str, run_id: int, lease: str) -> bool:
-    return _guarded(url, run_id, lease, {"heartbeat_at": utcnow()})
+def heartbeat(url: str, run_id: int, lease: str) -> tuple[bool, bool]:
+    """Prove the run alive: (still ours, cancel asked), so a cancel reaches the run in
+    every phase (evaluation too), not only at training's progress reports."""
+
+    def attempt() -> tuple[bool, bool]:
+        with transaction(url) as session:
+            changed = session.execute(
+                update(Run)
+                .where(Run.id == run_id, Run.lease == lease)
+                .values(heartbeat_at=utcnow())
+            ).rowcount
+            if not changed:
+                return False, False
+            asked = session.scalar(select(Run.cancel_requested).where(Run.id == run_id))
+            return True, bool(asked)
+
+    return with_retry(attempt)
+
+
+def _hold(session, run_id: int, lease: str) -> None:
+    """Inside a writing transaction: take the run's row (a write lock on PostgreSQL, so
+    a requeue or a new claim cannot slip in before the commit) if the lease is still
+    ours; LeaseLost otherwise."""
+    changed = session.execute(
+        update(Run).where(Run.id == run_id, Run.lease == lease).values(heartbeat_at=utcnow())
+    ).rowcount
+    if not changed:
+        raise LeaseLost(f"run {run_id} is no longer ours")
 
 
 def record_progress(url: str, run_id: int, lease: str, point: Point) -> bool:
@@ -106,9 +131,7 @@ def record_evaluation(url: str, run_id: int, lease: str, row: EvaluationRow) -> 
 
     def attempt() -> None:
         with transaction(url) as session:
-            owner = session.scalar(select(Run.lease).where(Run.id == run_id))
-            if owner != lease:
-                raise LeaseLost(f"run {run_id} is no longer ours")
+            _hold(session, run_id, lease)
             values = row.to_dict()
             bins = values.pop("position_bins")
             values["eval_length"] = values.pop("length")
@@ -151,9 +174,7 @@ def record_summaries(url: str, run_id: int, lease: str, summaries: list[Summary]
 
     def attempt() -> None:
         with transaction(url) as session:
-            owner = session.scalar(select(Run.lease).where(Run.id == run_id))
-            if owner != lease:
-                raise LeaseLost(f"run {run_id} is no longer ours")
+            _hold(session, run_id, lease)
             for summary in summaries:
                 upsert(
                     session,
@@ -193,17 +214,20 @@ class Heartbeat:
     def __init__(self, url: str, run_id: int, lease: str, every: float) -> None:
         self.url, self.run_id, self.lease, self.every = url, run_id, lease, every
         self.lost = False
+        self.cancel_asked = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, daemon=True, name=f"heartbeat-{run_id}")
 
     def _beat(self) -> None:
         while not self._stop.wait(self.every):
             try:
-                if not heartbeat(self.url, self.run_id, self.lease):
-                    self.lost = True
-                    return
+                ours, asked = heartbeat(self.url, self.run_id, self.lease)
             except Exception:  # a transient database error; try again next beat
                 continue
+            self.cancel_asked = self.cancel_asked or asked
+            if not ours:
+                self.lost = True
+                return
 
     def __enter__(self) -> Heartbeat:
         self._thread.start()

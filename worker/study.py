@@ -28,7 +28,7 @@ from worker.evaluate import Evaluation, evaluate
 from worker.memory import available_bytes, eval_batch_size
 from worker.model import ModelConfig, build_model
 from worker.probes import OrderProbe, order_probe
-from worker.train import TrainPoint, TrainResult, train
+from worker.train import RunCancelled, TrainPoint, TrainResult, train
 
 
 class DeviceError(ValueError):
@@ -186,8 +186,11 @@ def run_one(
         on_evaluation=on_evaluation,
         skip=skip_evaluations,
         seed=run.seed,
+        should_stop=should_stop,
     )
     order = None
+    if should_stop is not None and should_stop():
+        raise RunCancelled("cancelled after evaluation, before the order probe")
     if spec.eval.order_probe and task.metric == "perplexity":
         order = order_probe(
             model,

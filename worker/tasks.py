@@ -70,7 +70,7 @@ def _train_and_evaluate(url: str, run_id: int, lease: str, spec, run, beat) -> s
             checkpoint=checkpoint,
             on_progress=on_progress,
             on_evaluation=lambda row: store.record_evaluation(url, run_id, lease, row),
-            should_stop=lambda: cancel["asked"] or beat.lost,
+            should_stop=lambda: cancel["asked"] or beat.cancel_asked or beat.lost,
             may_write=lambda: not beat.lost,
             skip_evaluations=store.stored_evaluations(url, run_id),
         )
