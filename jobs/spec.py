@@ -27,7 +27,7 @@ from pydantic import (
     model_validator,
 )
 
-from worker.data.registry import TASKS, task_info
+from worker.data.registry import TASKS, length_problems, task_info
 from worker.encodings.registry import (
     REGISTRY,
     SCALINGS,
@@ -410,6 +410,9 @@ class StudySpec(_Strict):
                 f"at most {MAX_TRAIN_TOKENS:,}"
             )
         task = TASKS[self.task.name]
+        problems += length_problems(
+            self.task.name, self.task.params, max(self.train.length, *self.eval.lengths)
+        )
         shortest = min(self.train.length, *self.eval.lengths)
         if shortest < task.min_length:
             problems.append(

@@ -88,22 +88,32 @@ def test_huggingface_loader_on_a_local_dataset(tmp_path: Path) -> None:
 
 
 def test_nonoverlapping_windows_by_hand() -> None:
-    starts, scored = window_plan(
+    plan = window_plan(
         valid_bytes=100, length=10, protocol="nonoverlapping", tokens=30, stride=None
     )
-    assert starts.tolist() == [0, 10, 20] and scored == 10
-    # Capped by what the validation split holds.
-    starts, _ = window_plan(100, 10, "nonoverlapping", tokens=1000, stride=None)
-    assert starts.tolist() == [0, 10, 20, 30, 40, 50, 60, 70, 80]
+    assert plan.starts.tolist() == [0, 10, 20] and plan.scored.tolist() == [10, 10, 10]
+    # Capped by what the validation split holds at the longest length: 100 - 10 bytes.
+    plan = window_plan(100, 10, "nonoverlapping", tokens=1000, stride=None)
+    assert plan.starts.tolist() == [0, 10, 20, 30, 40, 50, 60, 70, 80] and plan.total == 90
+    # A length that does not divide the tokens scores the head of its last window only.
+    plan = window_plan(100, 8, "nonoverlapping", tokens=30, stride=None)
+    assert plan.starts.tolist() == [0, 8, 16, 24] and plan.scored.tolist() == [8, 8, 8, 6]
 
 
 def test_sliding_windows_by_hand() -> None:
-    starts, scored = window_plan(100, 10, "sliding", tokens=12, stride=4)
-    assert starts.tolist() == [0, 4, 8] and scored == 4
+    plan = window_plan(100, 10, "sliding", tokens=12, stride=4)
+    assert plan.starts.tolist() == [0, 4, 8] and plan.first_scored == 6 and plan.total == 12
+    # In a study evaluated up to 20 bytes, the windows of 10 shift so that they score
+    # the targets the windows of 20 score: 17..28.
+    plan = window_plan(100, 10, "sliding", tokens=12, stride=4, longest=20)
+    assert plan.starts.tolist() == [10, 14, 18]
     with pytest.raises(ValueError, match="stride"):
         window_plan(100, 10, "sliding", tokens=12, stride=11)
     with pytest.raises(CorpusError, match="has 5 bytes; evaluating at length 10 needs at least 11"):
         window_plan(5, 10, "nonoverlapping", tokens=12, stride=None)
+    # The longest length decides for every length.
+    with pytest.raises(CorpusError, match="evaluating at length 200 needs at least 201"):
+        window_plan(100, 10, "nonoverlapping", tokens=12, stride=None, longest=200)
 
 
 def _lm_task(tmp_path: Path):
@@ -131,18 +141,39 @@ def test_sliding_scores_each_byte_once_with_at_least_length_minus_stride_context
         assert torch.equal(batch.inputs[:, 1:], batch.targets[:, :-1])
 
 
-def test_nonoverlapping_scores_the_same_number_of_tokens_at_every_length(tmp_path: Path) -> None:
+def test_nonoverlapping_scores_the_same_targets_at_every_length(tmp_path: Path) -> None:
     task = _lm_task(tmp_path)
     valid = np.asarray(task.data.valid)
-    for length in (8, 16, 32):
+    for length in (8, 16, 24, 32):  # 24 does not divide 64
         batches = list(
             task.eval_batches(
                 length, protocol="nonoverlapping", batch_size=2, tokens=64, examples=0
             )
         )
-        assert all(b.scored is None for b in batches)
-        targets = torch.cat([b.targets.flatten() for b in batches]).tolist()
-        assert targets == valid[1:65].tolist()
+        targets = torch.cat(
+            [b.targets.flatten() if b.scored is None else b.targets[b.scored] for b in batches]
+        ).tolist()
+        assert targets == valid[1:65].tolist(), length
+
+
+def test_sliding_scores_the_same_targets_at_every_length(tmp_path: Path) -> None:
+    task = _lm_task(tmp_path)
+    valid = np.asarray(task.data.valid)
+    for length in (8, 16, 32):
+        batches = list(
+            task.eval_batches(
+                length,
+                protocol="sliding",
+                batch_size=3,
+                tokens=40,
+                examples=0,
+                stride=4,
+                longest=32,
+            )
+        )
+        targets = torch.cat([b.targets[b.scored] for b in batches]).tolist()
+        # Scored from 32 - 4 + 1 = 29 on, where the longest window first fits.
+        assert targets == valid[29 : 29 + 40].tolist(), length
 
 
 def test_log_position_bins() -> None:
@@ -234,3 +265,31 @@ def test_exact_match_scorer() -> None:
     assert accumulator.exact == 2 and accumulator.examples == 3
     assert accumulator.group_exact == {"a": [1, 2], "b": [1, 1]}
     assert accumulator.tokens == 6
+
+
+def test_assoc_recall_draws_distinct_keys_from_a_huge_key_space() -> None:
+    # 26^6 keys: no permutation of them all is built (it would take gigabytes).
+    task = build_task("assoc_recall", key_length=6)
+    text, _, _ = task.example(2048, torch.Generator().manual_seed(0), None)
+    body = text.decode().strip().split("?")[0]
+    keys = [pair.split("=")[0] for pair in body.split(";") if pair]
+    assert len(keys) == (2048 + 1 - 10) // 10 and len(set(keys)) == len(keys)
+
+
+def test_the_evaluation_plan_is_checked_before_training(tmp_path: Path) -> None:
+    from jobs.spec import parse_spec
+    from worker.study import prepared_task
+
+    small = tmp_path / "small.txt"
+    small.write_text("x" * 3000)
+    spec = parse_spec(
+        {
+            "model": "tiny",
+            "task": {"name": "lm", "corpus": f"text:{small}"},
+            "train": {"length": 16},
+            "encodings": ["nope"],
+            "eval": {"lengths": [16, 4096]},
+        }
+    )
+    with pytest.raises(CorpusError, match="evaluating at length 4096 needs at least 4097"):
+        prepared_task(spec)

@@ -213,6 +213,10 @@ def test_cross_field_limits() -> None:
         (with_value("eval.stride", 8), "eval.stride applies to the 'sliding' protocol only"),
         (with_value("eval.variants", ["none", "none"]), "listed twice: none"),
         (with_value("eval.variants", ["pi:4", "pi:4.0"]), "listed twice: pi:4"),
+        (
+            {**BASE, "task": {"name": "assoc_recall", "key_length": 1}, "eval": {"lengths": [256]}},
+            "key_length=1 has 26 distinct keys; length 256 needs 50",
+        ),
         ({**BASE, "name": "  "}, "name: must not be blank"),
         ({**BASE, "name": "a\nb"}, "name: must be printable text"),
         ({**BASE, "name": "a\x00b"}, "name: must be printable text"),

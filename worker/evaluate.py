@@ -168,6 +168,7 @@ def evaluate_length(
             tokens=spec.tokens,
             examples=spec.examples,
             stride=spec.stride,
+            longest=max(spec.lengths),
         )
         # Random draws inside the model (randomized positions are sampled at evaluation
         # too, as in Ruoss et al.'s code) come from a generator seeded by the run's seed

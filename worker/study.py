@@ -136,6 +136,7 @@ def prepared_task(spec: StudySpec) -> Task:
     """The study's task with its data loaded (a corpus is read and hashed once)."""
     task = build_task(spec.task.name, **spec.task.params)
     task.prepare(get_settings().corpus_cache)
+    task.check_plan(spec.eval)
     return task
 
 

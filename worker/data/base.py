@@ -5,10 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from jobs.spec import EvalSpec
 
 
 @dataclass
@@ -54,6 +57,10 @@ class Task:
     def train_batch(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
         raise NotImplementedError
 
+    def check_plan(self, spec: EvalSpec) -> None:
+        """Raise (a TaskConfigError) before training if the evaluation ``spec`` cannot be
+        carried out on this task's data: a run must not fail after training."""
+
     def eval_batches(
         self,
         length: int,
@@ -63,5 +70,6 @@ class Task:
         tokens: int,
         examples: int,
         stride: int | None = None,
+        longest: int | None = None,
     ) -> Iterator[Batch]:
         raise NotImplementedError

@@ -25,12 +25,16 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from worker.data.base import Batch, Task, from_sequences
 from worker.data.registry import TaskConfigError
+
+if TYPE_CHECKING:
+    from jobs.spec import EvalSpec
 
 VALID_PERCENT = 5
 DOC_SEPARATOR = b"\x00"
@@ -184,31 +188,63 @@ def _windows(stream: np.ndarray, starts: np.ndarray, length: int) -> torch.Tenso
     return torch.from_numpy(np.asarray(stream[index], dtype=np.int64))
 
 
-def window_plan(
-    valid_bytes: int, length: int, protocol: str, tokens: int, stride: int | None
-) -> tuple[np.ndarray, int]:
-    """Start offsets of the evaluation windows and how many final targets each scores.
+@dataclass(frozen=True)
+class WindowPlan:
+    """Evaluation windows of one length: where each starts in the validation stream and
+    which of its targets count. Every length of a study scores the same targets."""
 
-    - ``nonoverlapping``: disjoint windows from the start of the validation stream;
-      every target is scored; about ``tokens`` targets in all at every length.
-    - ``sliding``: windows every ``stride`` bytes; only the last ``stride`` targets of
-      each window are scored, so every scored byte sees ``length - stride`` or more
-      bytes of context.
+    starts: np.ndarray  # stream offsets; a window holds length + 1 bytes
+    first_scored: int  # index of the first scored target in a window
+    scored: np.ndarray  # scored targets per window, from first_scored on
+
+    @property
+    def total(self) -> int:
+        return int(self.scored.sum())
+
+
+def window_plan(
+    valid_bytes: int,
+    length: int,
+    protocol: str,
+    tokens: int,
+    stride: int | None,
+    longest: int | None = None,
+) -> WindowPlan:
+    """The windows that score the same ``tokens`` targets at every length up to
+    ``longest`` (the study's longest evaluation length; this one by default).
+
+    - ``nonoverlapping``: disjoint windows from the start of the validation stream,
+      every target scored (the last window's tail is not, when ``length`` does not
+      divide ``tokens``): targets 1..tokens at every length.
+    - ``sliding``: windows every ``stride`` bytes, the last ``stride`` targets of each
+      scored, so every scored byte sees ``length - stride`` or more bytes of context;
+      the scored targets start at ``longest - stride + 1``, where the longest window
+      first fits, so they are the same at every length too.
+
+    When the validation split cannot hold ``tokens`` targets at the longest length,
+    every length scores the same smaller number: ``valid_bytes - longest``.
     """
-    if valid_bytes < length + 1:
+    longest = max(length, longest or length)
+    usable = valid_bytes - longest
+    if usable < 1:
         raise CorpusError(
-            f"the validation split has {valid_bytes} bytes; evaluating at length {length} "
-            f"needs at least {length + 1}"
+            f"the validation split has {valid_bytes} bytes; evaluating at length {longest} "
+            f"needs at least {longest + 1}"
         )
+    total = min(tokens, usable)
     if protocol == "nonoverlapping":
-        count = min(max(1, tokens // length), (valid_bytes - 1) // length)
-        return np.arange(count, dtype=np.int64) * length, length
-    if protocol == "sliding":
+        step, first_scored, offset = length, 0, 0
+    elif protocol == "sliding":
         if stride is None or not 1 <= stride <= length:
             raise ValueError(f"sliding needs 1 <= stride <= length, got stride={stride}")
-        count = min(max(1, tokens // stride), (valid_bytes - 1 - length) // stride + 1)
-        return np.arange(count, dtype=np.int64) * stride, stride
-    raise ValueError(f"unknown protocol {protocol!r}")
+        # Window i scores targets P0 + i*stride ..., with P0 = longest - stride + 1.
+        step, first_scored, offset = stride, length - stride, longest - length
+    else:
+        raise ValueError(f"unknown protocol {protocol!r}")
+    count = -(-total // step)
+    scored = np.full(count, step, dtype=np.int64)
+    scored[-1] = total - (count - 1) * step
+    return WindowPlan(offset + np.arange(count, dtype=np.int64) * step, first_scored, scored)
 
 
 class LanguageModelling(Task):
@@ -253,13 +289,18 @@ class LanguageModelling(Task):
         tokens: int,
         examples: int,
         stride: int | None = None,
+        longest: int | None = None,
     ) -> Iterator[Batch]:
-        starts, scored_tail = window_plan(len(self.data.valid), length, protocol, tokens, stride)
-        for first in range(0, len(starts), batch_size):
-            chunk = starts[first : first + batch_size]
+        plan = window_plan(len(self.data.valid), length, protocol, tokens, stride, longest)
+        position = torch.arange(length)
+        for first in range(0, len(plan.starts), batch_size):
+            chunk = plan.starts[first : first + batch_size]
             inputs, targets = from_sequences(_windows(self.data.valid, chunk, length + 1))
-            scored = None
-            if scored_tail < length:
-                scored = torch.zeros_like(targets, dtype=torch.bool)
-                scored[:, -scored_tail:] = True
-            yield Batch(inputs, targets, scored)
+            counts = torch.from_numpy(plan.scored[first : first + batch_size])[:, None]
+            begin = plan.first_scored
+            scored = (position >= begin) & (position < begin + counts)
+            yield Batch(inputs, targets, None if bool(scored.all()) else scored)
+
+    def check_plan(self, spec: EvalSpec) -> None:
+        # Before training: the longest length must fit the validation split.
+        window_plan(len(self.data.valid), max(spec.lengths), "nonoverlapping", spec.tokens, None)

@@ -76,6 +76,20 @@ def corpus_problem(corpus: str) -> str | None:
     return f"corpus {corpus!r} is not one of {CORPORA}"
 
 
+def length_problems(task: str, params: Mapping[str, Any], longest: int) -> list[str]:
+    """What keeps a task's examples from being built at ``longest`` bytes (torch-free,
+    for the spec: a run must not fail after training)."""
+    if task == "assoc_recall":
+        key_length = params["key_length"]
+        pairs = (longest + 1 - (key_length + 4)) // (key_length + 4)
+        if pairs > 26**key_length:
+            return [
+                f"task 'assoc_recall' with key_length={key_length} has {26**key_length} "
+                f"distinct keys; length {longest} needs {pairs} (raise key_length)"
+            ]
+    return []
+
+
 TASKS: dict[str, TaskInfo] = {
     info.name: info
     for info in (

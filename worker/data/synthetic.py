@@ -64,6 +64,7 @@ class _Synthetic(Task):
         tokens: int,
         examples: int,
         stride: int | None = None,
+        longest: int | None = None,
     ) -> Iterator[Batch]:
         rows = self.eval_examples(length, max(1, examples // len(self.groups())))
         for start in range(0, len(rows), batch_size):
@@ -126,6 +127,24 @@ class Copy(_Synthetic):
         return (pad + source + "|" + source).encode(), half, ""
 
 
+# Up to this many keys (key_length <= 4), a permutation of them all is drawn, as
+# before; beyond it, that permutation would not fit in memory (26^8 keys).
+PERMUTED_KEY_SPACE = 1 << 20
+
+
+def distinct_codes(space: int, count: int, generator: torch.Generator) -> list[int]:
+    """``count`` distinct integers of [0, space), in random order."""
+    if space <= PERMUTED_KEY_SPACE:
+        return [int(code) for code in torch.randperm(space, generator=generator)[:count]]
+    codes: dict[int, None] = {}
+    while len(codes) < count:
+        for code in torch.randint(0, space, (2 * (count - len(codes)),), generator=generator):
+            codes.setdefault(int(code))
+            if len(codes) == count:
+                break
+    return list(codes)
+
+
 class AssociativeRecall(_Synthetic):
     """``key=vv;`` pairs with distinct keys, then ``?key=`` and the key's two-digit value."""
 
@@ -152,8 +171,7 @@ class AssociativeRecall(_Synthetic):
                 f"assoc_recall with key_length={self.key_length} has only {space} distinct keys; "
                 f"length {length} needs {count}"
             )
-        codes = torch.randperm(space, generator=generator)[:count]
-        keys = [self._key(int(code)) for code in codes]
+        keys = [self._key(code) for code in distinct_codes(space, count, generator)]
         values = [_digits(2, generator) for _ in keys]
         asked = int(torch.randint(0, count, (1,), generator=generator))
         body = "".join(f"{k}={v};" for k, v in zip(keys, values, strict=True))
