@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import random
-import resource
 import statistics
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import torch
 from torch import nn
 
 from jobs.report import markdown_rows
+from worker.memory import peak_resident_bytes, reset_peak_resident, resident_bytes
 from worker.model import build_model
 
 # The issue's sizes: dim 128, depth 4, 4 heads of 32, byte vocabulary.
@@ -156,28 +156,17 @@ def interleave(
     return statistics.median(references)
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * resource.getpagesize()
-
-
-def _high_water_bytes() -> int:
-    with open("/proc/self/status") as status:
-        line = next(line for line in status if line.startswith("VmHWM:"))
-    return int(line.split()[1]) * 1024
-
-
 def peak_bytes(run: Callable[[], object]) -> int:
     """Peak resident memory while ``run`` runs, above what the process held before.
 
     Meant for a fresh process (``probe_in_subprocess``): ru_maxrss would carry an
     earlier peak, so the kernel's high-water mark is reset first (Linux: "5" into
     /proc/self/clear_refs)."""
-    before = _rss_bytes()
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")
+    before = resident_bytes()
+    if not reset_peak_resident():
+        raise OSError("the peak resident set cannot be reset here (needs Linux /proc)")
     run()
-    return _high_water_bytes() - before
+    return peak_resident_bytes() - before
 
 
 def probe_in_subprocess(module: str, *args: str) -> float | str:

@@ -83,3 +83,15 @@ def test_out_of_memory_halves_the_batch_until_one_sequence_does_not_fit() -> Non
     tried.clear()
     with pytest.raises(torch.OutOfMemoryError):
         halving_on_oom(lambda size: run(size * 100), 4)
+
+
+def test_the_peak_resident_set_restarts_per_phase() -> None:
+    # An earlier phase's peak (a 256 MiB tensor, freed) must not show in the next one.
+    from worker.memory import peak_resident_bytes, reset_peak_resident, resident_bytes
+
+    assert reset_peak_resident()
+    big = torch.ones(64, 1 << 20)  # 256 MiB, touched
+    del big
+    assert peak_resident_bytes() >= resident_bytes() + (200 << 20)  # this phase's peak
+    assert reset_peak_resident()
+    assert peak_resident_bytes() < resident_bytes() + (64 << 20)  # not the next one's

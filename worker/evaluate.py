@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import resource
 import time
 import zlib
 from collections.abc import Callable, Iterator
@@ -24,7 +23,14 @@ import torch.nn.functional as F
 
 from jobs.spec import EvalSpec, VariantSpec
 from worker.data.base import Batch, Task
-from worker.memory import available_bytes, bound_heap_for, eval_batch_size, halving_on_oom
+from worker.memory import (
+    available_bytes,
+    bound_heap_for,
+    eval_batch_size,
+    halving_on_oom,
+    peak_resident_bytes,
+    reset_peak_resident,
+)
 from worker.model import Transformer
 
 NONE = VariantSpec()
@@ -67,11 +73,20 @@ def log_bins(length: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in itertools.pairwise(edges) if a < length]
 
 
+def _reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        reset_peak_resident()
+
+
 def _peak_memory(device: torch.device) -> int:
+    """Since the last reset: the CUDA allocator's peak, or on the CPU the process'
+    peak resident set (model and all; what this length needed on top of it shows as
+    the difference between lengths)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    # On the CPU: the process' high-water resident set (Linux reports KiB).
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    return peak_resident_bytes()
 
 
 class _Accumulator:
@@ -156,8 +171,7 @@ def evaluate_length(
     row.factor = variant.factor_at(length, train_length)
     bound_heap_for(length)
     batch_size = eval_batch_size(model.config, length, spec.batch_tokens, available_bytes(device))
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    _reset_peak_memory(device)
     started = time.perf_counter()
 
     def run(batch_size: int) -> _Accumulator:

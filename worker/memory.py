@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import resource
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -107,3 +108,31 @@ def halving_on_oom(run: Callable[[int], T], batch_size: int) -> T:
                 raise
             batch_size //= 2
             torch.cuda.empty_cache()
+
+
+def resident_bytes() -> int:
+    """The process' resident set now (Linux)."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * resource.getpagesize()
+
+
+def reset_peak_resident() -> bool:
+    """Restart the kernel's high-water mark of the resident set ("5" into
+    /proc/self/clear_refs, Linux 4.0+), so the next peak is this phase's alone."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def peak_resident_bytes() -> int:
+    """The resident set's high-water mark since the last reset (VmHWM), or the
+    process' lifetime peak where /proc is not there."""
+    try:
+        with open("/proc/self/status") as status:
+            line = next(line for line in status if line.startswith("VmHWM:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration):
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
