@@ -156,12 +156,13 @@ def curves(
 
 
 def run_points(run_id: int, metric: str) -> Select:
-    """(variant, protocol, eval_length, metric) of every applicable stored point of one
-    run: what its summaries are computed from, whichever attempt evaluated each point.
-    A statement, for the writers to run inside their own transaction."""
+    """(variant, protocol, eval_length, metric) of every stored point of one run (None
+    where not applicable): what its summaries are computed from, whichever attempt
+    evaluated each point. A statement, for the writers to run inside their own
+    transaction."""
     return select(
         Evaluation.variant, Evaluation.protocol, Evaluation.eval_length, getattr(Evaluation, metric)
-    ).where(Evaluation.run_id == run_id, Evaluation.not_applicable.is_(None))
+    ).where(Evaluation.run_id == run_id)
 
 
 def position_bins(url: str, evaluation_ids: Sequence[int]) -> pd.DataFrame:

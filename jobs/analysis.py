@@ -184,8 +184,15 @@ def summarize_run(
     ``mean_log_ppl`` (over every evaluated length). Keys whose definition does not apply
     to ``metric`` are present with None: effective_length for metrics other than
     perplexity/accuracy, the log-perplexity pair for metrics other than perplexity.
+
+    A point given with value None is a length evaluated but without a value (a learned
+    table past its end): the log-perplexity pair is then None too, since an average over
+    only the lengths the encoding can read would not compare with curves that pay for
+    the longer ones.
     """
-    values = points(curve)  # once: a one-shot iterator would be empty for the second summary
+    given = list(curve.items() if hasattr(curve, "items") else curve)
+    censored = any(value is None or pd.isna(value) for _, value in given)
+    values = points(given)
     out: dict[str, float | int | None] = {
         f"ratio_{factor:g}x": extrapolation_ratio(values, train_length, factor)
         for factor in factors
@@ -194,9 +201,9 @@ def summarize_run(
     out["effective_length"] = (
         effective_context_length(values, train_length, metric) if applies else None
     )
-    perplexity = metric == "perplexity"
-    out["log_ppl_area"] = log_perplexity_area(values) if perplexity else None
-    out["mean_log_ppl"] = mean_log_perplexity(values) if perplexity else None
+    whole = metric == "perplexity" and not censored
+    out["log_ppl_area"] = log_perplexity_area(values) if whole else None
+    out["mean_log_ppl"] = mean_log_perplexity(values) if whole else None
     return out
 
 
@@ -447,12 +454,14 @@ def run_summaries(
     ``train_lengths`` maps study_id to the study's training length (``curves()`` rows do
     not carry it; ``queries.studies`` does).
     """
-    data = applicable(frame, metric, line)
+    applicable(frame, metric, line)  # refuses several values at one length of a run
     rows = []
-    for (name, study, run, seed), group in data.groupby(
+    for (name, study, run, seed), group in frame.groupby(
         [line, "study_id", "run_id", "seed"], sort=False
     ):
-        curve = zip(group["eval_length"], group[metric], strict=True)
+        # Lengths past an encoding's end count as evaluated without a value.
+        values = group[metric].where(group["not_applicable"].isna(), None)
+        curve = zip(group["eval_length"], values, strict=True)
         summary = summarize_run(curve, train_lengths[study], metric, factors)
         rows.append({"line": name, "study_id": study, "run_id": run, "seed": seed, **summary})
     return pd.DataFrame(

@@ -242,3 +242,15 @@ def test_the_encoding_summaries_view_aggregates_the_seeds_for_sql(settings: Sett
             {"study": study},
         ).all()
     assert [tuple(row) for row in rows] == [("alibi", 128, 128, 128, 2), ("rope", 32, 32, 32, 2)]
+
+
+def test_a_curve_cut_short_by_its_encoding_has_no_log_perplexity_average() -> None:
+    # A learned table evaluated past its end: its average over the lengths it can read
+    # would look better than curves that pay for the longer ones.
+    from jobs.analysis import summarize_run
+
+    whole = summarize_run({32: 10.0, 64: 12.0, 128: 20.0}, 32, "perplexity")
+    cut = summarize_run({32: 10.0, 64: None, 128: None}, 32, "perplexity")
+    assert whole["mean_log_ppl"] is not None and whole["ratio_2x"] == 1.2
+    assert cut["mean_log_ppl"] is None and cut["log_ppl_area"] is None
+    assert cut["ratio_2x"] is None and cut["effective_length"] == 32

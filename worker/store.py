@@ -164,7 +164,8 @@ def stored_evaluations(url: str, run_id: int) -> set[tuple[str, str, int]]:
 
 
 def stored_points(url: str, run_id: int, metric: str) -> list[tuple[str, str, int, float]]:
-    """(variant, protocol, length, metric) of every applicable stored point of a run."""
+    """(variant, protocol, length, metric) of every stored point of a run (None where
+    not applicable)."""
     with transaction(url) as session:
         return [tuple(row) for row in session.execute(run_points(run_id, metric))]
 

@@ -111,7 +111,6 @@ class RunResult:
         points = (
             (row.variant, row.protocol, row.length, getattr(row, metric))
             for row in self.evaluations
-            if row.not_applicable is None
         )
         extra = self.order.as_summaries() if self.order else None
         return analysis.summarize_points(
