@@ -234,10 +234,11 @@ def form(base: dict[str, Any], prefix: str) -> tuple[dict[str, Any], list[str]]:
 
 def estimate(spec: StudySpec) -> str:
     runs = len(spec.runs())
-    tokens = spec.train.steps * spec.train.batch_size * spec.train.length
+    batch = spec.train.batch_size * spec.train.grad_accum
+    tokens = spec.train.steps * batch * spec.train.length
     flops = 6 * spec.model.parameters * tokens * runs
     return (
-        f"{runs} runs x {spec.train.steps:,} steps x {spec.train.batch_size} x "
+        f"{runs} runs x {spec.train.steps:,} steps x {batch} x "
         f"{spec.train.length} tokens = {runs * tokens:,} training tokens "
         f"(about {flops:.2g} FLOPs), evaluated at {len(spec.eval.lengths)} lengths"
     )

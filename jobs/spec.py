@@ -153,6 +153,9 @@ class TrainSpec(_Strict):
     length: int = Field(128, ge=8, le=MAX_TRAIN_LENGTH, description="training sequence length")
     steps: int = Field(600, ge=1, le=MAX_STEPS)
     batch_size: int = Field(16, ge=1, le=1024)
+    grad_accum: int = Field(
+        1, ge=1, le=256, description="micro-batches of batch_size per optimizer step"
+    )
     lr: float = Field(2e-3, gt=0, le=1.0, description="peak learning rate")
     min_lr_ratio: float = Field(0.1, ge=0, le=1.0, description="final lr / peak lr")
     warmup: float = Field(0.05, ge=0, le=0.5, description="fraction of steps spent warming up")
@@ -403,10 +406,13 @@ class StudySpec(_Strict):
             problems.append(f"encodings: the same configuration listed twice: {twice}")
         if len(set(self.seeds)) != len(self.seeds):
             problems.append("seeds: each seed may appear once")
-        train_tokens = self.train.steps * self.train.batch_size * self.train.length
+        train_tokens = (
+            self.train.steps * self.train.batch_size * self.train.grad_accum * self.train.length
+        )
         if train_tokens > MAX_TRAIN_TOKENS:
             problems.append(
-                f"train: steps x batch_size x length = {train_tokens:,} tokens per run; "
+                f"train: steps x batch_size x grad_accum x length = {train_tokens:,} tokens "
+                "per run; "
                 f"at most {MAX_TRAIN_TOKENS:,}"
             )
         task = TASKS[self.task.name]
@@ -476,14 +482,23 @@ class StudySpec(_Strict):
     def config_hash(self, encoding: EncodingSpec, seed: int) -> str:
         """Stable hash of everything that changes a run's results (not the study's name,
         nor the other encodings or seeds)."""
+        train = self.train.model_dump(exclude={"checkpoint_every", "progress_every"})
+        evaluation = self.eval.model_dump(mode="json", exclude={"order_probe"})
+        # Fields added later enter the payload only when set away from their default,
+        # so every earlier run keeps its hash (and is still reused).
+        if train["grad_accum"] == 1:
+            del train["grad_accum"]
+        for variant in evaluation["variants"]:
+            if not variant["params"]:
+                del variant["params"]
         payload = {
             "task": {"name": self.task.name, "params": self.task.params},
             "model": self.model.dims(),
-            "train": self.train.model_dump(exclude={"checkpoint_every", "progress_every"}),
+            "train": train,
             "encoding": {"name": encoding.name, "params": encoding.resolved_params},
             "seed": seed,
             # The order probe adds summaries but changes no point of the curve.
-            "eval": self.eval.model_dump(mode="json", exclude={"order_probe"}),
+            "eval": evaluation,
         }
         canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
         return hashlib.sha256(canonical.encode()).hexdigest()[:24]

@@ -373,3 +373,25 @@ def test_yarn_parameters_may_be_set_per_variant() -> None:
         ({"method": "yarn", "alpha": 8, "beta": 4}, "variant 'yarn' needs beta > alpha"),
     ]:
         assert message in rejected(with_value("eval.variants", [variant]))
+
+
+def test_config_hashes_stay_what_earlier_versions_stored() -> None:
+    # Runs are reused across studies by config hash: a field added to the spec must not
+    # change the hash of a spec that leaves it at its default. Values computed by the
+    # code of 2026-11-29 (commit 91abd9c).
+    assert [r.config_hash for r in preset_spec("smoke").runs()][:2] == [
+        "945aea74daafbb5b0676115d",
+        "b3e930229616cb89bd482383",
+    ]
+    assert preset_spec("paper").runs()[0].config_hash == "ede72141ec82c31a079b5e5f"
+    custom = parse_spec(
+        {
+            "encodings": [{"name": "rope", "base": 20000}],
+            "eval": {"variants": ["none", "yarn:4"]},
+            "model": "tiny",
+            "train": {"length": 32},
+        }
+    )
+    assert custom.runs()[0].config_hash == "77415449f017e4bd1d273751"
+    accumulated = parse_spec({**BASE, "train": {"length": 32, "grad_accum": 2}})
+    assert accumulated.runs()[0].config_hash != parse_spec(BASE).runs()[0].config_hash

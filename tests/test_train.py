@@ -10,6 +10,7 @@ import torch
 
 from jobs.spec import TrainSpec
 from worker.data import build_task
+from worker.data.base import Batch
 from worker.model import build_model
 from worker.train import (
     RunCancelled,
@@ -252,3 +253,31 @@ def test_progress_reports_loss_lr_and_throughput(task) -> None:
     )
     assert [p.step for p in points] == [5, 10]
     assert all(p.loss > 0 and p.tokens_per_second > 0 and p.lr > 0 for p in points)
+
+
+def test_gradient_accumulation_averages_micro_batches(task, monkeypatch) -> None:
+    # Two micro-batches of 2 make one step on the mean loss of their 4 sequences: the
+    # same loss and update as one batch of those 4 sequences (float64; Adam's first step
+    # is ~lr x sign(gradient), so entries with a near-zero gradient may differ in the
+    # last bits, hence the tolerance, far below the step of 2e-3).
+    spec = TrainSpec(length=16, steps=1, batch_size=2, grad_accum=2)
+    drawn = []
+    batch = task.train_batch
+
+    def recorded(*args):
+        made = batch(*args)
+        drawn.append(made)
+        return made
+
+    monkeypatch.setattr(task, "train_batch", recorded)
+    accumulated = build_model("tiny", "nope", train_length=16).double()
+    first = train(accumulated, task, spec, seed=0, device=CPU)
+    assert len(drawn) == 2
+    whole = Batch(torch.cat([b.inputs for b in drawn]), torch.cat([b.targets for b in drawn]))
+    monkeypatch.setattr(task, "train_batch", lambda *args: whole)
+    single = build_model("tiny", "nope", train_length=16).double()
+    second = train(single, task, TrainSpec(length=16, steps=1, batch_size=4), seed=0, device=CPU)
+    # (the loss itself is taken in float32)
+    assert first.curve[0].loss == pytest.approx(second.curve[0].loss, rel=1e-6)
+    for key, value in single.state_dict().items():
+        torch.testing.assert_close(accumulated.state_dict()[key], value, rtol=0, atol=1e-6)

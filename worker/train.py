@@ -218,7 +218,7 @@ def train(
 
     forward = torch.compile(model) if spec.compile else model
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    tokens_per_step = spec.batch_size * spec.length
+    tokens_per_step = spec.batch_size * spec.grad_accum * spec.length
     started = time.perf_counter()
     # Steps of the reporting interval (it may have begun before a resume) and the
     # steps timed in this process since the last report (throughput).
@@ -245,18 +245,20 @@ def train(
             save_checkpoint(checkpoint, snapshot())
 
     while step < end:
-        batch = task.train_batch(spec.batch_size, spec.length, data_rng).to(device)
         lr = lr_at(step, spec)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        with autocast:
-            logits = forward(batch.inputs)
-        loss = batch_loss(logits, batch)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        # grad_accum micro-batches of batch_size: one optimizer step on their mean loss.
+        for _ in range(spec.grad_accum):
+            batch = task.train_batch(spec.batch_size, spec.length, data_rng).to(device)
+            with autocast:
+                logits = forward(batch.inputs)
+            loss = batch_loss(logits, batch) / spec.grad_accum
+            loss.backward()
+            loss_sum += loss.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
         optimizer.step()
-        loss_sum += loss.detach()
         step += 1
         interval_steps += 1
         timed_steps += 1
