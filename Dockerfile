@@ -7,7 +7,11 @@
 ARG PYTHON_VERSION=3.11
 
 FROM python:${PYTHON_VERSION}-slim AS base
-ENV PYTHONDONTWRITEBYTECODE=1 \
+# The commit the image is built from (the build context has no .git): recorded in
+# every run's provenance. docker compose build --build-arg GIT_COMMIT=$(git rev-parse HEAD)
+ARG GIT_COMMIT=""
+ENV POSBENCH_GIT_COMMIT=${GIT_COMMIT} \
+    PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \

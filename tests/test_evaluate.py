@@ -184,3 +184,23 @@ def test_a_cancel_stops_evaluation_between_points() -> None:
             should_stop=lambda: next(asked),
         )
     assert [row.length for row in stored] == [16]  # the point before the cancel stays
+
+
+def test_provenance_names_the_commit_in_a_checkout_and_in_an_image(monkeypatch) -> None:
+    import subprocess
+
+    from worker import study
+
+    study._git_commit.cache_clear()
+    commit = study.provenance(torch.device("cpu"), 0, "lm")["git_commit"]
+    assert commit and len(commit.removesuffix("+dirty")) == 40
+    # In an image there is no .git: the commit comes from the build argument.
+    monkeypatch.setenv("POSBENCH_GIT_COMMIT", "abc123")
+
+    def no_git(*args, **kwargs):
+        raise FileNotFoundError("git")
+
+    monkeypatch.setattr(subprocess, "run", no_git)
+    study._git_commit.cache_clear()
+    assert study.provenance(torch.device("cpu"), 0, "lm")["git_commit"] == "abc123"
+    study._git_commit.cache_clear()

@@ -6,6 +6,7 @@ CLI, notebooks and demos (no broker, no database).
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -60,14 +61,25 @@ def resolve_device(requested: str | None = None) -> torch.device:
 
 @lru_cache(maxsize=1)
 def _git_commit() -> str | None:
+    """The checkout's commit, with '+dirty' when files differ from it; in an image
+    (no .git), the commit it was built from (POSBENCH_GIT_COMMIT, a build argument)."""
     root = Path(__file__).resolve().parent.parent
     try:
-        out = subprocess.run(
+        head = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5
         )
+        if head.returncode == 0 and head.stdout.strip():
+            dirty = subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                cwd=root,
+                capture_output=True,
+                text=True,
+                timeout=5,
+            )
+            return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+        pass
+    return os.environ.get("POSBENCH_GIT_COMMIT") or None
 
 
 def provenance(device: torch.device, seed: int, data: str) -> dict[str, Any]:
@@ -88,6 +100,8 @@ def provenance(device: torch.device, seed: int, data: str) -> dict[str, Any]:
         "python_version": sys.version.split()[0],
         "device": str(device),
         "device_name": device_name,
+        # Training and evaluation precision: bf16 autocast on CUDA, float32 elsewhere.
+        "autocast": "bfloat16" if device.type == "cuda" else None,
         "seed": seed,
         "data": data,
     }
