@@ -92,11 +92,14 @@ def render() -> None:
     study = studies.set_index("id").loc[study_id]
     from db.engine import transaction
     from db.models import Study
-    from jobs.spec import parse_spec
 
     with transaction(database()) as session:
-        spec = parse_spec(session.get(Study, study_id).spec)
-    tokens_per_step = spec.train.batch_size * spec.train.length
+        stored = session.get(Study, study_id).spec
+    # Read as stored: a study submitted under earlier, looser rules must still show.
+    train = stored.get("train", {})
+    tokens_per_step = (
+        train.get("batch_size", 16) * train.get("grad_accum", 1) * train.get("length", 128)
+    )
     st.write(
         f"**{study['name']}** · task {study['task']} · train length "
         f"{study['train_length']} · {study['runs']} runs"

@@ -83,7 +83,9 @@ def transaction(url: str) -> Iterator[Session]:
 
 # SQLSTATE classes and codes worth another try: connection failures (08...), the
 # server shutting down (57P0x), serialization failures and deadlocks.
-TRANSIENT_SQLSTATES = ("40001", "40P01", "57P01", "57P02", "57P03")
+TRANSIENT_SQLSTATES = ("40001", "40P01", "53300", "57P01", "57P02", "57P03")
+# Connection failures that another try will not mend.
+PERMANENT_CONNECTION_ERRORS = ("authentication failed", "does not exist", "no password")
 
 
 def is_transient(err: OperationalError) -> bool:
@@ -94,19 +96,30 @@ def is_transient(err: OperationalError) -> bool:
     state = getattr(err.orig, "sqlstate", None)
     if state is not None:
         return state.startswith("08") or state in TRANSIENT_SQLSTATES
-    # psycopg raises connection failures (refused, reset) without a SQLSTATE.
+    # psycopg raises connection failures (refused, reset) without a SQLSTATE; a wrong
+    # password or database name among them is not worth 25 s of retries.
+    if any(text in str(err) for text in PERMANENT_CONNECTION_ERRORS):
+        return False
     return type(err.orig).__module__.startswith("psycopg")
 
 
-def with_retry(work: Callable[[], T], attempts: int = 10, max_wait: float = 5.0) -> T:
+def with_retry(
+    work: Callable[[], T],
+    attempts: int = 10,
+    max_wait: float = 5.0,
+    on_retry: Callable[[], None] | None = None,
+) -> T:
     """Run ``work`` again while the database reports a transient error, backing off
-    from 0.2 s to ``max_wait`` (about 25 s in all: a database restart, not an outage)."""
+    from 0.2 s to ``max_wait`` (about 25 s in all: a database restart, not an outage);
+    ``on_retry`` is told of every retry."""
     for attempt in range(attempts):
         try:
             return work()
         except OperationalError as err:
             if not is_transient(err) or attempt == attempts - 1:
                 raise
+            if on_retry is not None:
+                on_retry()
             time.sleep(min(max_wait, 0.2 * 2**attempt))
     raise AssertionError("unreachable")
 

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 
-from jobs.service import reconcile
+from jobs.service import database_steady, reconcile
 from jobs.settings import get_settings
 
 log = logging.getLogger("posbench.reconciler")
@@ -26,8 +26,12 @@ def loop(stop: threading.Event) -> None:
     while not stop.wait(settings.reconcile_seconds):
         # After the database was away, heartbeats could not be written either: wait one
         # stale window of successful passes before calling a silent run dead.
-        trusting = failed_at is None or time.monotonic() - failed_at > settings.stale_after_seconds
         try:
+            if not database_steady(settings):  # it answered, but only after retries
+                failed_at = time.monotonic()
+            trusting = (
+                failed_at is None or time.monotonic() - failed_at > settings.stale_after_seconds
+            )
             changed = reconcile(settings=settings, revive_stale=trusting)
         except Exception:  # the database or broker is briefly away: try again next pass
             log.exception("reconciler pass failed; trying again later")

@@ -9,6 +9,7 @@ harmless because a worker must *claim* a queued run before it trains it.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -57,13 +58,14 @@ def queue_of(url: str, run_id: int) -> str:
     return (spec or {}).get("queue", "gpu")
 
 
-def celery_send(run_id: int) -> None:
+def celery_send(run_id: int, settings: Settings | None = None) -> None:
     """Enqueue ``train_run(run_id)`` by name on its study's queue: the producer never
     imports the task's code."""
     from jobs.celery_app import producer
 
-    queue = queue_of(get_settings().database, run_id)
-    producer().send_task(TRAIN_RUN, args=[run_id], queue=queue, routing_key=queue)
+    settings = settings or get_settings()
+    queue = queue_of(settings.database, run_id)
+    producer(settings).send_task(TRAIN_RUN, args=[run_id], queue=queue, routing_key=queue)
 
 
 def _copied(row: Base, *, skip: tuple[str, ...] = (), **changes: object) -> Base:
@@ -105,7 +107,6 @@ def submit(
     results, unless ``force`` asks to train again.
     """
     settings = settings or get_settings()
-    send = send or celery_send
     queued, reused = [], []
     with transaction(settings.database) as session:
         study = Study(
@@ -160,7 +161,7 @@ def enqueue(
 ) -> list[int]:
     """Send each run to the broker and stamp ``enqueued_at``; return the ids that failed."""
     settings = settings or get_settings()
-    send = send or celery_send
+    send = send or functools.partial(celery_send, settings=settings)
     sent, unsent = [], []
     for run_id in run_ids:
         try:
@@ -199,8 +200,9 @@ def _select_runs(session: Session, study_id: int | None, run_id: int | None) -> 
 def cancel(
     *, study_id: int | None = None, run_id: int | None = None, settings: Settings | None = None
 ) -> dict[str, int]:
-    """Queued runs are cancelled at once; running ones stop within a heartbeat or a
-    progress report, whichever comes first (training or evaluating)."""
+    """Queued runs are cancelled at once; running ones stop within a heartbeat (or a
+    progress report, whichever comes first) while training, and before the next point
+    while evaluating."""
     settings = settings or get_settings()
     counts = {"cancelled": 0, "stopping": 0}
     with transaction(settings.database) as session:
@@ -252,6 +254,20 @@ def queue_is_empty(queue: str = "gpu") -> bool | None:
         return True if "NOT_FOUND" in str(err) else None
     except Exception:  # the broker is down: no conclusion
         return None
+
+
+def database_steady(settings: Settings | None = None) -> bool:
+    """Whether the database answers at the first try (False: it answered only after
+    retries, so it was away a moment ago; raises if it does not answer at all)."""
+    settings = settings or get_settings()
+    retried: list[int] = []
+
+    def probe() -> None:
+        with transaction(settings.database) as session:
+            session.execute(select(1))
+
+    with_retry(probe, on_retry=lambda: retried.append(1))
+    return not retried
 
 
 def reconcile(

@@ -32,7 +32,8 @@ DEVICE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="POSBENCH_", extra="ignore")
+    # An empty variable (KEY= in an env file, ${X:-} in compose) means "unset".
+    model_config = SettingsConfigDict(env_prefix="POSBENCH_", extra="ignore", env_ignore_empty=True)
 
     home: Path = Field(Path(".posbench"), description="state of the embedded default")
     database_url: str | None = Field(None, description="SQLAlchemy URL of the results database")

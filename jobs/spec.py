@@ -38,6 +38,15 @@ from worker.encodings.registry import (
     short_repr,
 )
 
+# The version of what a run's numbers mean, part of every config hash: bumped when
+# training or evaluation changes what a run with the same spec measures, so results of
+# the old code are never reused as if they were the new code's. 2 (2026-11-30): the
+# learning-rate schedule's ends, no weight decay on encodings, KERPLE-power's initial
+# ranges, YaRN's ramp of the authors' code, float32 logits, and evaluation scoring the
+# same bytes at every length.
+RESULTS_VERSION = 2
+MAX_VARIANT_LABEL = 40  # evaluations.variant is VARCHAR(40)
+
 # Bounds. Generous for a GPU cluster, small enough that one study cannot hog it.
 MAX_RUNS = 64
 MAX_TRAIN_LENGTH = 16_384
@@ -276,6 +285,11 @@ class VariantSpec(_Strict):
                 if beta <= alpha:
                     raise ValueError(f"variant 'yarn' needs beta > alpha, got {alpha} and {beta}")
             object.__setattr__(self, "params", checked)
+            if len(self.label) > MAX_VARIANT_LABEL:
+                raise ValueError(
+                    f"the variant's label {self.label!r} is longer than {MAX_VARIANT_LABEL} "
+                    "characters; give its parameters fewer digits"
+                )
         if self.method in ("none", "dynamic_ntk"):
             if self.factor is not None:
                 raise ValueError(f"variant {self.method!r} takes no factor")
@@ -292,7 +306,7 @@ class VariantSpec(_Strict):
             factor = self.factor if self.factor == "auto" else f"{float(self.factor):g}"
             name = f"{name}:{factor}"
         if self.params:
-            name += "(" + ", ".join(f"{k}={_format_param(v)}" for k, v in self.params.items()) + ")"
+            name += "(" + ", ".join(f"{k}={v:g}" for k, v in self.params.items()) + ")"
         return name
 
     def factor_at(self, eval_length: int, train_length: int) -> float | None:
@@ -481,7 +495,7 @@ class StudySpec(_Strict):
 
     def config_hash(self, encoding: EncodingSpec, seed: int) -> str:
         """Stable hash of everything that changes a run's results (not the study's name,
-        nor the other encodings or seeds)."""
+        nor the other encodings or seeds), RESULTS_VERSION included."""
         train = self.train.model_dump(exclude={"checkpoint_every", "progress_every"})
         evaluation = self.eval.model_dump(mode="json", exclude={"order_probe"})
         # Fields added later enter the payload only when set away from their default,
@@ -492,6 +506,7 @@ class StudySpec(_Strict):
             if not variant["params"]:
                 del variant["params"]
         payload = {
+            "results_version": RESULTS_VERSION,
             "task": {"name": self.task.name, "params": self.task.params},
             "model": self.model.dims(),
             "train": train,

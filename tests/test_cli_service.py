@@ -100,3 +100,17 @@ def test_an_unreachable_database_is_one_line(tmp_path: Path) -> None:
         assert done.returncode == 1
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
         assert "Traceback" not in done.stderr and "secret" not in done.stderr
+
+
+def test_an_empty_setting_means_unset(tmp_path: Path) -> None:
+    # KEY= in an env file, ${X:-} in compose: the default, not an invalid value.
+    env = isolated_env(
+        tmp_path,
+        POSBENCH_DEVICE="",
+        POSBENCH_DATABASE_URL="",
+        POSBENCH_BROKER_URL="",
+        POSBENCH_DASHBOARD_PASSWORD="",
+    )
+    done = posbench(env, "db", "upgrade")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "posbench.db").is_file()

@@ -280,3 +280,26 @@ def test_a_cancel_outlives_the_worker_that_was_asked(settings: Settings) -> None
     assert outcome["cancelled"] == [run_id] and outcome["revived"] == []
     with transaction(settings.database) as session:
         assert session.get(Run, run_id).status == "cancelled"
+
+
+def test_a_worker_finds_a_run_stored_by_an_earlier_version() -> None:
+    # Stored before RESULTS_VERSION changed (another hash) with the old label format
+    # (rope(base=500000.0)): the worker still finds its run, by encoding, parameters
+    # and seed.
+    from types import SimpleNamespace
+
+    from worker.tasks import matching_run
+
+    spec = parse_spec({**SPEC, "encodings": [{"name": "rope", "base": 500000.0}, "alibi"]})
+    old = SimpleNamespace(
+        id=7,
+        config_hash="0" * 24,
+        label="rope(base=500000.0)",
+        encoding="rope",
+        params={"base": 500000.0, "rotary_fraction": 1.0},
+        seed=1,
+    )
+    found = matching_run(spec, old)
+    assert (found.encoding.name, found.seed) == ("rope", 1)
+    with pytest.raises(ValueError, match="not in its study's spec"):
+        matching_run(spec, SimpleNamespace(**{**vars(old), "seed": 9}))

@@ -217,6 +217,13 @@ def test_cross_field_limits() -> None:
             {**BASE, "task": {"name": "assoc_recall", "key_length": 1}, "eval": {"lengths": [256]}},
             "key_length=1 has 26 distinct keys; length 256 needs 50",
         ),
+        (
+            with_value(
+                "eval.variants",
+                [{"method": "yarn", "factor": 1.23456789, "alpha": 0.123456789, "beta": 31.1234}],
+            ),
+            "is longer than 40 characters",
+        ),
         ({**BASE, "name": "  "}, "name: must not be blank"),
         ({**BASE, "name": "a\nb"}, "name: must be printable text"),
         ({**BASE, "name": "a\x00b"}, "name: must be printable text"),
@@ -375,15 +382,15 @@ def test_yarn_parameters_may_be_set_per_variant() -> None:
         assert message in rejected(with_value("eval.variants", [variant]))
 
 
-def test_config_hashes_stay_what_earlier_versions_stored() -> None:
-    # Runs are reused across studies by config hash: a field added to the spec must not
-    # change the hash of a spec that leaves it at its default. Values computed by the
-    # code of 2026-11-29 (commit 91abd9c).
+def test_config_hashes_change_only_with_what_a_run_measures() -> None:
+    # Runs are reused across studies by config hash. A field added to the spec must not
+    # change the hash of a spec that leaves it at its default; a change of what a run
+    # measures bumps RESULTS_VERSION instead. Values of RESULTS_VERSION 2 (2026-11-30).
     assert [r.config_hash for r in preset_spec("smoke").runs()][:2] == [
-        "945aea74daafbb5b0676115d",
-        "b3e930229616cb89bd482383",
+        "050a7dedb11c0ccb98637bd1",
+        "4fe5dc7905c68b1263868398",
     ]
-    assert preset_spec("paper").runs()[0].config_hash == "ede72141ec82c31a079b5e5f"
+    assert preset_spec("paper").runs()[0].config_hash == "96e0b5102443c252e9d92507"
     custom = parse_spec(
         {
             "encodings": [{"name": "rope", "base": 20000}],
@@ -392,6 +399,6 @@ def test_config_hashes_stay_what_earlier_versions_stored() -> None:
             "train": {"length": 32},
         }
     )
-    assert custom.runs()[0].config_hash == "77415449f017e4bd1d273751"
+    assert custom.runs()[0].config_hash == "ae1525a48d0af075fc7d2a7f"
     accumulated = parse_spec({**BASE, "train": {"length": 32, "grad_accum": 2}})
     assert accumulated.runs()[0].config_hash != parse_spec(BASE).runs()[0].config_hash

@@ -187,10 +187,14 @@ def evaluate_length(
         # Random draws inside the model (randomized positions are sampled at evaluation
         # too, as in Ruoss et al.'s code) come from a generator seeded by the run's seed
         # and this point of the plan: a rerun or a resumed run measures the same thing.
-        point = f"{seed}/{variant.label}/{protocol}/{length}".encode()
+        point = zlib.crc32(f"{seed}/{variant.label}/{protocol}/{length}".encode())
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(zlib.crc32(point))
+            # Only the generators this evaluation draws from, and fork_rng restores them.
+            torch.random.default_generator.manual_seed(point)
+            if device.type == "cuda":
+                with torch.cuda.device(device):
+                    torch.cuda.manual_seed(point)
             if variant.method == "none":
                 return _run_batches(model, batches, length, device)
             with model.scaled(variant.method, row.factor, train_length, **variant.params):

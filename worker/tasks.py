@@ -55,7 +55,7 @@ def _train_and_evaluate(url: str, run_id: int, lease: str, spec, run, beat) -> s
     from worker.train import RunCancelled
 
     settings = get_settings()
-    run_spec = next(r for r in spec.runs() if r.encoding.label == run.label and r.seed == run.seed)
+    run_spec = matching_run(spec, run)
     checkpoint = settings.artifacts_dir / "runs" / f"{run_id}.pt"
     cancel = {"asked": False}
 
@@ -95,6 +95,24 @@ def _train_and_evaluate(url: str, run_id: int, lease: str, spec, run, beat) -> s
         url, run_id, lease, "done", provenance=provenance, checkpoint_uri=checkpoint.as_uri()
     )
     return "done"
+
+
+def matching_run(spec, run):
+    """The RunSpec of the stored ``run``: by config hash, or (a study stored by an
+    earlier version, whose hash or label format differed) by encoding, resolved
+    parameters and seed."""
+    runs = spec.runs()
+    for candidate in runs:
+        if candidate.config_hash == run.config_hash:
+            return candidate
+    for candidate in runs:
+        if (
+            candidate.seed == run.seed
+            and candidate.encoding.name == run.encoding
+            and candidate.encoding.resolved_params == run.params
+        ):
+            return candidate
+    raise ValueError(f"run {run.id} ({run.label}, seed {run.seed}) is not in its study's spec")
 
 
 def _reason(err: BaseException) -> str:

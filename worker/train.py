@@ -282,7 +282,8 @@ def train(
                 on_progress(point)
         if step % spec.checkpoint_every == 0 or step == end:
             write_checkpoint()
-        if report and should_stop is not None and should_stop():
+        # Every step: should_stop reads flags the heartbeat and the reports keep fresh.
+        if should_stop is not None and should_stop():
             write_checkpoint()
             raise RunCancelled(f"cancelled at step {step} of {spec.steps}")
         if report:
