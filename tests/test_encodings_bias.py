@@ -218,3 +218,16 @@ def test_bias_never_favours_distant_keys_at_init_for_fixed_kernels(name: str) ->
     if name in ("alibi", "kerple_log", "kerple_power"):
         # Monotone kernels: the further back, the lower the bias.
         assert bool((bias[:, 1:] >= bias[:, :-1]).all())
+
+
+@pytest.mark.parametrize("name", ["fire", "alibi", "kerple_log"])
+def test_attending_both_ways_the_bias_is_symmetric_in_distance(name: str) -> None:
+    # Only the probes attend both ways; there these encodings treat a key d positions
+    # ahead like one d positions behind (FIRE had put every future key at distance 0).
+    # T5 keeps x-transformers' causal buckets (future keys in bucket 0), its oracle.
+    encoding = build(name, **dims(n_heads=4, train_length=16))
+    with torch.no_grad():
+        row = encoding.bias(16, 16)[:, 8]  # one query; FIRE normalises by its position
+    for d in (1, 3, 7):
+        torch.testing.assert_close(row[:, 8 - d], row[:, 8 + d])
+    assert not torch.equal(row[:, 8 + 3], row[:, 8])

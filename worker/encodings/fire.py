@@ -49,8 +49,10 @@ class FIRE(PositionEncoding):
         return torch.log(torch.abs(self.c * x) + 1)
 
     def normalized_distance(self, q_len: int, k_len: int) -> Tensor:
-        """``[q_len, k_len]``: psi(i - j) / psi(max(L, i)), in [0, 1] for past keys."""
-        distance = relative_distance(q_len, k_len, self.c.device).clamp(min=0)
+        """``[q_len, k_len]``: psi(i - j) / psi(max(L, i)), in [0, 1] for past keys;
+        psi(x) = log(|c x| + 1) is symmetric, so future keys (only the two-way probes
+        see them) get psi(|i - j|), as in the reference, not psi(0)."""
+        distance = relative_distance(q_len, k_len, self.c.device)
         query_pos = torch.arange(k_len - q_len, k_len, device=self.c.device, dtype=torch.float32)
         normaliser = self.psi(torch.maximum(query_pos, self.threshold)) + self.eps
         return self.psi(distance) / normaliser[:, None]
