@@ -311,36 +311,27 @@ def reconcile(
                 if not asked and attempts >= settings.max_attempts
             ]
             guard = (Run.status == "running", Run.heartbeat_at < stale_before)
-            if cancelled:
-                session.execute(
-                    update(Run)
-                    .where(Run.id.in_(cancelled), *guard)
-                    .values(
-                        status="cancelled",
-                        lease=None,
-                        finished_at=now,
-                        failure_reason="cancelled (its worker stopped before it could stop)",
+
+            def end(ids: list[int], status: str, reason: str) -> None:
+                if ids:
+                    session.execute(
+                        update(Run)
+                        .where(Run.id.in_(ids), *guard)
+                        .values(status=status, lease=None, finished_at=now, failure_reason=reason)
                     )
-                )
+
+            end(cancelled, "cancelled", "cancelled (its worker stopped before it could stop)")
+            end(
+                exhausted,
+                "failed",
+                f"the worker stopped responding {settings.max_attempts} times while running it "
+                "(killed, out of memory, or its node was lost)",
+            )
             if revived:
                 session.execute(
                     update(Run)
                     .where(Run.id.in_(revived), *guard)
                     .values(status="queued", lease=None, enqueued_at=None)
-                )
-            if exhausted:
-                session.execute(
-                    update(Run)
-                    .where(Run.id.in_(exhausted), *guard)
-                    .values(
-                        status="failed",
-                        lease=None,
-                        finished_at=now,
-                        failure_reason=(
-                            f"the worker stopped responding {settings.max_attempts} times while "
-                            "running it (killed, out of memory, or its node was lost)"
-                        ),
-                    )
                 )
             return revived, exhausted, cancelled
 

@@ -111,29 +111,20 @@ def test_a_foreign_or_corrupt_checkpoint_is_set_aside(task, tmp_path: Path) -> N
     checkpoint = tmp_path / "run.pt"
     model = build_model("tiny", "alibi", train_length=16)
     train(model, task, spec, seed=0, device=CPU, checkpoint=checkpoint, fingerprint="alibi-0")
+
+    def nope_run():
+        model = build_model("tiny", "nope", train_length=16)
+        return train(
+            model, task, spec, seed=0, device=CPU, checkpoint=checkpoint, fingerprint="nope-0"
+        )
+
     # Another run's configuration: ignored (moved aside), training starts at step 0.
-    other = train(
-        build_model("tiny", "nope", train_length=16),
-        task,
-        spec,
-        seed=0,
-        device=CPU,
-        checkpoint=checkpoint,
-        fingerprint="nope-0",
-    )
+    other = nope_run()
     assert other.resumed_from == 0 and other.steps == 4
     assert load_checkpoint(checkpoint, CPU, "nope-0")["step"] == 4
     assert len(list(tmp_path.glob("run.pt.*.stale"))) == 1
     checkpoint.write_bytes(b"not a checkpoint")
-    again = train(
-        build_model("tiny", "nope", train_length=16),
-        task,
-        spec,
-        seed=0,
-        device=CPU,
-        checkpoint=checkpoint,
-        fingerprint="nope-0",
-    )
+    again = nope_run()
     assert again.resumed_from == 0 and len(list(tmp_path.glob("run.pt.*.stale"))) == 2
 
 
