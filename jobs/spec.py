@@ -269,22 +269,14 @@ class VariantSpec(_Strict):
     @model_validator(mode="after")
     def _factor(self) -> VariantSpec:
         if self.params:
-            spec = SCALINGS.get(self.method)
-            allowed = {p.name: p for p in spec.params} if spec else {}
-            checked = {}
-            for name, value in self.params.items():
-                if name not in allowed:
-                    raise ValueError(
-                        f"variant {self.method!r} has no parameter {name!r} "
-                        f"(allowed: {', '.join(allowed) or 'none'})"
-                    )
-                checked[name] = allowed[name].check(f"variant {self.method!r}", value)
-            if self.method == "yarn":
-                alpha = checked.get("alpha", allowed["alpha"].default)
-                beta = checked.get("beta", allowed["beta"].default)
-                if beta <= alpha:
-                    raise ValueError(f"variant 'yarn' needs beta > alpha, got {alpha} and {beta}")
-            object.__setattr__(self, "params", checked)
+            owner = f"variant {self.method!r}"
+            if self.method not in SCALINGS:  # 'none' takes no parameter
+                raise ValueError(
+                    f"{owner} has no parameter {next(iter(self.params))!r} (allowed: none)"
+                )
+            resolved = SCALINGS[self.method].resolve(self.params, owner)
+            # Only what was given stays (and names the variant); defaults stay implicit.
+            object.__setattr__(self, "params", {k: resolved[k] for k in self.params})
             if len(self.label) > MAX_VARIANT_LABEL:
                 raise ValueError(
                     f"the variant's label {self.label!r} is longer than {MAX_VARIANT_LABEL} "

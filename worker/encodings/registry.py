@@ -161,6 +161,22 @@ class ScalingInfo:
     needs_factor: bool
     params: tuple[Param, ...] = field(default=())
 
+    def resolve(self, params: Mapping[str, Any], owner: str) -> dict[str, Any]:
+        """Every parameter of this scaling: the given ones checked, the rest at their
+        defaults; ``owner`` names the caller in errors (a spec's variant, the model)."""
+        resolved = {p.name: p.default for p in self.params}
+        for name, value in params.items():
+            if name not in resolved:
+                raise EncodingConfigError(
+                    f"{owner} has no parameter {name!r} (allowed: {', '.join(resolved) or 'none'})"
+                )
+            resolved[name] = next(p for p in self.params if p.name == name).check(owner, value)
+        if self.name == "yarn" and resolved["beta"] <= resolved["alpha"]:
+            raise EncodingConfigError(
+                f"{owner} needs beta > alpha, got {resolved['alpha']:g} and {resolved['beta']:g}"
+            )
+        return resolved
+
     def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name,

@@ -261,16 +261,7 @@ class Rope(PositionEncoding):
                 )
         else:
             factor = 1.0
-        resolved = {p.name: p.default for p in spec.params}
-        for key, value in params.items():
-            if key not in resolved:
-                allowed = ", ".join(resolved) or "none"
-                raise EncodingConfigError(
-                    f"RoPE scaling {method!r} has no parameter {key!r} (allowed: {allowed})"
-                )
-            resolved[key] = next(p for p in spec.params if p.name == key).check(method, value)
-        if method == "yarn" and resolved["beta"] <= resolved["alpha"]:
-            raise EncodingConfigError("RoPE scaling 'yarn' needs beta > alpha")
+        resolved = spec.resolve(params, f"RoPE scaling {method!r}")
         scaled = copy.deepcopy(self)
         scaled.scaling = RopeScaling(method, float(factor), int(original_length), **resolved)
         # Always derive from the trained frequencies, never stack scalings.
