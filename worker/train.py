@@ -239,10 +239,15 @@ def train(
             )
         return mean_loss
 
+    saved_at = None  # the step the last checkpoint holds
+
     def write_checkpoint() -> None:
-        if checkpoint is not None and (may_write is None or may_write()):
-            check_finite()
-            save_checkpoint(checkpoint, snapshot())
+        nonlocal saved_at
+        if saved_at == step or checkpoint is None or (may_write is not None and not may_write()):
+            return
+        check_finite()
+        save_checkpoint(checkpoint, snapshot())
+        saved_at = step
 
     while step < end:
         lr = lr_at(step, spec)
