@@ -32,6 +32,7 @@ from worker.memory import (
     reset_peak_resident,
 )
 from worker.model import Transformer
+from worker.train import RunCancelled
 
 NONE = VariantSpec()
 
@@ -255,8 +256,6 @@ def evaluate(
         if skip and (variant.label, protocol, length) in skip:
             continue
         if should_stop is not None and should_stop():
-            from worker.train import RunCancelled
-
             raise RunCancelled(f"cancelled while evaluating, before {variant.label} @ {length}")
         row = evaluate_length(
             model,

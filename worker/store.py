@@ -73,12 +73,9 @@ def heartbeat(url: str, run_id: int, lease: str) -> tuple[bool, bool]:
 
     def attempt() -> tuple[bool, bool]:
         with transaction(url) as session:
-            changed = session.execute(
-                update(Run)
-                .where(Run.id == run_id, Run.lease == lease)
-                .values(heartbeat_at=utcnow())
-            ).rowcount
-            if not changed:
+            try:
+                _hold(session, run_id, lease)
+            except LeaseLost:
                 return False, False
             asked = session.scalar(select(Run.cancel_requested).where(Run.id == run_id))
             return True, bool(asked)

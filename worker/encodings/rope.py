@@ -140,11 +140,17 @@ class BlockDecay:
         (with a heads axis for per-sequence positions)."""
         pos = self.positions.to(torch.float32)
         centre = pos[..., end - 1 : end]
-        query = self.zeta ** ((pos[..., start:end] - centre) / self.scale_base)[..., None]
-        key = self.zeta ** ((centre - pos[..., :end]) / self.scale_base)[..., None]
-        if pos.dim() == 2:
-            query, key = query[:, None], key[:, None]
-        return query, key
+        return (
+            decay_scale(self.zeta, pos[..., start:end] - centre, self.scale_base),
+            decay_scale(self.zeta, centre - pos[..., :end], self.scale_base),
+        )
+
+
+def decay_scale(zeta: Tensor, offsets: Tensor, scale_base: float) -> Tensor:
+    """xPos's per-pair scale zeta^(offset / scale_base), ``[..., T, r/2]`` for offsets
+    ``[T]``, or ``[B, 1, T, r/2]`` (a heads axis) for per-sequence offsets ``[B, T]``."""
+    scale = zeta ** (offsets / scale_base)[..., None]
+    return scale[:, None] if scale.dim() == 3 else scale
 
 
 def scale_pairs(x: Tensor, scale: Tensor) -> Tensor:

@@ -19,11 +19,12 @@ x-transformers and the paper's code use one table and return inf / NaN past abou
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from torch import Tensor
 
-from worker.encodings.rope import BlockDecay, Rope, RotaryTables
+from worker.encodings.rope import BlockDecay, Rope, RotaryTables, decay_scale
 
 # The largest scale a table may hold, as a natural log: e^60 = 1e26 leaves float32
 # (max 3.4e38) room for the q and k values it multiplies.
@@ -52,16 +53,14 @@ class XPos(Rope):
         """``[..., T, r/2]`` float32 query scales per pair; keys use the reciprocal."""
         pos = positions.to(torch.float32)
         centre = torch.floor((pos.amax(dim=-1, keepdim=True) + pos.amin(dim=-1, keepdim=True)) / 2)
-        power = (pos - centre) / self.scale_base
-        scale = self.zeta ** power[..., None]
-        return scale[:, None] if scale.dim() == 3 else scale
+        return decay_scale(self.zeta, pos - centre, self.scale_base)
 
     def rotary_tables(self, positions: Tensor) -> RotaryTables:
         tables = super().rotary_tables(positions)
         if positions.shape[-1] > self.table_span:
             # Positions are 0..T-1 here (Rope's positions), so the span is the length.
             decay = BlockDecay(self.zeta, self.scale_base, positions, self.table_span // 2)
-            return RotaryTables(tables.cos_q, tables.sin_q, tables.cos_k, tables.sin_k, decay)
+            return replace(tables, decay=decay)
         with torch.autocast(positions.device.type, enabled=False):
             scale = self.decay(positions)
             cos, sin = tables.cos_q, tables.sin_q
