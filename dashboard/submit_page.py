@@ -12,7 +12,7 @@ from typing import Any
 import streamlit as st
 import yaml
 
-from jobs.spec import MODEL_PRESETS, PRESET_SPECS, SpecError, StudySpec, parse_spec
+from jobs.spec import MODEL_PRESETS, PRESET_SPECS, QUEUES, SpecError, StudySpec, parse_spec
 from worker.data.registry import TASKS
 from worker.encodings.registry import REGISTRY, SCALINGS, Param
 
@@ -79,8 +79,8 @@ def form(base: dict[str, Any], prefix: str) -> tuple[dict[str, Any], list[str]]:
         "name": name_column.text_input("Study name", base.get("name", "study"), key=key("name")),
         "queue": queue_column.selectbox(
             "Queue",
-            ["gpu", "cpu"],
-            index=["gpu", "cpu"].index(base.get("queue", "gpu")),
+            QUEUES,
+            index=QUEUES.index(base.get("queue", "gpu")),
             key=key("queue"),
             help="the workers that train it (posbench worker --queues)",
         ),

@@ -10,9 +10,9 @@ from celery import Celery
 from kombu import Exchange, Queue
 
 from jobs.settings import Settings, get_settings
+from jobs.spec import QUEUES
 
 TRAIN_RUN = "posbench.train_run"
-QUEUES = ("gpu", "cpu")
 
 
 def make_celery(settings: Settings | None = None) -> Celery:

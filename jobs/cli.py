@@ -186,8 +186,10 @@ def submit(
     """Queue a study on the service: its runs go to the workers through the broker."""
     spec = _load(spec_file, preset)
     if queue is not None:
-        if queue not in ("gpu", "cpu"):
-            fail(f"--queue must be gpu or cpu, got {queue!r}", code=2)
+        from jobs.spec import QUEUES
+
+        if queue not in QUEUES:
+            fail(f"--queue must be {' or '.join(QUEUES)}, got {queue!r}", code=2)
         spec = spec.model_copy(update={"queue": queue})
     _database()
     from jobs.service import submit as submit_study
@@ -335,9 +337,10 @@ def results(
         fail("--factor applies to --view pairwise only", code=2)
     if factor is not None and not (math.isfinite(factor) and factor > 0):
         fail(f"--factor must be a positive number, got {factor}", code=2)
-    protocols = ("nonoverlapping", "sliding")
-    if protocol is not None and protocol not in protocols:
-        fail(f"--protocol must be one of {', '.join(protocols)}, got {protocol!r}", code=2)
+    from jobs.spec import PROTOCOLS
+
+    if protocol is not None and protocol not in PROTOCOLS:
+        fail(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}", code=2)
     url = _database()
     studies = queries.studies(url, [study])
     if studies.empty:
@@ -442,8 +445,8 @@ def worker(
     name: Annotated[str | None, typer.Option("--name", help="Celery node name.")] = None,
 ) -> None:
     """Start a Celery worker: prefork, one run per pool process, then a fresh process."""
-    from jobs.celery_app import QUEUES
     from jobs.celery_app import app as celery
+    from jobs.spec import QUEUES
 
     unknown = [q for q in queues.split(",") if q not in QUEUES]
     if unknown:

@@ -49,13 +49,19 @@ class Submitted:
     unsent: list[int]  # stored, but the broker could not be reached; the reconciler re-sends
 
 
+def study_queue(spec: dict | None) -> str:
+    """The queue a stored study spec asked for ('gpu' for studies stored before there
+    was a choice)."""
+    return (spec or {}).get("queue", "gpu")
+
+
 def queue_of(url: str, run_id: int) -> str:
-    """The queue a run's study asked for (``queue`` in its spec; 'gpu' by default)."""
+    """The queue of a run's study."""
     with transaction(url) as session:
         spec = session.scalar(
             select(Study.spec).join(Run, Run.study_id == Study.id).where(Run.id == run_id)
         )
-    return (spec or {}).get("queue", "gpu")
+    return study_queue(spec)
 
 
 def celery_send(run_id: int, settings: Settings | None = None) -> None:
@@ -349,7 +355,7 @@ def reconcile(
     empty: dict[str, bool | None] = {}
     lost = []
     for run_id, spec in waiting:
-        queue = (spec or {}).get("queue", "gpu")
+        queue = study_queue(spec)
         if queue not in empty:
             empty[queue] = queue_empty(queue)
         if empty[queue]:

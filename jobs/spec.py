@@ -15,7 +15,7 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -62,6 +62,9 @@ MODEL_PRESETS: dict[str, dict[str, int]] = {
     "large": {"d_model": 768, "n_layers": 12, "n_heads": 12},
 }
 Protocol = Literal["nonoverlapping", "sliding"]
+PROTOCOLS: tuple[str, ...] = get_args(Protocol)
+Queue = Literal["gpu", "cpu"]  # the broker's queues: GPU and CPU workers
+QUEUES: tuple[str, ...] = get_args(Queue)
 
 
 class SpecError(ValueError):
@@ -390,7 +393,7 @@ class StudySpec(_Strict):
         list[Annotated[int, Field(ge=0, lt=2**31)]], Field(min_length=1, max_length=16)
     ] = Field(default_factory=lambda: [0])
     eval: EvalSpec = Field(default_factory=EvalSpec)
-    queue: Literal["gpu", "cpu"] = Field(
+    queue: Queue = Field(
         "gpu",
         description="the workers that train it: 'gpu' or 'cpu' (posbench worker --queues); "
         "not part of a run's config hash",

@@ -76,12 +76,19 @@ def corpus_problem(corpus: str) -> str | None:
     return f"corpus {corpus!r} is not one of {CORPORA}"
 
 
+def assoc_recall_pairs(key_length: int, length: int) -> int:
+    """How many ``key=vv;`` pairs an assoc_recall example of ``length`` bytes holds,
+    after room for the ``?key=vv`` query (both are key_length + 4 bytes)."""
+    size = key_length + 4
+    return (length + 1 - size) // size
+
+
 def length_problems(task: str, params: Mapping[str, Any], longest: int) -> list[str]:
     """What keeps a task's examples from being built at ``longest`` bytes (torch-free,
     for the spec: a run must not fail after training)."""
     if task == "assoc_recall":
         key_length = params["key_length"]
-        pairs = (longest + 1 - (key_length + 4)) // (key_length + 4)
+        pairs = assoc_recall_pairs(key_length, longest)
         if pairs > 26**key_length:
             return [
                 f"task 'assoc_recall' with key_length={key_length} has {26**key_length} "

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import torch
 
 from worker.data.base import Batch, Task, from_sequences
+from worker.data.registry import assoc_recall_pairs
 
 FILLER = (
     "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -162,7 +163,7 @@ class AssociativeRecall(_Synthetic):
     ) -> tuple[bytes, int, str]:
         pair = self.key_length + 4  # key, '=', two digits, ';'
         query = self.key_length + 4  # '?', key, '=', two digits
-        count = (length + 1 - query) // pair
+        count = assoc_recall_pairs(self.key_length, length)
         space = 26**self.key_length
         if count < 1:
             raise ValueError(f"assoc_recall needs sequences of at least {pair + query} bytes")

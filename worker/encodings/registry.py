@@ -416,7 +416,7 @@ def fits_model(
 ) -> list[str]:
     """What keeps an encoding with resolved ``params`` from fitting a model with this head
     size, trained at ``train_length`` and evaluated up to ``longest`` tokens (torch-free,
-    for the spec; the constructors raise the same)."""
+    for the spec; ``worker.encodings.build`` raises the same)."""
     problems = []
     if name in ("rope", "xpos") and rotary_width(head_dim, params) < 2:
         problems.append(
