@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from jobs.spec import MODEL_PRESETS
 from worker.encodings import build
 from worker.encodings.base import PositionEncoding
+from worker.encodings.registry import is_positive_int
 from worker.encodings.rope import (
     BlockDecay,
     RotaryTables,
@@ -46,7 +47,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name, value in self.as_dict().items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_positive_int(value):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
@@ -420,11 +421,7 @@ class Transformer(nn.Module):
         ``params`` are the scaling's own (YaRN's ``alpha`` and ``beta``)."""
         if factor is not None and (isinstance(factor, bool) or not isinstance(factor, int | float)):
             raise ValueError(f"factor must be a number, got {factor!r}")
-        if original_length is not None and (
-            isinstance(original_length, bool)
-            or not isinstance(original_length, int)
-            or original_length < 1
-        ):
+        if original_length is not None and not is_positive_int(original_length):
             raise ValueError(f"original_length must be a positive integer, got {original_length!r}")
         with_scaling = getattr(self.encoding, "with_scaling", None)
         if with_scaling is None:

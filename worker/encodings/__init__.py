@@ -20,6 +20,7 @@ from worker.encodings.registry import (
     ScalingInfo,
     fits_model,
     info,
+    is_positive_int,
     scaling_info,
 )
 
@@ -51,7 +52,7 @@ def _check_dims(n_heads: int, head_dim: int, d_model: int, train_length: int) ->
         ("d_model", d_model),
         ("train_length", train_length),
     ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_positive_int(value):
             raise EncodingConfigError(f"{label} must be a positive integer, got {value!r}")
     if d_model != n_heads * head_dim:
         raise EncodingConfigError(

@@ -22,6 +22,11 @@ class EncodingConfigError(ValueError):
     """A user asked for an encoding, parameter or scaling that does not exist or is out of range."""
 
 
+def is_positive_int(value: Any) -> bool:
+    """An int of at least 1 (True is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def short_repr(value: Any, limit: int = 80) -> str:
     """``repr(value)``, cut to ``limit`` characters: error messages never echo a huge input."""
     text = repr(value)
