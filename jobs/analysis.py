@@ -25,7 +25,17 @@ LOWER_IS_BETTER = {"loss": True, "perplexity": True, "bits_per_byte": True, "acc
 FACTORS = (2, 4, 8, 16, 32)
 RESAMPLES = 2000
 SUMMARY_COLUMNS = ["line", "study_id", "eval_length", "mean", "low", "high", "seeds"]
-PAIRWISE_COLUMNS = ["a", "b", "eval_length", "mean_a", "mean_b", "p_a_wins", "seeds_a", "seeds_b"]
+PAIRWISE_COLUMNS = [
+    "a",
+    "b",
+    "eval_length",
+    "mean_a",
+    "mean_b",
+    "p_a_wins",
+    "seeds_a",
+    "seeds_b",
+    "paired",
+]
 
 
 def lower_is_better_for(metric: str) -> bool:
@@ -297,19 +307,33 @@ def win_probability(
     lower_is_better: bool,
     resamples: int = RESAMPLES,
     seed: int = 0,
+    paired: bool = False,
 ) -> float:
     """Fraction of bootstrap draws in which mean(a) beats mean(b); ties count half.
 
-    Each draw resamples a and b independently, each with replacement from its own seeds
-    (one ``np.random.default_rng(seed)``, a's draws first). Means equal to within 1e-12
-    relative are ties, so summation order cannot decide them. None/NaN values are
-    dropped; NaN when either side has no values.
+    Unpaired, each draw resamples a and b independently, each with replacement from its
+    own seeds (one ``np.random.default_rng(seed)``, a's draws first). Paired, a[i] and
+    b[i] are two measurements of one unit (the same training seed of one study: the same
+    batches and evaluation windows) and each draw resamples the pairs, so the noise the
+    two share cancels. Means equal to within 1e-12 relative are ties, so summation order
+    cannot decide them. Unpaired, None/NaN values are dropped; NaN when either side has
+    no values. Paired, the two sides must have equal lengths and no missing values.
     """
-    a, b = _clean(a_values), _clean(b_values)
-    if len(a) == 0 or len(b) == 0:
-        return math.nan
     rng = np.random.default_rng(seed)
-    mean_a, mean_b = _resampled_means(a, resamples, rng), _resampled_means(b, resamples, rng)
+    if paired:
+        a = np.asarray(list(a_values), dtype=float)
+        b = np.asarray(list(b_values), dtype=float)
+        if a.shape != b.shape or np.isnan(a).any() or np.isnan(b).any():
+            raise ValueError("paired values need equal counts and no missing values")
+        if len(a) == 0:
+            return math.nan
+        picks = rng.integers(0, len(a), size=(resamples, len(a)))
+        mean_a, mean_b = a[picks].mean(axis=1), b[picks].mean(axis=1)
+    else:
+        a, b = _clean(a_values), _clean(b_values)
+        if len(a) == 0 or len(b) == 0:
+            return math.nan
+        mean_a, mean_b = _resampled_means(a, resamples, rng), _resampled_means(b, resamples, rng)
     tie = np.isclose(mean_a, mean_b, rtol=1e-12, atol=0)
     wins = (mean_a < mean_b) if lower_is_better else (mean_a > mean_b)
     return float(np.mean(np.where(tie, 0.5, wins)))
@@ -366,6 +390,15 @@ def seed_summary(
     return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
 
 
+def _units(group: pd.DataFrame, metric: str) -> pd.Series | None:
+    """One line's values at one length keyed by (study, seed), or None when a key
+    repeats or the frame has no seed column (then the values cannot be paired)."""
+    if "seed" not in group or "study_id" not in group:
+        return None
+    keyed = group.set_index(["study_id", "seed"])[metric]
+    return None if keyed.index.has_duplicates else keyed.sort_index()
+
+
 def pairwise_table(
     frame: pd.DataFrame,
     metric: str,
@@ -377,13 +410,17 @@ def pairwise_table(
     """Every unordered pair of lines a < b (string order) at every length both evaluated.
 
     p_a_wins is ``win_probability`` of a over b across their seeds (p of b winning is
-    1 - p_a_wins); lower_is_better defaults to the metric's direction. A line should
-    name one configuration: runs of one line in several studies are pooled as seeds.
-    Each cell uses a fresh generator from ``seed``.
+    1 - p_a_wins); lower_is_better defaults to the metric's direction. When both lines
+    ran exactly the same seeds of the same studies, the runs are paired by (study, seed)
+    (``paired`` is True): a seed fixes the training batches and the evaluation windows
+    whatever the encoding, so the paired bootstrap compares the encodings on the same
+    data. Otherwise (a seed missing on one side, e.g. a failed run) the seeds are
+    resampled independently. A line should name one configuration: runs of one line in
+    several studies are pooled as seeds. Each cell uses a fresh generator from ``seed``.
     """
     lower = lower_is_better_for(metric) if lower_is_better is None else lower_is_better
     data = applicable(frame, metric, line)
-    by_cell = {key: group[metric].to_numpy() for key, group in data.groupby([line, "eval_length"])}
+    by_cell = {key: group for key, group in data.groupby([line, "eval_length"])}
     names = sorted({name for name, _ in by_cell}, key=str)
     lengths = sorted({length for _, length in by_cell})
     rows = []
@@ -392,18 +429,23 @@ def pairwise_table(
             for length in lengths:
                 if (a, length) not in by_cell or (b, length) not in by_cell:
                     continue
-                va, vb = by_cell[a, length], by_cell[b, length]
-                p = win_probability(va, vb, lower, resamples, seed)
-                rows.append((a, b, int(length), va.mean(), vb.mean(), p, len(va), len(vb)))
+                va, vb = by_cell[a, length][metric], by_cell[b, length][metric]
+                ua, ub = _units(by_cell[a, length], metric), _units(by_cell[b, length], metric)
+                paired = ua is not None and ub is not None and ua.index.equals(ub.index)
+                if paired:
+                    va, vb = ua, ub
+                p = win_probability(va, vb, lower, resamples, seed, paired=paired)
+                rows.append((a, b, int(length), va.mean(), vb.mean(), p, len(va), len(vb), paired))
     return pd.DataFrame(rows, columns=PAIRWISE_COLUMNS)
 
 
 def claim(row: Mapping[str, Any] | pd.Series, train_length: int | None) -> str:
     """One pairwise row as a sentence: "alibi beats rope at 4x with probability 0.97
-    (3 vs 3 seeds)" ("at length 512" without a training length, e.g. across studies
-    trained differently). The seed counts stay in the sentence because a bootstrap over
-    a handful of seeds is overconfident: it never looks beyond the values it has seen
-    (with one seed a side, the probability is 0, 0.5 or 1).
+    (3 vs 2 seeds)", or "(3 paired seeds)" for a paired row ("at length 512" without a
+    training length, e.g. across studies trained differently). The seed counts stay in
+    the sentence because a bootstrap over a handful of seeds is overconfident: it never
+    looks beyond the values it has seen (with one seed a side, the probability is 0, 0.5
+    or 1).
 
     The winner is whichever side wins in at least half of the draws (a at exactly 0.5).
     """
@@ -414,6 +456,8 @@ def claim(row: Mapping[str, Any] | pd.Series, train_length: int | None) -> str:
     sentence = f"{winner} beats {loser} at {where} with probability {max(p, 1 - p):.2f}"
     if "seeds_a" not in row:
         return sentence
+    if bool(row.get("paired", False)):
+        return f"{sentence} ({row['seeds_a']} paired seeds)"
     seeds = (row["seeds_a"], row["seeds_b"]) if p >= 0.5 else (row["seeds_b"], row["seeds_a"])
     return f"{sentence} ({seeds[0]} vs {seeds[1]} seeds)"
 

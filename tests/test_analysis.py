@@ -309,10 +309,43 @@ def test_pairwise_table_values():
     row = table.loc[("alibi", "rope", 1024)]
     assert row["mean_a"] == 11.0 and row["mean_b"] == pytest.approx(21.0 * 8**0.5)
     assert row["p_a_wins"] == 1.0  # every alibi seed beats every rope seed
-    # Same seeds, same values: only the resampling decides, about half each way.
-    assert table.loc[("alibi", "learned", 128), "p_a_wins"] == pytest.approx(0.5, abs=0.05)
+    # Same seeds, same values: paired, every draw is a tie.
+    assert table.loc[("alibi", "learned", 128), "p_a_wins"] == 0.5
+    assert table["paired"].all()
     higher = pairwise_table(curves_frame(), "perplexity", lower_is_better=False)
     assert higher.set_index(["a", "b", "eval_length"]).loc[("alibi", "rope", 1024), "p_a_wins"] == 0
+
+
+def test_pairing_by_seed_sees_a_small_consistent_gap_through_seed_noise():
+    # The seed moves both encodings by far more than the gap between them; on every
+    # seed "rope" is 0.1 worse. Paired, that decides every draw; unpaired it cannot.
+    rows = [
+        {"study_id": 1, "run_id": 10 * s + k, "label": label, "seed": s, "eval_length": 512}
+        | {"perplexity": base + extra, "not_applicable": None}
+        for s, base in enumerate((10.0, 20.0, 30.0, 40.0))
+        for k, (label, extra) in enumerate((("alibi", 0.0), ("rope", 0.1)))
+    ]
+    frame = pd.DataFrame(rows)
+    (row,) = pairwise_table(frame, "perplexity").to_dict("records")
+    assert row["paired"] and row["p_a_wins"] == 1.0
+    assert claim(row, 128) == "alibi beats rope at 4x with probability 1.00 (4 paired seeds)"
+    # One rope seed missing (a failed run): the sides are resampled independently.
+    unpaired = frame[~((frame["label"] == "rope") & (frame["seed"] == 3))]
+    (row,) = pairwise_table(unpaired, "perplexity").to_dict("records")
+    assert not row["paired"] and (row["seeds_a"], row["seeds_b"]) == (4, 3)
+    assert 0.05 < row["p_a_wins"] < 0.95  # the seed noise leaves it undecided
+    # The same seed numbers in different studies are different units.
+    moved = frame.copy()
+    moved.loc[(moved["label"] == "rope") & (moved["seed"] == 0), "study_id"] = 2
+    assert not pairwise_table(moved, "perplexity")["paired"].any()
+
+
+def test_paired_win_probability_needs_matched_values():
+    assert win_probability([1.0, 2.0], [1.5, 2.5], True, paired=True) == 1.0
+    with pytest.raises(ValueError, match="equal counts"):
+        win_probability([1.0, 2.0], [1.5], True, paired=True)
+    with pytest.raises(ValueError, match="no missing"):
+        win_probability([1.0, math.nan], [1.5, 2.5], True, paired=True)
 
 
 def test_pairwise_table_is_symmetric_under_renaming():

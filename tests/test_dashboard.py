@@ -184,8 +184,9 @@ def test_compare_draws_curves_with_seed_intervals(settings) -> None:
     pairwise = app.dataframe[2].value
     assert pairwise[["a", "b"]].values.tolist() == [["alibi", "rope"]]
     assert pairwise["P(a wins)"].tolist() == [1.0]
+    assert pairwise["paired"].tolist() == [True]
     assert pairwise["claim"].tolist() == [
-        "alibi beats rope at 4x with probability 1.00 (2 vs 2 seeds)"
+        "alibi beats rope at 4x with probability 1.00 (2 paired seeds)"
     ]
     app.toggle(key="normalise").set_value(True).run()
     normalised = app.dataframe[0].value

@@ -143,7 +143,8 @@ def test_results_pairwise_attaches_a_probability_to_each_claim(settings: Setting
     (row,) = json.loads(done.stdout)
     assert (row["a"], row["b"], row["eval_length"]) == ("alibi", "rope", 128)
     assert row["p_a_wins"] == 1.0
-    assert row["claim"] == "alibi beats rope at 4x with probability 1.00 (2 vs 2 seeds)"
+    assert row["paired"] is True  # both encodings ran seeds 0 and 1 of this study
+    assert row["claim"] == "alibi beats rope at 4x with probability 1.00 (2 paired seeds)"
     missing = posbench(
         settings, "results", "--study", str(study), "--view", "pairwise", "--factor", "3"
     )
