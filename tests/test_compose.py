@@ -53,6 +53,13 @@ def test_expected_services_and_profiles() -> None:
     assert "container_name" not in SERVICES["worker-cpu"]  # --scale worker-cpu=N must work
 
 
+@pytest.mark.parametrize("name", ["worker", "worker-cpu"])
+def test_workers_get_time_to_hand_their_runs_back(name: str) -> None:
+    # docker stop's default 10 s grace is shorter than one long evaluation length.
+    grace = SERVICES[name]["stop_grace_period"]
+    assert grace.endswith("m") and int(grace[:-1]) >= 2
+
+
 @pytest.mark.parametrize("name", LONG_RUNNING)
 def test_every_long_running_service_has_a_healthcheck(name: str) -> None:
     check = SERVICES[name].get("healthcheck", {})

@@ -154,6 +154,21 @@ def test_claim_is_exclusive_and_guards_every_write(settings: Settings) -> None:
     assert store.heartbeat(settings.database, run_id, lease) == (True, True)
 
 
+def test_a_released_run_is_queued_unsent_and_its_claim_given_back(settings: Settings) -> None:
+    run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder()).queued[0]
+    lease = store.claim(settings.database, run_id, "a")[0]
+    assert not store.release(settings.database, run_id, "not-the-lease")
+    assert store.release(settings.database, run_id, lease)
+    assert not store.release(settings.database, run_id, lease)  # once only
+    with transaction(settings.database) as session:
+        run = session.get(Run, run_id)
+        assert (run.status, run.lease, run.attempts, run.enqueued_at) == ("queued", None, 0, None)
+    # The reconciler sends a released run whose worker could not (never sent).
+    sent = Recorder()
+    assert reconcile(settings=settings, send=sent)["resent"] == [run_id]
+    assert store.claim(settings.database, run_id, "b") is not None
+
+
 def test_evaluations_are_idempotent_upserts(settings: Settings) -> None:
     run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder()).queued[0]
     lease = store.claim(settings.database, run_id, "a")[0]

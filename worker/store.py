@@ -205,6 +205,29 @@ def finish(
     return _guarded(url, run_id, lease, values)
 
 
+def release(url: str, run_id: int, lease: str) -> bool:
+    """Hand a running run back to the queue: its worker is shutting down (``docker stop``,
+    Ctrl-C) and saved a checkpoint. The claim it gives back does not count against the
+    worker-death budget. It is left unsent (``enqueued_at`` unset) for the caller to send
+    (``jobs.service.enqueue``); if that send is lost, the reconciler sends it."""
+
+    def attempt() -> bool:
+        with transaction(url) as session:
+            changed = session.execute(
+                update(Run)
+                .where(Run.id == run_id, Run.lease == lease, Run.status == "running")
+                .values(
+                    status="queued",
+                    lease=None,
+                    enqueued_at=None,
+                    attempts=Run.attempts - 1,
+                )
+            ).rowcount
+            return bool(changed)
+
+    return with_retry(attempt)
+
+
 class Heartbeat:
     """A thread that proves the run is alive every few seconds, training or evaluating;
     it dies with the process, which is how the reconciler notices a killed worker."""

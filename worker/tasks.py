@@ -9,16 +9,24 @@ ends the run as ``failed`` with a readable reason.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import socket
 import threading
 import traceback
 
-from celery.signals import worker_process_init
+from celery.signals import worker_init, worker_process_init, worker_shutting_down
 
 from jobs.celery_app import TRAIN_RUN, app
 from jobs.settings import get_settings
 
 log = logging.getLogger(__name__)
+
+# Set in a pool process when its worker begins a warm shutdown (SIGTERM from
+# ``docker stop``, Ctrl-C): the run checkpoints, goes back to the queue, and another
+# worker resumes it at once instead of after the stale window.
+SHUTDOWN_SIGNAL = signal.SIGUSR2
+shutting_down = threading.Event()
 
 
 @app.task(name=TRAIN_RUN, bind=True, acks_late=True, reject_on_worker_lost=True)
@@ -70,13 +78,17 @@ def _train_and_evaluate(url: str, run_id: int, lease: str, spec, run, beat) -> s
             checkpoint=checkpoint,
             on_progress=on_progress,
             on_evaluation=lambda row: store.record_evaluation(url, run_id, lease, row),
-            should_stop=lambda: cancel["asked"] or beat.cancel_asked or beat.lost,
+            should_stop=lambda: (
+                cancel["asked"] or beat.cancel_asked or beat.lost or shutting_down.is_set()
+            ),
             may_write=lambda: not beat.lost,
             skip_evaluations=store.stored_evaluations(url, run_id),
         )
     except RunCancelled as err:
         if beat.lost:
             raise store.LeaseLost(str(err)) from None
+        if shutting_down.is_set() and not (cancel["asked"] or beat.cancel_asked):
+            return _release(url, run_id, lease, str(err))
         store.finish(url, run_id, lease, "cancelled", reason=str(err))
         return "cancelled"
     except torch.OutOfMemoryError as err:
@@ -95,6 +107,19 @@ def _train_and_evaluate(url: str, run_id: int, lease: str, spec, run, beat) -> s
         url, run_id, lease, "done", provenance=provenance, checkpoint_uri=checkpoint.as_uri()
     )
     return "done"
+
+
+def _release(url: str, run_id: int, lease: str, where: str) -> str:
+    """The worker is shutting down: the checkpoint is saved; queue the run again."""
+    from jobs.service import enqueue
+    from worker import store
+
+    if not store.release(url, run_id, lease):
+        return "lease lost: another worker owns the run now"
+    enqueue([run_id])  # a failed send is retried by the reconciler (never sent)
+    stopped = where.removeprefix("cancelled ")
+    log.info("run %s released to the queue (worker shutting down, %s)", run_id, stopped)
+    return f"released: the worker is shutting down ({stopped}); the run is queued again"
 
 
 def matching_run(spec, run):
@@ -131,16 +156,35 @@ def gpu_for_pool_process(index: int, visible: str | None) -> str:
     return devices[index % len(devices)] if devices else str(index)
 
 
+@worker_init.connect
+def _init_worker(**_: object) -> None:
+    """Before the pool forks: pool processes ignore the shutdown signal until they
+    install their handler (its default action would kill them)."""
+    signal.signal(SHUTDOWN_SIGNAL, signal.SIG_IGN)
+
+
+@worker_shutting_down.connect
+def _tell_pool_processes(**_: object) -> None:
+    """In the worker's main process, at the start of a shutdown: ask every pool process
+    to hand its run back (the warm shutdown then waits for them to return)."""
+    from billiard.process import active_children
+
+    for child in active_children():
+        try:
+            os.kill(child.pid, SHUTDOWN_SIGNAL)
+        except (ProcessLookupError, TypeError):  # already gone, or never started
+            continue
+
+
 @worker_process_init.connect
 def _init_pool_process(**_: object) -> None:
     """A forked pool process must not share the parent's database connections, and with
     POSBENCH_PIN_GPUS it sees exactly one GPU: its own (before torch touches CUDA)."""
-    import os
-
     from billiard.process import current_process
 
     from db.engine import dispose_after_fork
 
+    signal.signal(SHUTDOWN_SIGNAL, lambda *_: shutting_down.set())
     dispose_after_fork()
     index = getattr(current_process(), "index", None)
     if get_settings().pin_gpus and index is not None:

@@ -4,6 +4,8 @@ PostgreSQL; and the faults the reliability contract promises to survive."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -117,6 +119,40 @@ def test_kill_9_mid_training_resumes_from_the_checkpoint(cluster_factory, sqlite
     with transaction(sqlite_url) as session:
         steps = session.scalars(select(TrainPoint.step).where(TrainPoint.run_id == run.id)).all()
     assert sorted(steps) == list(range(5, 401, 5))  # every point exactly once
+
+
+def test_sigterm_hands_the_run_back_and_another_worker_resumes_it_at_once(
+    cluster_factory, sqlite_url: str
+) -> None:
+    # What `docker stop` does: SIGTERM to the worker's main process only. The run saves
+    # a checkpoint, goes back to the queue (without waiting for the stale window), and
+    # the claim it gave back is not counted as a worker death.
+    cluster = cluster_factory(sqlite_url)
+    cluster.settings.stale_after_seconds = 3600  # a revival by the reconciler would be too late
+    first = cluster.start_worker("first")
+    submit(
+        spec(["rope"], steps=2000, checkpoint_every=1000),
+        settings=cluster.settings,
+        send=cluster.send,
+    )
+    cluster.wait_for(lambda runs: runs[0].step >= 30, what="30 steps")
+    os.kill(first.pid, signal.SIGTERM)
+    first.wait(timeout=60)  # the warm shutdown waits for the run to be handed back
+    (run,) = cluster.runs()
+    assert (run.status, run.lease, run.attempts) == ("queued", None, 0), run.failure_reason
+    assert run.enqueued_at is not None  # the worker sent it again itself
+    released_at = run.step
+    assert "released to the queue" in cluster.logs()
+    cluster.start_worker("second")
+    (run,) = cluster.wait_for(all_done, timeout=300, what="resumed run done")
+    assert run.attempts == 1 and run.worker.startswith("second@")
+    # The checkpoint written at the release: resumed where it stopped (the run's step
+    # is the last progress report, every 5 steps), not from the last periodic
+    # checkpoint (none before step 1000).
+    assert released_at <= run.provenance["resumed_from_step"] < released_at + 5
+    with transaction(sqlite_url) as session:
+        steps = session.scalars(select(TrainPoint.step).where(TrainPoint.run_id == run.id)).all()
+    assert sorted(steps) == list(range(5, 2001, 5))
 
 
 def test_a_duplicated_message_never_duplicates_rows(cluster_factory, sqlite_url: str) -> None:
