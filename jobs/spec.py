@@ -43,8 +43,10 @@ from worker.encodings.registry import (
 # the old code are never reused as if they were the new code's. 2 (2026-11-30): the
 # learning-rate schedule's ends, no weight decay on encodings, KERPLE-power's initial
 # ranges, YaRN's ramp of the authors' code, float32 logits, and evaluation scoring the
-# same bytes at every length.
-RESULTS_VERSION = 2
+# same bytes at every length. 3 (2026-11-30): the scored bytes spread over the whole
+# validation split in up to 64 stretches (they were its first `tokens` bytes), and
+# training windows may end on the training split's last byte.
+RESULTS_VERSION = 3
 MAX_VARIANT_LABEL = 40  # evaluations.variant is VARCHAR(40)
 
 # Bounds. Generous for a GPU cluster, small enough that one study cannot hog it.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from pathlib import Path
@@ -11,7 +12,15 @@ import pytest
 import torch
 
 from worker.data import build_task
-from worker.data.lm import CorpusError, is_validation, load_corpus, read_documents, window_plan
+from worker.data.lm import (
+    MAX_BLOCKS,
+    CorpusError,
+    is_validation,
+    load_corpus,
+    read_documents,
+    scored_blocks,
+    window_plan,
+)
 from worker.data.synthetic import PASSKEY_DEPTHS, QUESTION
 from worker.evaluate import _Accumulator, log_bins
 
@@ -88,16 +97,34 @@ def test_huggingface_loader_on_a_local_dataset(tmp_path: Path) -> None:
 
 
 def test_nonoverlapping_windows_by_hand() -> None:
+    # 30 targets in three 10-byte stretches spread over targets 1..90 (the last window
+    # must fit: 100 - 10): targets 1-10, 41-50, 81-90.
     plan = window_plan(
         valid_bytes=100, length=10, protocol="nonoverlapping", tokens=30, stride=None
     )
-    assert plan.starts.tolist() == [0, 10, 20] and plan.scored.tolist() == [10, 10, 10]
+    assert plan.starts.tolist() == [0, 40, 80] and plan.scored.tolist() == [10, 10, 10]
     # Capped by what the validation split holds at the longest length: 100 - 10 bytes.
     plan = window_plan(100, 10, "nonoverlapping", tokens=1000, stride=None)
     assert plan.starts.tolist() == [0, 10, 20, 30, 40, 50, 60, 70, 80] and plan.total == 90
-    # A length that does not divide the tokens scores the head of its last window only.
+    # The remainder (30 = 3 x 8 + 6) ends the last stretch: targets 79-92, scored by a
+    # whole window and the head of the next.
     plan = window_plan(100, 8, "nonoverlapping", tokens=30, stride=None)
-    assert plan.starts.tolist() == [0, 8, 16, 24] and plan.scored.tolist() == [8, 8, 8, 6]
+    assert plan.starts.tolist() == [0, 39, 78, 86] and plan.scored.tolist() == [8, 8, 8, 6]
+    # Stretches are whole windows of the longest length, and a shorter length tiles them.
+    plan = window_plan(100, 5, "nonoverlapping", tokens=30, stride=None, longest=10)
+    assert plan.starts.tolist() == [0, 5, 40, 45, 80, 85] and plan.total == 30
+
+
+def test_scored_stretches_cover_the_whole_validation_split() -> None:
+    blocks = scored_blocks(1_000_000, 1024, 65_536, first=1)
+    assert len(blocks) == MAX_BLOCKS and {size for _, size in blocks} == {1024}
+    assert blocks[0][0] == 1 and blocks[-1][0] + 1024 - 1 == 1_000_000 - 1024
+    starts = [target for target, _ in blocks]
+    assert all(b - a >= 1024 for a, b in itertools.pairwise(starts))  # disjoint
+    gaps = np.diff(starts)
+    assert gaps.max() - gaps.min() <= 1  # evenly spread
+    # Fewer targets than the longest window: one stretch at the start.
+    assert scored_blocks(1000, 100, 40, first=1) == [(1, 40)]
 
 
 def test_sliding_windows_by_hand() -> None:
@@ -134,46 +161,56 @@ def test_sliding_scores_each_byte_once_with_at_least_length_minus_stride_context
         task.eval_batches(16, protocol="sliding", batch_size=3, tokens=40, examples=0, stride=4)
     )
     scored_targets = torch.cat([b.targets[b.scored] for b in batches]).tolist()
-    # Window k covers targets k*4+1 .. k*4+16 and scores the last 4 of them.
-    assert scored_targets == valid[13 : 13 + 40].tolist()
+    # Two stretches of 16 + 24 targets, the first at 16 - 4 + 1 = 13; a window scores
+    # the last 4 of its 16 targets, each once.
+    blocks = scored_blocks(len(valid), 16, 40, first=13)
+    assert [size for _, size in blocks] == [16, 24] and blocks[0][0] == 13
+    assert scored_targets == _stretches(valid, blocks)
     for batch in batches:
         assert batch.scored[:, :12].sum() == 0 and bool(batch.scored[:, 12:].all())
         assert torch.equal(batch.inputs[:, 1:], batch.targets[:, :-1])
 
 
+def _scored_targets(batches) -> list[int]:
+    return torch.cat(
+        [b.targets.flatten() if b.scored is None else b.targets[b.scored] for b in batches]
+    ).tolist()
+
+
+def _stretches(valid: np.ndarray, blocks: list[tuple[int, int]]) -> list[int]:
+    return np.concatenate([valid[target : target + size] for target, size in blocks]).tolist()
+
+
 def test_nonoverlapping_scores_the_same_targets_at_every_length(tmp_path: Path) -> None:
     task = _lm_task(tmp_path)
     valid = np.asarray(task.data.valid)
-    for length in (8, 16, 24, 32):  # 24 does not divide 64
-        batches = list(
-            task.eval_batches(
-                length, protocol="nonoverlapping", batch_size=2, tokens=64, examples=0
-            )
+    expected = _stretches(valid, scored_blocks(len(valid), 32, 64, first=1))
+    assert len(expected) == 64
+    for length in (8, 16, 24, 32):  # 24 does not divide 32
+        batches = task.eval_batches(
+            length, protocol="nonoverlapping", batch_size=2, tokens=64, examples=0, longest=32
         )
-        targets = torch.cat(
-            [b.targets.flatten() if b.scored is None else b.targets[b.scored] for b in batches]
-        ).tolist()
-        assert targets == valid[1:65].tolist(), length
+        assert _scored_targets(batches) == expected, length
 
 
 def test_sliding_scores_the_same_targets_at_every_length(tmp_path: Path) -> None:
     task = _lm_task(tmp_path)
     valid = np.asarray(task.data.valid)
+    # From 32 - 4 + 1 = 29 on, where the longest window first fits.
+    blocks = scored_blocks(len(valid), 32, 40, first=29)
+    assert blocks[0][0] == 29
+    expected = _stretches(valid, blocks)
     for length in (8, 16, 32):
-        batches = list(
-            task.eval_batches(
-                length,
-                protocol="sliding",
-                batch_size=3,
-                tokens=40,
-                examples=0,
-                stride=4,
-                longest=32,
-            )
+        batches = task.eval_batches(
+            length,
+            protocol="sliding",
+            batch_size=3,
+            tokens=40,
+            examples=0,
+            stride=4,
+            longest=32,
         )
-        targets = torch.cat([b.targets[b.scored] for b in batches]).tolist()
-        # Scored from 32 - 4 + 1 = 29 on, where the longest window first fits.
-        assert targets == valid[29 : 29 + 40].tolist(), length
+        assert _scored_targets(batches) == expected, length
 
 
 def test_log_position_bins() -> None:

@@ -385,12 +385,12 @@ def test_yarn_parameters_may_be_set_per_variant() -> None:
 def test_config_hashes_change_only_with_what_a_run_measures() -> None:
     # Runs are reused across studies by config hash. A field added to the spec must not
     # change the hash of a spec that leaves it at its default; a change of what a run
-    # measures bumps RESULTS_VERSION instead. Values of RESULTS_VERSION 2 (2026-11-30).
+    # measures bumps RESULTS_VERSION instead. Values of RESULTS_VERSION 3 (2026-11-30).
     assert [r.config_hash for r in preset_spec("smoke").runs()][:2] == [
-        "050a7dedb11c0ccb98637bd1",
-        "4fe5dc7905c68b1263868398",
+        "4b2dfc4562327f94caa799c6",
+        "4727d83b04e4da30378b0d25",
     ]
-    assert preset_spec("paper").runs()[0].config_hash == "96e0b5102443c252e9d92507"
+    assert preset_spec("paper").runs()[0].config_hash == "c28dc013c6d6ed669c4a536f"
     custom = parse_spec(
         {
             "encodings": [{"name": "rope", "base": 20000}],
@@ -399,6 +399,6 @@ def test_config_hashes_change_only_with_what_a_run_measures() -> None:
             "train": {"length": 32},
         }
     )
-    assert custom.runs()[0].config_hash == "ae1525a48d0af075fc7d2a7f"
+    assert custom.runs()[0].config_hash == "e2f9b2abd40c87eed1fc9707"
     accumulated = parse_spec({**BASE, "train": {"length": 32, "grad_accum": 2}})
     assert accumulated.runs()[0].config_hash != parse_spec(BASE).runs()[0].config_hash

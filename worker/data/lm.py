@@ -202,6 +202,32 @@ class WindowPlan:
         return int(self.scored.sum())
 
 
+MAX_BLOCKS = 64  # scored stretches of the validation stream, spread over all of it
+
+
+def scored_blocks(valid_bytes: int, longest: int, tokens: int, first: int) -> list[tuple[int, int]]:
+    """``(first target, count)`` of each stretch of validation targets a study scores.
+
+    The ``min(tokens, valid_bytes - longest)`` targets are cut into up to MAX_BLOCKS
+    stretches of whole ``longest``-byte windows (the remainder ends the last one),
+    spread evenly from target ``first`` to target ``first + valid_bytes - longest - 1``,
+    so a study measures the whole validation split, not its first few documents.
+    """
+    usable = valid_bytes - longest
+    total = min(tokens, usable)
+    units = total // longest
+    count = max(1, min(MAX_BLOCKS, units))
+    sizes = [longest * (units // count + (k < units % count)) for k in range(count)]
+    sizes[-1] += total - sum(sizes)
+    gap = usable - total  # unscored targets, shared out between the stretches
+    blocks, offset = [], first
+    for k, size in enumerate(sizes):
+        shift = gap * k // (count - 1) if count > 1 else 0
+        blocks.append((offset + shift, size))
+        offset += size
+    return blocks
+
+
 def window_plan(
     valid_bytes: int,
     length: int,
@@ -211,40 +237,44 @@ def window_plan(
     longest: int | None = None,
 ) -> WindowPlan:
     """The windows that score the same ``tokens`` targets at every length up to
-    ``longest`` (the study's longest evaluation length; this one by default).
+    ``longest`` (the study's longest evaluation length; this one by default): the
+    stretches of ``scored_blocks``, each scored by windows of this length.
 
-    - ``nonoverlapping``: disjoint windows from the start of the validation stream,
-      every target scored (the last window's tail is not, when ``length`` does not
-      divide ``tokens``): targets 1..tokens at every length.
+    - ``nonoverlapping``: disjoint windows from the start of each stretch, every target
+      scored (the last window's tail is not, when ``length`` does not divide the
+      stretch).
     - ``sliding``: windows every ``stride`` bytes, the last ``stride`` targets of each
       scored, so every scored byte sees ``length - stride`` or more bytes of context;
-      the scored targets start at ``longest - stride + 1``, where the longest window
-      first fits, so they are the same at every length too.
+      the stretches start at target ``longest - stride + 1`` or later, where the
+      longest window first fits.
 
     When the validation split cannot hold ``tokens`` targets at the longest length,
     every length scores the same smaller number: ``valid_bytes - longest``.
     """
     longest = max(length, longest or length)
-    usable = valid_bytes - longest
-    if usable < 1:
+    if valid_bytes - longest < 1:
         raise CorpusError(
             f"the validation split has {valid_bytes} bytes; evaluating at length {longest} "
             f"needs at least {longest + 1}"
         )
-    total = min(tokens, usable)
     if protocol == "nonoverlapping":
-        step, first_scored, offset = length, 0, 0
+        step, first_scored, first = length, 0, 1
     elif protocol == "sliding":
         if stride is None or not 1 <= stride <= length:
             raise ValueError(f"sliding needs 1 <= stride <= length, got stride={stride}")
-        # Window i scores targets P0 + i*stride ..., with P0 = longest - stride + 1.
-        step, first_scored, offset = stride, length - stride, longest - length
+        step, first_scored, first = stride, length - stride, longest - stride + 1
     else:
         raise ValueError(f"unknown protocol {protocol!r}")
-    count = -(-total // step)
-    scored = np.full(count, step, dtype=np.int64)
-    scored[-1] = total - (count - 1) * step
-    return WindowPlan(offset + np.arange(count, dtype=np.int64) * step, first_scored, scored)
+    starts, scored = [], []
+    for target, size in scored_blocks(valid_bytes, longest, tokens, first):
+        # A window starting at w holds bytes w..w+length; its targets are w+1..w+length,
+        # and it scores from target w + 1 + first_scored on.
+        count = -(-size // step)
+        starts.append(target - 1 - first_scored + np.arange(count, dtype=np.int64) * step)
+        block = np.full(count, step, dtype=np.int64)
+        block[-1] = size - (count - 1) * step
+        scored.append(block)
+    return WindowPlan(np.concatenate(starts), first_scored, np.concatenate(scored))
 
 
 class LanguageModelling(Task):
@@ -272,11 +302,12 @@ class LanguageModelling(Task):
 
     def train_batch(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
         train = self.data.train
-        if len(train) < length + 2:
+        if len(train) < length + 1:
             raise CorpusError(
                 f"the training split has {len(train)} bytes; length {length} needs more"
             )
-        starts = torch.randint(0, len(train) - length - 1, (batch_size,), generator=generator)
+        # A window holds length + 1 bytes: it may start anywhere up to len - length - 1.
+        starts = torch.randint(0, len(train) - length, (batch_size,), generator=generator)
         inputs, targets = from_sequences(_windows(train, starts.numpy(), length + 1))
         return Batch(inputs, targets)
 
