@@ -45,6 +45,9 @@ class Settings(BaseSettings):
     stale_after_seconds: float = Field(120.0, gt=0)
     reconcile_seconds: float = Field(30.0, gt=0)
     max_attempts: int = Field(3, ge=1, description="a run whose worker died this often fails")
+    hang_seconds: float = Field(
+        3600.0, ge=0, description="a run without progress this long is hung (0: never)"
+    )
     pin_gpus: bool = Field(False, description="pin each pool process to its own GPU")
     # Longer than the longest allowed run, so Redis never redelivers a message
     # whose run is still training; the reconciler handles dead workers sooner.

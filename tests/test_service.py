@@ -6,6 +6,9 @@ The same paths run against real Redis, real workers and PostgreSQL in tests/inte
 from __future__ import annotations
 
 import datetime as dt
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +20,7 @@ from db.models import Evaluation, PositionBin, Run, Study, TrainPoint
 from jobs.service import NotFound, cancel, reconcile, retry, submit
 from jobs.settings import Settings
 from jobs.spec import parse_spec
-from worker import store
+from worker import liveness, store
 from worker.evaluate import Evaluation as Row
 from worker.evaluate import PositionBin as Bin
 from worker.train import TrainPoint as Point
@@ -167,6 +170,55 @@ def test_a_released_run_is_queued_unsent_and_its_claim_given_back(settings: Sett
     sent = Recorder()
     assert reconcile(settings=settings, send=sent)["resent"] == [run_id]
     assert store.claim(settings.database, run_id, "b") is not None
+
+
+def _heartbeat_at(settings: Settings, run_id: int) -> dt.datetime:
+    with transaction(settings.database) as session:
+        return session.get(Run, run_id).heartbeat_at
+
+
+def test_the_heartbeat_stops_when_the_run_makes_no_progress(settings: Settings) -> None:
+    run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder()).queued[0]
+    lease = store.claim(settings.database, run_id, "a")[0]
+    verdicts: list[float] = []
+    with store.Heartbeat(
+        settings.database, run_id, lease, 0.05, hang_seconds=0.6, on_hang=verdicts.append
+    ) as beat:
+        for _ in range(20):  # a run that moves: 1 s of steps 0.05 s apart
+            time.sleep(0.05)
+            liveness.touch()
+        assert not beat.hung and not verdicts
+        time.sleep(1.2)  # then stuck
+        assert beat.hung and len(verdicts) == 1 and 0.6 < verdicts[0] < 1.0
+        last = _heartbeat_at(settings, run_id)
+        time.sleep(0.3)
+        assert _heartbeat_at(settings, run_id) == last  # it stopped beating
+
+
+def test_a_hung_worker_process_dumps_its_stacks_and_exits(settings: Settings) -> None:
+    # The real verdict in a real process: its main thread blocks for good.
+    run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder()).queued[0]
+    lease = store.claim(settings.database, run_id, "a")[0]
+    script = f"""
+import threading
+from worker import liveness, store
+from worker.tasks import _hung
+
+def stuck_in_a_device_call():
+    threading.Event().wait()
+
+with store.Heartbeat({settings.database!r}, {run_id}, {lease!r}, 0.1, hang_seconds=1,
+                     on_hang=_hung):
+    stuck_in_a_device_call()
+"""
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 75, done.stderr
+    assert time.monotonic() - started < 30
+    assert "no progress for 1 s: the run is hung" in done.stderr
+    assert "stuck_in_a_device_call" in done.stderr  # every thread's stack, for the post-mortem
 
 
 def test_evaluations_are_idempotent_upserts(settings: Settings) -> None:

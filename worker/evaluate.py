@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from jobs.spec import EvalSpec, VariantSpec
+from worker import liveness
 from worker.data.base import Batch, Task
 from worker.memory import (
     available_bytes,
@@ -147,6 +148,7 @@ def _run_batches(
         for batch in batches:
             batch = batch.to(device)
             accumulator.add(model(batch.inputs), batch)
+            liveness.touch()
     return accumulator
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict
 
 from sqlalchemy import select, update
@@ -19,6 +20,7 @@ from db.models import Evaluation, PositionBin, Run, RunSummary, Study, TrainPoin
 from db.queries import run_points
 from db.upsert import upsert
 from jobs.analysis import Summary
+from worker import liveness
 from worker.evaluate import Evaluation as EvaluationRow
 from worker.train import TrainPoint as Point
 
@@ -229,18 +231,40 @@ def release(url: str, run_id: int, lease: str) -> bool:
 
 
 class Heartbeat:
-    """A thread that proves the run is alive every few seconds, training or evaluating;
-    it dies with the process, which is how the reconciler notices a killed worker."""
+    """A thread that proves the run alive every few seconds, training or evaluating; it
+    dies with the process, which is how the reconciler notices a killed worker.
 
-    def __init__(self, url: str, run_id: int, lease: str, every: float) -> None:
+    It is also the run's watchdog: when the run's own thread has made no progress
+    (``worker.liveness``) for ``hang_seconds`` (0: never), the heartbeat stops and calls
+    ``on_hang(idle seconds)``, which in a worker ends the process so that the reconciler
+    requeues the run like a killed one."""
+
+    def __init__(
+        self,
+        url: str,
+        run_id: int,
+        lease: str,
+        every: float,
+        *,
+        hang_seconds: float = 0.0,
+        on_hang: Callable[[float], None] | None = None,
+    ) -> None:
         self.url, self.run_id, self.lease, self.every = url, run_id, lease, every
+        self.hang_seconds, self.on_hang = hang_seconds, on_hang
         self.lost = False
+        self.hung = False
         self.cancel_asked = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, daemon=True, name=f"heartbeat-{run_id}")
 
     def _beat(self) -> None:
         while not self._stop.wait(self.every):
+            idle = liveness.idle_seconds()
+            if self.hang_seconds and idle > self.hang_seconds:
+                self.hung = True
+                if self.on_hang is not None:
+                    self.on_hang(idle)
+                return
             try:
                 ours, asked = heartbeat(self.url, self.run_id, self.lease)
             except Exception:  # a transient database error; try again next beat
@@ -251,6 +275,7 @@ class Heartbeat:
                 return
 
     def __enter__(self) -> Heartbeat:
+        liveness.touch()  # the idle clock starts with the run (preparing its data included)
         self._thread.start()
         return self
 

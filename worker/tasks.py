@@ -41,7 +41,8 @@ def train_run(self, run_id: int) -> str:
     if claimed is None:
         return "not claimed: the run is not queued (done, cancelled, or another worker has it)"
     lease, spec_json, run = claimed
-    with store.Heartbeat(url, run_id, lease, settings.heartbeat_seconds) as beat:
+    watchdog = {"hang_seconds": settings.hang_seconds, "on_hang": _hung}
+    with store.Heartbeat(url, run_id, lease, settings.heartbeat_seconds, **watchdog) as beat:
         try:
             outcome = _train_and_evaluate(url, run_id, lease, parse_spec(spec_json), run, beat)
         except store.LeaseLost:
@@ -107,6 +108,20 @@ def _train_and_evaluate(url: str, run_id: int, lease: str, spec, run, beat) -> s
         url, run_id, lease, "done", provenance=provenance, checkpoint_uri=checkpoint.as_uri()
     )
     return "done"
+
+
+def _hung(idle: float) -> None:
+    """The watchdog's verdict: the run's thread made no progress for ``idle`` seconds (a
+    hung device or file system). Log every thread's stack for the post-mortem, then end
+    this pool process: the heartbeat has stopped, so the reconciler requeues the run
+    (a death, counted against POSBENCH_MAX_ATTEMPTS) and it resumes elsewhere."""
+    import faulthandler
+    import sys
+
+    log.critical("no progress for %.0f s: the run is hung; this pool process exits", idle)
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    sys.stderr.flush()
+    os._exit(75)
 
 
 def _release(url: str, run_id: int, lease: str, where: str) -> str:

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from jobs.spec import TrainSpec
+from worker import liveness
 from worker.data.base import Batch, Task
 from worker.model import Transformer
 
@@ -264,6 +265,7 @@ def train(
             loss_sum += loss.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
         optimizer.step()
+        liveness.touch()
         step += 1
         interval_steps += 1
         timed_steps += 1
