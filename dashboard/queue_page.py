@@ -132,3 +132,32 @@ def render() -> None:
             from jobs.service import retry
 
             retry(run_id=run_id)
+    _delete(study_id, study)
+
+
+def _delete(study_id: int, study: pd.Series) -> None:
+    """Delete a study that has nothing queued or running, after an explicit tick."""
+    from jobs.service import Busy, NotFound, busy_message, delete_study
+
+    with st.expander("Delete study"):
+        busy = int(study["queued"] + study["running"])
+        if busy:
+            st.caption(busy_message(study_id, busy))
+            return
+        sure = st.checkbox(
+            f"Delete study {study_id} and everything stored for its {study['runs']} runs "
+            "(curves, evaluations, summaries, checkpoints)",
+            key="delete-sure",
+        )
+        if not st.button("Delete study", key="delete", disabled=not sure, type="primary"):
+            return
+        try:
+            deleted = delete_study(study_id)
+        except (Busy, NotFound) as err:
+            st.error(str(err))
+            return
+        st.toast(f"deleted study {study_id} ({deleted.name}): {deleted.runs} runs")
+        for key in ("study", "delete-sure"):
+            st.session_state.pop(key, None)
+        set_query("study", [])
+        st.rerun()

@@ -297,6 +297,39 @@ def retry(study: StudyArgument = None, run: RunOption = None) -> None:
 
 
 @app.command()
+def delete(
+    study: Annotated[int, typer.Argument(show_default=False, help="The study's id.")],
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+) -> None:
+    """Delete a finished study: its runs, curves, evaluations, summaries and checkpoints."""
+    from db import queries
+    from jobs.service import Busy, NotFound, busy_message, delete_study
+
+    _check_id(study, "the study id")
+    url = _database()
+    found = queries.studies(url, [study])
+    if found.empty:
+        fail(f"no study with id {study}", code=2)
+    row = found.iloc[0]
+    if row["queued"] + row["running"]:
+        fail(busy_message(study, int(row["queued"] + row["running"])), code=1)
+    if not yes and not typer.confirm(
+        f"Delete study {study} ({row['name']}) with its {row['runs']} runs and their results?"
+    ):
+        fail("nothing deleted", code=1)
+    try:
+        deleted = delete_study(study)
+    except NotFound as err:
+        fail(str(err), code=2)
+    except Busy as err:
+        fail(str(err), code=1)
+    typer.echo(
+        f"deleted study {study} ({deleted.name}): {deleted.runs} runs, "
+        f"{deleted.evaluations} evaluations, {deleted.checkpoints} checkpoint files"
+    )
+
+
+@app.command()
 def results(
     study: Annotated[int, typer.Option("--study", help="The study id.")],
     output: Annotated[str, typer.Option("--format", help="table, csv or json.")] = "table",

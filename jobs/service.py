@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from sqlalchemy import inspect, select, update
+from sqlalchemy import delete, func, inspect, select, update
 from sqlalchemy.orm import Session
 
 from db.engine import transaction, with_retry
@@ -39,6 +39,10 @@ Send = Callable[[int], None]
 
 class NotFound(LookupError):
     """A study or run id that does not exist."""
+
+
+class Busy(RuntimeError):
+    """The study still has runs queued or running."""
 
 
 @dataclass(frozen=True)
@@ -201,6 +205,49 @@ def _select_runs(session: Session, study_id: int | None, run_id: int | None) -> 
         raise NotFound(f"no study with id {study_id}")
     runs = select(Run).where(Run.study_id == study_id).order_by(Run.id).with_for_update()
     return list(session.scalars(runs))
+
+
+def busy_message(study_id: int, busy: int) -> str:
+    runs = "1 run" if busy == 1 else f"{busy} runs"
+    return (
+        f"study {study_id} has {runs} queued or running: cancel first "
+        f"(posbench cancel {study_id}) and wait until they stop"
+    )
+
+
+@dataclass(frozen=True)
+class Deleted:
+    name: str
+    runs: int
+    evaluations: int
+    checkpoints: int  # checkpoint files removed from this machine's artifacts folder
+
+
+def delete_study(study_id: int, *, settings: Settings | None = None) -> Deleted:
+    """Delete a study with everything stored for it: runs, training curves, evaluations,
+    position bins, summaries (the database's cascades), then the runs' checkpoints in
+    this machine's artifacts folder. Refused (Busy) while a run is queued or running:
+    cancel first. Runs of other studies reused from its runs keep their own copies."""
+    settings = settings or get_settings()
+    with transaction(settings.database) as session:
+        runs = _select_runs(session, study_id, None)  # NotFound for an unknown id
+        busy = sum(run.status in ("queued", "running") for run in runs)
+        if busy:
+            raise Busy(busy_message(study_id, busy))
+        name = session.scalar(select(Study.name).where(Study.id == study_id))
+        run_ids = [run.id for run in runs]
+        evaluations = session.scalar(
+            select(func.count()).select_from(Evaluation).where(Evaluation.run_id.in_(run_ids))
+        )
+        session.execute(delete(Study).where(Study.id == study_id))
+    removed = 0
+    folder = settings.artifacts_dir / "runs"
+    for run_id in run_ids:
+        for path in [folder / f"{run_id}.pt", *folder.glob(f"{run_id}.pt.*.stale")]:
+            if path.is_file():
+                path.unlink()
+                removed += 1
+    return Deleted(name, len(run_ids), int(evaluations or 0), removed)
 
 
 def cancel(

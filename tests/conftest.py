@@ -46,9 +46,9 @@ def isolated_env(home: Path, **extra: str) -> dict[str, str]:
 
 
 def posbench_cli(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120, input: str | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """``posbench ARGS`` in a real subprocess from the project root."""
+    """``posbench ARGS`` in a real subprocess from the project root (``input`` on stdin)."""
     return subprocess.run(
         [sys.executable, "-m", "jobs.cli", *args],
         cwd=ROOT,
@@ -56,4 +56,5 @@ def posbench_cli(
         capture_output=True,
         text=True,
         timeout=timeout,
+        input=input,
     )

@@ -27,6 +27,8 @@ def test_commands_before_the_schema_exists_say_how_to_create_it(env) -> None:
     ("args", "message"),
     [
         (["cancel", "5"], "error: no study with id 5"),
+        (["delete", "5", "--yes"], "error: no study with id 5"),
+        (["delete", "0", "--yes"], "the study id must be a positive integer"),
         (["retry", "--run", "3"], "error: no run with id 3"),
         (["cancel"], "error: give a study id or --run ID"),
         (["retry", "1", "--run", "2"], "error: give a study id or --run ID"),

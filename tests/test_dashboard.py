@@ -7,9 +7,12 @@ from pathlib import Path
 
 import pytest
 from dashboard_seed import seed_study
+from sqlalchemy import update
 from streamlit.testing.v1 import AppTest
 
+from db.engine import transaction
 from db.migrate import upgrade
+from db.models import Run
 from jobs.settings import Settings, get_settings
 from worker.encodings import REGISTRY
 
@@ -151,6 +154,27 @@ def test_queue_cancel_button_cancels_queued_runs(settings) -> None:
     from db import queries
 
     assert list(queries.runs(settings.database, study_id=study)["status"]) == ["cancelled"]
+
+
+def test_queue_deletes_a_finished_study_only_after_a_tick(settings) -> None:
+    from db import queries
+
+    study = seed_study(settings)
+    app = page("queue")
+    app.query_params["study"] = str(study)
+    app.run()
+    # One run is still running: no delete button, the reason instead.
+    assert not [b for b in app.button if b.key == "delete"]
+    assert any("has 1 run queued or running: cancel first" in c.value for c in app.caption)
+    with transaction(settings.database) as session:
+        session.execute(update(Run).where(Run.status == "running").values(status="cancelled"))
+    app.run()
+    assert app.button(key="delete").disabled  # not without the tick
+    app.checkbox(key="delete-sure").check().run()
+    app.button(key="delete").click().run()
+    assert not app.exception, app.exception
+    assert queries.studies(settings.database, [study]).empty
+    assert "No study yet" in app.info[0].value
 
 
 def test_compare_draws_curves_with_seed_intervals(settings) -> None:

@@ -17,7 +17,7 @@ from sqlalchemy import func, select, update
 from db.engine import transaction
 from db.migrate import current, upgrade
 from db.models import Evaluation, PositionBin, Run, Study, TrainPoint
-from jobs.service import NotFound, cancel, reconcile, retry, submit
+from jobs.service import Busy, NotFound, cancel, delete_study, reconcile, retry, submit
 from jobs.settings import Settings
 from jobs.spec import parse_spec
 from worker import liveness, store
@@ -219,6 +219,35 @@ with store.Heartbeat({settings.database!r}, {run_id}, {lease!r}, 0.1, hang_secon
     assert time.monotonic() - started < 30
     assert "no progress for 1 s: the run is hung" in done.stderr
     assert "stuck_in_a_device_call" in done.stderr  # every thread's stack, for the post-mortem
+
+
+def test_deleting_a_study_removes_everything_stored_for_it(settings: Settings) -> None:
+    first = submit(parse_spec(SPEC), settings=settings, send=Recorder())
+    _finish_run(settings, first.queued[0])
+    again = submit(parse_spec({**SPEC, "name": "again"}), settings=settings, send=Recorder())
+    # Queued runs are refused: cancel first. Nothing is deleted.
+    with pytest.raises(Busy, match="has 3 runs queued or running: cancel first"):
+        delete_study(first.study_id, settings=settings)
+    assert count(settings, Study) == 2
+    cancel(study_id=first.study_id, settings=settings)
+    folder = settings.artifacts_dir / "runs"
+    folder.mkdir(parents=True)
+    for name in (f"{first.queued[0]}.pt", f"{first.queued[0]}.pt.1a2b3c4d.stale", "999.pt"):
+        (folder / name).write_bytes(b"checkpoint")
+    before = {model: count(settings, model) for model in (Evaluation, PositionBin, TrainPoint)}
+    deleted = delete_study(first.study_id, settings=settings)
+    assert (deleted.runs, deleted.evaluations, deleted.checkpoints) == (4, 1, 2)
+    assert sorted(p.name for p in folder.iterdir()) == ["999.pt"]  # another run's
+    with transaction(settings.database) as session:
+        assert session.get(Study, first.study_id) is None
+        assert session.scalars(select(Run.study_id).distinct()).all() == [again.study_id]
+        reused = session.get(Run, again.reused[0])
+        assert reused.status == "done" and reused.reused_from_run_id is None
+    # The reused run keeps its own copies; the deleted run's rows are gone.
+    after = {model: count(settings, model) for model in (Evaluation, PositionBin, TrainPoint)}
+    assert after == {model: before[model] // 2 for model in before}
+    with pytest.raises(NotFound):
+        delete_study(first.study_id, settings=settings)
 
 
 def test_evaluations_are_idempotent_upserts(settings: Settings) -> None:

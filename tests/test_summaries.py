@@ -12,7 +12,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from conftest import isolated_env, posbench_cli
 from dashboard_seed import SEEDED_SPEC, seed_study
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from db import queries
 from db.engine import engine_for, transaction
@@ -255,3 +255,28 @@ def test_a_curve_cut_short_by_its_encoding_has_no_log_perplexity_average() -> No
     assert whole["mean_log_ppl"] is not None and whole["ratio_2x"] == 1.2
     assert cut["mean_log_ppl"] is None and cut["log_ppl_area"] is None
     assert cut["ratio_2x"] is None and cut["effective_length"] == 32
+
+
+def test_delete_asks_first_then_removes_the_study(settings: Settings) -> None:
+    study = seed_study(settings)
+    env = isolated_env(settings.home)
+    busy = posbench_cli("delete", str(study), "--yes", env=env)
+    assert busy.returncode == 1
+    assert busy.stderr.strip() == (
+        f"error: study {study} has 1 run queued or running: cancel first "
+        f"(posbench cancel {study}) and wait until they stop"
+    )
+    cancelled = posbench_cli("cancel", str(study), env=env)
+    assert cancelled.returncode == 0 and "1 stopping" in cancelled.stdout
+    with transaction(settings.database) as session:  # its worker sees the cancel and stops
+        session.execute(
+            update(Run).where(Run.status == "running").values(status="cancelled", lease=None)
+        )
+    kept = posbench_cli("delete", str(study), env=env, input="n\n")
+    assert kept.returncode == 1 and "nothing deleted" in kept.stderr
+    assert not queries.studies(settings.database, [study]).empty
+    done = posbench_cli("delete", str(study), env=env, input="y\n")
+    assert done.returncode == 0, done.stderr
+    assert f"deleted study {study} (seeded): 6 runs, 12 evaluations" in done.stdout
+    assert queries.studies(settings.database, [study]).empty
+    assert queries.curves(settings.database, study_ids=[study]).empty
