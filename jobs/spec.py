@@ -44,8 +44,9 @@ from worker.encodings.registry import (
 # learning-rate schedule's ends, no weight decay on encodings, KERPLE-power's initial
 # ranges, YaRN's ramp of the authors' code, float32 logits, and evaluation scoring the
 # same bytes at every length. 3 (2026-11-30): the scored bytes spread over the whole
-# validation split in up to 64 stretches (they were its first `tokens` bytes), and
-# training windows may end on the training split's last byte.
+# validation split in up to 64 stretches (they were its first `tokens` bytes),
+# training windows may end on the training split's last byte, and FIRE's initial
+# threshold is a quarter of the training length (it was 512 at every length).
 RESULTS_VERSION = 3
 MAX_VARIANT_LABEL = 40  # evaluations.variant is VARCHAR(40)
 

@@ -7,7 +7,10 @@ the threshold L are learned. Dividing by the log query position maps every
 query's context into [0, 1], so a longer sequence interpolates inside the range
 seen in training instead of extrapolating past it; L keeps the normaliser from
 blowing up short-range distances for early queries. Initial values follow the
-paper's code: c = 0.1, L = 512.
+paper's code: c = 0.1, and L = 512 at its training length of 2048, i.e. a quarter of
+the training length (the default here): with a fixed 512, a model trained at 128 or
+256 would never see a query normalised by its own position in training, and the
+progressive interpolation would first act at evaluation.
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ class FIRE(PositionEncoding):
         *,
         mlp_width: int = 32,
         init_c: float = 0.1,
-        init_threshold: float = 512.0,
+        init_threshold: float | None = None,
         **dims: int,
     ) -> None:
         super().__init__(**dims)
+        if init_threshold is None:
+            init_threshold = self.train_length / 4
         self.mlp = nn.Sequential(
             nn.Linear(1, mlp_width), nn.ReLU(), nn.Linear(mlp_width, self.n_heads)
         )

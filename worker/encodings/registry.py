@@ -319,10 +319,12 @@ REGISTRY: dict[str, EncodingInfo] = {
                 Param(
                     "init_threshold",
                     float,
-                    512.0,
-                    "initial threshold L of the normaliser psi(max(L, i))",
+                    None,
+                    "initial threshold L of the normaliser psi(max(L, i)) (default: a quarter "
+                    "of the training length, the paper's 512 at its 2048)",
                     low=1.0,
                     high=float(1 << 22),
+                    derived="train_length / 4",
                 ),
             ),
         ),
