@@ -45,8 +45,9 @@ from worker.encodings.registry import (
 # ranges, YaRN's ramp of the authors' code, float32 logits, and evaluation scoring the
 # same bytes at every length. 3 (2026-11-30): the scored bytes spread over the whole
 # validation split in up to 64 stretches (they were its first `tokens` bytes),
-# training windows may end on the training split's last byte, and FIRE's initial
-# threshold is a quarter of the training length (it was 512 at every length).
+# training windows may end on the training split's last byte, FIRE's initial
+# threshold is a quarter of the training length (it was 512 at every length), and a
+# HuggingFace corpus is read from its `text` column with line rows joined as one stream.
 RESULTS_VERSION = 3
 MAX_VARIANT_LABEL = 40  # evaluations.variant is VARCHAR(40)
 

@@ -93,6 +93,51 @@ def test_huggingface_loader_on_a_local_dataset(tmp_path: Path) -> None:
         load_corpus(f"hf:{tmp_path / 'no_valid'}", tmp_path / "cache")
 
 
+def _local_dataset(folder: Path, rows: dict[str, list[dict]]) -> Path:
+    folder.mkdir()
+    for split, records in rows.items():
+        with (folder / f"{split}.jsonl").open("w") as handle:
+            for record in records:
+                handle.write(json.dumps(record) + "\n")
+    return folder
+
+
+def test_huggingface_text_column_is_chosen_by_name_not_position(tmp_path: Path) -> None:
+    # PG-19's columns: short_book_title, publication_date, url, text.
+    book = {"short_book_title": "A Title", "publication_date": 1900, "url": "http://x"}
+    pg19 = _local_dataset(
+        tmp_path / "pg19",
+        {
+            split: [{**book, "text": f"{split} book {i} " * 30} for i in range(n)]
+            for split, n in (("train", 12), ("validation", 3))
+        },
+    )
+    corpus = load_corpus(f"hf:{pg19}", tmp_path / "cache")
+    assert bytes(corpus.train[:12]) == b"train book 0" and b"A Title" not in bytes(corpus.train)
+    titles = load_corpus(f"hf:{pg19}::short_book_title", tmp_path / "cache")
+    assert bytes(titles.valid) == b"\0".join([b"A Title"] * 3)
+    with pytest.raises(CorpusError, match="has no text column 'body' \\(its text columns: "):
+        load_corpus(f"hf:{pg19}::body", tmp_path / "cache")
+    two = _local_dataset(
+        tmp_path / "two",
+        {s: [{"title": "t", "body": "b"}] * 4 for s in ("train", "validation")},
+    )
+    with pytest.raises(CorpusError, match=r"several text columns \(title, body\)"):
+        load_corpus(f"hf:{two}", tmp_path / "cache")
+
+
+def test_huggingface_rows_that_are_lines_make_one_stream(tmp_path: Path) -> None:
+    # WikiText: one row per line (blank lines are empty rows), not one per document.
+    lines = ["", " = Valkyria Chronicles = \n", "", " The game began in 2010 . \n"]
+    wiki = _local_dataset(
+        tmp_path / "wiki", {s: [{"text": line} for line in lines * 5] for s in ("train", "test")}
+    )
+    corpus = load_corpus(f"hf:{wiki}", tmp_path / "cache")
+    stream = (" = Valkyria Chronicles = \n The game began in 2010 . \n" * 5).encode()
+    assert bytes(corpus.valid) == stream  # no NUL between lines
+    assert b"\0" not in bytes(corpus.train)
+
+
 # -- protocols ----------------------------------------------------------------------------
 
 

@@ -5,8 +5,10 @@ Corpora:
   outside site-packages) - a real, multi-megabyte corpus on every machine, no
   download;
 - ``text:<path>``: a UTF-8 file or a folder of them;
-- ``hf:<name>[:<config>]``: a HuggingFace dataset (the optional ``datasets``
-  package), hub name or local folder; its first string column is the text.
+- ``hf:<name>[:<config>[:<column>]]``: a HuggingFace dataset (the optional
+  ``datasets`` package), hub name or local folder; the text is the named column, else
+  ``text``, else the only string column. Rows that are lines (WikiText) are joined as
+  one stream; other rows (PG-19's books) are documents.
 
 Documents are read in a fixed order and split into train and validation by a
 hash of their path (a lone document is split by position), joined with a NUL
@@ -84,6 +86,39 @@ def _text(location: str) -> list[Document]:
     return docs
 
 
+def _text_column(table, spec: str, split: str, wanted: str) -> str:
+    """The column to read: ``wanted`` if given, else ``text``, else the only string
+    column (PG-19's first string column is the book's title, not its text)."""
+    strings = [c for c, f in table.features.items() if getattr(f, "dtype", None) == "string"]
+    if wanted:
+        if wanted not in strings:
+            raise CorpusError(
+                f"corpus hf:{spec}: split {split!r} has no text column {wanted!r} "
+                f"(its text columns: {', '.join(strings) or 'none'})"
+            )
+        return wanted
+    if "text" in strings:
+        return "text"
+    if len(strings) == 1:
+        return strings[0]
+    if not strings:
+        raise CorpusError(f"corpus hf:{spec}: split {split!r} has no text column")
+    raise CorpusError(
+        f"corpus hf:{spec}: split {split!r} has several text columns ({', '.join(strings)}) "
+        "and none is called 'text': name one, hf:<name>:<config>:<column>"
+    )
+
+
+def _rows_to_documents(rows: list[str], split: str) -> list[Document]:
+    """Rows that are lines of one text (every non-empty row ends with a newline, as in
+    WikiText) are joined as they are, one stream as in the ALiBi paper's evaluation;
+    other rows are documents (PG-19's books), separated by DOC_SEPARATOR later."""
+    filled = [row for row in rows if row]
+    if filled and all(row.endswith("\n") for row in filled):
+        return [Document(split, "".join(filled).encode("utf-8"))]
+    return [Document(f"{split}/{i}", row.encode("utf-8")) for i, row in enumerate(rows)]
+
+
 def _huggingface(spec: str) -> tuple[list[Document], list[Document]]:
     try:
         import datasets
@@ -91,7 +126,8 @@ def _huggingface(spec: str) -> tuple[list[Document], list[Document]]:
         raise CorpusError(
             f"corpus hf:{spec} needs the optional 'datasets' package: pip install 'posbench[hf]'"
         ) from None
-    name, _, config = spec.partition(":")
+    name, _, rest = spec.partition(":")
+    config, _, column = rest.partition(":")
     try:
         loaded = datasets.load_dataset(name, config or None)
     except Exception as err:  # the library raises many types; report any of them plainly
@@ -105,15 +141,8 @@ def _huggingface(spec: str) -> tuple[list[Document], list[Document]]:
                 f"{', '.join(wanted if len(wanted) > 1 else ())} (has {', '.join(loaded)})"
             )
         table = loaded[split]
-        column = next(
-            (c for c, f in table.features.items() if getattr(f, "dtype", None) == "string"),
-            None,
-        )
-        if column is None:
-            raise CorpusError(f"corpus hf:{spec}: split {split!r} has no text column")
-        splits[wanted[0]] = [
-            Document(f"{split}/{i}", text.encode("utf-8")) for i, text in enumerate(table[column])
-        ]
+        rows = table[_text_column(table, spec, split, column)]
+        splits[wanted[0]] = _rows_to_documents([row or "" for row in rows], split)
     return splits["train"], splits["validation"]
 
 
@@ -128,7 +157,8 @@ def read_documents(corpus: str) -> tuple[list[Document], list[Document]]:
         return _huggingface(rest)
     else:
         raise CorpusError(
-            f"unknown corpus {corpus!r} (allowed: pystdlib, text:<path>, hf:<name>[:<config>])"
+            f"unknown corpus {corpus!r} (allowed: pystdlib, text:<path>, "
+            "hf:<name>[:<config>[:<column>]])"
         )
     train = [d for d in docs if not is_validation(d.path)]
     valid = [d for d in docs if is_validation(d.path)]

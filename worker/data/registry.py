@@ -59,7 +59,7 @@ class TaskInfo:
         }
 
 
-CORPORA = "pystdlib, text:<path> (a UTF-8 file or folder) or hf:<name>[:<config>]"
+CORPORA = "pystdlib, text:<path> (a UTF-8 file or folder) or hf:<name>[:<config>[:<column>]]"
 
 
 def corpus_problem(corpus: str) -> str | None:
@@ -71,7 +71,7 @@ def corpus_problem(corpus: str) -> str | None:
         return None
     if kind in ("text", "hf") and rest.strip():
         if kind == "hf" and not rest.split(":")[0].strip():
-            return f"corpus {corpus!r} names no dataset (hf:<name>[:<config>])"
+            return f"corpus {corpus!r} names no dataset (hf:<name>[:<config>[:<column>]])"
         return None
     return f"corpus {corpus!r} is not one of {CORPORA}"
 
@@ -113,7 +113,7 @@ TASKS: dict[str, TaskInfo] = {
                     str,
                     "pystdlib",
                     "pystdlib (the interpreter's own standard library sources), "
-                    "text:<path> (a UTF-8 file or folder) or hf:<name>[:<config>]",
+                    "text:<path> (a UTF-8 file or folder) or hf:<name>[:<config>[:<column>]]",
                 ),
             ),
         ),
