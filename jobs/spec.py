@@ -34,6 +34,7 @@ from worker.encodings.registry import (
     EncodingConfigError,
     fits_model,
     info,
+    is_positive_int,
     rotary_width,
     short_repr,
 )
@@ -402,6 +403,22 @@ class StudySpec(_Strict):
         description="the workers that train it: 'gpu' or 'cpu' (posbench worker --queues); "
         "not part of a run's config hash",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_lengths(cls, data: Any) -> Any:
+        """Without eval.lengths, evaluate at 1, 2, 4 and 8 times the training length."""
+        if not isinstance(data, dict):
+            return data
+        evaluation = data.get("eval", {})
+        train = data.get("train", {})
+        if not isinstance(evaluation, dict) or "lengths" in evaluation:
+            return data
+        length = train.get("length", 128) if isinstance(train, dict) else train.length
+        if not is_positive_int(length):
+            return data  # the train section's own check says what is wrong
+        lengths = [length * 2**k for k in range(4) if length * 2**k <= MAX_EVAL_LENGTH]
+        return {**data, "eval": {**evaluation, "lengths": lengths or [length]}}
 
     @model_validator(mode="after")
     def _consistent(self) -> StudySpec:

@@ -399,6 +399,18 @@ def test_config_hashes_change_only_with_what_a_run_measures() -> None:
             "train": {"length": 32},
         }
     )
-    assert custom.runs()[0].config_hash == "e2f9b2abd40c87eed1fc9707"
+    assert custom.runs()[0].config_hash == "5943b26d723893af344d3e0e"
     accumulated = parse_spec({**BASE, "train": {"length": 32, "grad_accum": 2}})
     assert accumulated.runs()[0].config_hash != parse_spec(BASE).runs()[0].config_hash
+
+
+def test_evaluation_lengths_default_to_multiples_of_the_training_length() -> None:
+    spec = parse_spec({**BASE, "train": {"length": 48}})
+    assert spec.eval.lengths == [48, 96, 192, 384]
+    given = parse_spec({**BASE, "train": {"length": 48}, "eval": {"lengths": [100]}})
+    assert given.eval.lengths == [100]  # a list given is kept as it is
+    assert (
+        parse_spec({**BASE, "train": {"length": 48}, "eval": {"tokens": 128}}).eval.lengths[0] == 48
+    )
+    # The stored spec names them, so the study reads the same whatever the defaults become.
+    assert "- 384" in spec.to_yaml()
