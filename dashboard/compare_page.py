@@ -161,7 +161,8 @@ def _pairwise(view, metric: str, train_lengths: dict[int, int]) -> None:
     st.caption(
         "P(a wins): the fraction of 2,000 bootstrap resamples in which a's mean is better "
         "than b's (ties count half). Lines that ran the same seeds of the same studies are "
-        "paired: a seed fixes the batches and evaluation windows, so each resample draws "
+        "paired: a seed fixes the training batches (every run is scored on the same "
+        "bytes), so each resample draws "
         "seeds and takes both lines' runs of them; otherwise each line's seeds are drawn "
         "independently. A bootstrap over a few seeds is "
         "overconfident (with one seed a side it is 0, 0.5 or 1); five or more seeds per "

@@ -412,11 +412,12 @@ def pairwise_table(
     p_a_wins is ``win_probability`` of a over b across their seeds (p of b winning is
     1 - p_a_wins); lower_is_better defaults to the metric's direction. When both lines
     ran exactly the same seeds of the same studies, the runs are paired by (study, seed)
-    (``paired`` is True): a seed fixes the training batches and the evaluation windows
-    whatever the encoding, so the paired bootstrap compares the encodings on the same
-    data. Otherwise (a seed missing on one side, e.g. a failed run) the seeds are
-    resampled independently. A line should name one configuration: runs of one line in
-    several studies are pooled as seeds. Each cell uses a fresh generator from ``seed``.
+    (``paired`` is True): a seed fixes the training batches whatever the encoding, and
+    every run of a study is scored on the same bytes, so the paired bootstrap compares
+    the encodings on the same data. Otherwise (a seed missing on one side, e.g. a
+    failed run) the seeds are resampled independently. A line should name one
+    configuration: runs of one line in several studies are pooled as seeds. Each cell
+    uses a fresh generator from ``seed``.
     """
     lower = lower_is_better_for(metric) if lower_is_better is None else lower_is_better
     data = applicable(frame, metric, line)

@@ -53,7 +53,11 @@ def start_redis(socket: Path, *, log: Path | None = None) -> subprocess.Popen[by
     for key, value in options.items():
         command += [f"--{key}", value]
     output = open(log or folder / "redis.log", "ab")  # noqa: SIM115 - the child owns it
-    process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+    # Its own session: a Ctrl-C in the terminal must not stop the broker before the
+    # workers have handed their runs back through it (the owner stops it last).
+    process = subprocess.Popen(
+        command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+    )
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         if process.poll() is not None:

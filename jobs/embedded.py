@@ -60,8 +60,10 @@ def serve(*, dashboard: bool, port: int, console: Console) -> int:
         raise KeyboardInterrupt
 
     # Installed explicitly: a process started in the background inherits SIGINT ignored.
-    signal.signal(signal.SIGTERM, shutdown)
-    signal.signal(signal.SIGINT, shutdown)
+    # SIGHUP too (the terminal closed): the broker runs in a session of its own and is
+    # stopped only here.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, shutdown)
     try:
         if settings.broker_url is None:
             children.append(("redis", start_redis(settings.redis_socket)))
@@ -89,5 +91,6 @@ def serve(*, dashboard: bool, port: int, console: Console) -> int:
         console.print("stopping ...")
         return 0
     finally:
-        for _, process in reversed(children):
-            stop(process)
+        for name, process in reversed(children):
+            # A worker hands its run back first (a training step, a checkpoint).
+            stop(process, timeout=60 if name == "worker" else 10)

@@ -328,6 +328,9 @@ def test_pairing_by_seed_sees_a_small_consistent_gap_through_seed_noise():
     frame = pd.DataFrame(rows)
     (row,) = pairwise_table(frame, "perplexity").to_dict("records")
     assert row["paired"] and row["p_a_wins"] == 1.0
+    # Pairs are matched by seed, not by row order.
+    shuffled = frame.sample(frac=1.0, random_state=3)
+    assert pairwise_table(shuffled, "perplexity")["p_a_wins"].tolist() == [1.0]
     assert claim(row, 128) == "alibi beats rope at 4x with probability 1.00 (4 paired seeds)"
     # One rope seed missing (a failed run): the sides are resampled independently.
     unpaired = frame[~((frame["label"] == "rope") & (frame["seed"] == 3))]

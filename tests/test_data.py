@@ -172,6 +172,41 @@ def test_scored_stretches_cover_the_whole_validation_split() -> None:
     assert scored_blocks(1000, 100, 40, first=1) == [(1, 40)]
 
 
+@pytest.mark.parametrize("protocol", ["nonoverlapping", "sliding"])
+def test_every_plan_stays_inside_the_stream_and_scores_each_target_once(protocol: str) -> None:
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        lengths = sorted({int(n) for n in rng.integers(2, 200, size=3)})
+        valid = int(rng.integers(lengths[-1] + 1, 5000))
+        tokens = int(rng.integers(1, 3000))
+        stride = int(rng.integers(1, lengths[0] + 1)) if protocol == "sliding" else None
+        seen = None
+        for length in lengths:
+            plan = window_plan(valid, length, protocol, tokens, stride, longest=lengths[-1])
+            assert plan.starts.min() >= 0 and plan.starts.max() + length <= valid - 1
+            targets = np.concatenate(
+                [
+                    start + 1 + plan.first_scored + np.arange(count)
+                    for start, count in zip(plan.starts, plan.scored, strict=True)
+                ]
+            )
+            assert len(np.unique(targets)) == len(targets) == min(tokens, valid - lengths[-1])
+            assert seen is None or np.array_equal(np.sort(targets), seen)
+            seen = np.sort(targets)
+
+
+def test_training_windows_reach_the_last_byte_and_never_pass_it(tmp_path: Path) -> None:
+    text = tmp_path / "t.txt"
+    text.write_bytes(bytes(range(32, 127)) * 3)
+    task = build_task("lm", corpus=f"text:{text}")
+    task.prepare(tmp_path / "cache")
+    train = np.asarray(task.data.train)
+    length = len(train) - 2  # windows of length + 1 bytes start at 0 or 1
+    generator = torch.Generator().manual_seed(0)
+    last = {int(task.train_batch(8, length, generator).targets[i, -1]) for i in range(8)}
+    assert last == {int(train[-2]), int(train[-1])}
+
+
 def test_sliding_windows_by_hand() -> None:
     plan = window_plan(100, 10, "sliding", tokens=12, stride=4)
     assert plan.starts.tolist() == [0, 4, 8] and plan.first_scored == 6 and plan.total == 12

@@ -171,7 +171,6 @@ def test_a_cancel_stops_evaluation_between_points() -> None:
     task = prepared_task(spec)
     model = build_model(ModelConfig(**spec.model.dims()), "nope", train_length=16)
     stored = []
-    asked = iter([False, True])
     with pytest.raises(RunCancelled, match="cancelled while evaluating, before none @ 32"):
         evaluate(
             model,
@@ -181,9 +180,42 @@ def test_a_cancel_stops_evaluation_between_points() -> None:
             scalable=False,
             device=torch.device("cpu"),
             on_evaluation=stored.append,
-            should_stop=lambda: next(asked),
+            should_stop=lambda: bool(stored),  # asked once the first point is stored
         )
     assert [row.length for row in stored] == [16]  # the point before the cancel stays
+
+
+def test_a_cancel_stops_a_long_length_between_its_batches() -> None:
+    from worker.train import RunCancelled
+
+    spec = parse_spec(
+        {
+            **TINY,
+            "encodings": ["nope"],
+            "eval": {"lengths": [16], "tokens": 1024, "batch_tokens": 256},
+        }
+    )
+    task = prepared_task(spec)
+    model = build_model(ModelConfig(**spec.model.dims()), "nope", train_length=16)
+    calls = []
+
+    def asked() -> bool:  # once the third batch of the length is reached
+        calls.append(1)
+        return len(calls) > 3
+
+    stored = []
+    with pytest.raises(RunCancelled, match="cancelled while evaluating at length 16"):
+        evaluate(
+            model,
+            task,
+            spec.eval,
+            train_length=16,
+            scalable=False,
+            device=torch.device("cpu"),
+            on_evaluation=stored.append,
+            should_stop=asked,
+        )
+    assert stored == [] and len(calls) == 4  # 1 before the point, then 1 per batch of 4
 
 
 def test_provenance_names_the_commit_in_a_checkout_and_in_an_image(monkeypatch) -> None:

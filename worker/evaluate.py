@@ -140,12 +140,19 @@ class _Accumulator:
 
 
 def _run_batches(
-    model: Transformer, batches: Iterator[Batch], length: int, device: torch.device
+    model: Transformer,
+    batches: Iterator[Batch],
+    length: int,
+    device: torch.device,
+    should_stop: Callable[[], bool] | None = None,
 ) -> _Accumulator:
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     accumulator = _Accumulator(length)
     with torch.inference_mode(), autocast:
         for batch in batches:
+            # Every batch: a long length may take minutes; its partial sums are dropped.
+            if should_stop is not None and should_stop():
+                raise RunCancelled(f"cancelled while evaluating at length {length}")
             batch = batch.to(device)
             accumulator.add(model(batch.inputs), batch)
             liveness.touch()
@@ -163,6 +170,7 @@ def evaluate_length(
     train_length: int,
     device: torch.device,
     seed: int = 0,
+    should_stop: Callable[[], bool] | None = None,
 ) -> Evaluation:
     row = Evaluation(variant=variant.label, protocol=protocol, length=length)
     limit = model.encoding.max_length
@@ -199,9 +207,9 @@ def evaluate_length(
                 with torch.cuda.device(device):
                     torch.cuda.manual_seed(point)
             if variant.method == "none":
-                return _run_batches(model, batches, length, device)
+                return _run_batches(model, batches, length, device, should_stop)
             with model.scaled(variant.method, row.factor, train_length, **variant.params):
-                return _run_batches(model, batches, length, device)
+                return _run_batches(model, batches, length, device, should_stop)
 
     result = halving_on_oom(run, batch_size)
     elapsed = time.perf_counter() - started
@@ -269,6 +277,7 @@ def evaluate(
             train_length=train_length,
             device=device,
             seed=seed,
+            should_stop=should_stop,
         )
         rows.append(row)
         if on_evaluation is not None:

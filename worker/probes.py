@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from worker import liveness
 from worker.data.base import Task
 from worker.encodings.base import PositionEncoding
 from worker.memory import halving_on_oom
@@ -176,4 +177,5 @@ def _order_probe(
                     )
                 )
             scored += targets[:, half:].numel()
+            liveness.touch()
     return OrderProbe(length, totals["ordered"] / scored, totals["shuffled"] / scored, scored)

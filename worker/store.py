@@ -8,6 +8,7 @@ that lost its run to the reconciler can no longer touch it.
 
 from __future__ import annotations
 
+import faulthandler
 import threading
 import uuid
 from collections.abc import Callable
@@ -207,25 +208,35 @@ def finish(
     return _guarded(url, run_id, lease, values)
 
 
-def release(url: str, run_id: int, lease: str) -> bool:
-    """Hand a running run back to the queue: its worker is shutting down (``docker stop``,
-    Ctrl-C) and saved a checkpoint. The claim it gives back does not count against the
-    worker-death budget. It is left unsent (``enqueued_at`` unset) for the caller to send
-    (``jobs.service.enqueue``); if that send is lost, the reconciler sends it."""
+def release(url: str, run_id: int, lease: str) -> str | None:
+    """Hand a running run back: its worker is shutting down (``docker stop``, Ctrl-C)
+    and saved a checkpoint. Returns ``"queued"``: back in the queue, unsent
+    (``enqueued_at`` unset) for the caller to send (``jobs.service.enqueue``; if that
+    send is lost, the reconciler sends it), the claim given back not counted against
+    the worker-death budget; ``"cancelled"``: a cancel was asked that the run had not
+    yet seen, so it ends cancelled instead; None: the lease is no longer ours."""
 
-    def attempt() -> bool:
+    def attempt() -> str | None:
         with transaction(url) as session:
-            changed = session.execute(
+            mine = (Run.id == run_id, Run.lease == lease, Run.status == "running")
+            if session.execute(
                 update(Run)
-                .where(Run.id == run_id, Run.lease == lease, Run.status == "running")
+                .where(*mine, Run.cancel_requested.is_(True))
                 .values(
-                    status="queued",
+                    status="cancelled",
                     lease=None,
-                    enqueued_at=None,
-                    attempts=Run.attempts - 1,
+                    finished_at=utcnow(),
+                    failure_reason="cancelled (while its worker was shutting down)",
                 )
-            ).rowcount
-            return bool(changed)
+            ).rowcount:
+                return "cancelled"
+            if session.execute(
+                update(Run)
+                .where(*mine)
+                .values(status="queued", lease=None, enqueued_at=None, attempts=Run.attempts - 1)
+            ).rowcount:
+                return "queued"
+            return None
 
     return with_retry(attempt)
 
@@ -237,7 +248,10 @@ class Heartbeat:
     It is also the run's watchdog: when the run's own thread has made no progress
     (``worker.liveness``) for ``hang_seconds`` (0: never), the heartbeat stops and calls
     ``on_hang(idle seconds)``, which in a worker ends the process so that the reconciler
-    requeues the run like a killed one."""
+    requeues the run like a killed one. With ``hard_deadline``, a hang that holds the
+    GIL (so that no Python thread runs, this one included) is caught too:
+    ``faulthandler``'s C watchdog, re-armed at every beat while the run moves, dumps the
+    stacks and exits the process ``hang_seconds`` after the last re-arming."""
 
     def __init__(
         self,
@@ -248,14 +262,21 @@ class Heartbeat:
         *,
         hang_seconds: float = 0.0,
         on_hang: Callable[[float], None] | None = None,
+        hard_deadline: bool = False,
     ) -> None:
         self.url, self.run_id, self.lease, self.every = url, run_id, lease, every
         self.hang_seconds, self.on_hang = hang_seconds, on_hang
+        self.hard_deadline = hard_deadline and hang_seconds > 0
         self.lost = False
         self.hung = False
         self.cancel_asked = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, daemon=True, name=f"heartbeat-{run_id}")
+
+    def _arm(self) -> None:
+        if self.hard_deadline:
+            # fd 2 itself: a Celery pool process has replaced sys.stderr with a logger.
+            faulthandler.dump_traceback_later(self.hang_seconds + 2 * self.every, exit=True, file=2)
 
     def _beat(self) -> None:
         while not self._stop.wait(self.every):
@@ -265,6 +286,7 @@ class Heartbeat:
                 if self.on_hang is not None:
                     self.on_hang(idle)
                 return
+            self._arm()
             try:
                 ours, asked = heartbeat(self.url, self.run_id, self.lease)
             except Exception:  # a transient database error; try again next beat
@@ -272,13 +294,18 @@ class Heartbeat:
             self.cancel_asked = self.cancel_asked or asked
             if not ours:
                 self.lost = True
+                if self.hard_deadline:  # the run stops at its next step; no deadline now
+                    faulthandler.cancel_dump_traceback_later()
                 return
 
     def __enter__(self) -> Heartbeat:
         liveness.touch()  # the idle clock starts with the run (preparing its data included)
+        self._arm()
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        if self.hard_deadline:
+            faulthandler.cancel_dump_traceback_later()

@@ -15,7 +15,8 @@ import socket
 import threading
 import traceback
 
-from celery.signals import worker_init, worker_process_init, worker_shutting_down
+from celery import bootsteps
+from celery.signals import worker_init, worker_process_init
 
 from jobs.celery_app import TRAIN_RUN, app
 from jobs.settings import get_settings
@@ -41,7 +42,8 @@ def train_run(self, run_id: int) -> str:
     if claimed is None:
         return "not claimed: the run is not queued (done, cancelled, or another worker has it)"
     lease, spec_json, run = claimed
-    watchdog = {"hang_seconds": settings.hang_seconds, "on_hang": _hung}
+    _listen_for_shutdown()  # again here: whatever the pool type reset at fork
+    watchdog = {"hang_seconds": settings.hang_seconds, "on_hang": _hung, "hard_deadline": True}
     with store.Heartbeat(url, run_id, lease, settings.heartbeat_seconds, **watchdog) as beat:
         try:
             outcome = _train_and_evaluate(url, run_id, lease, parse_spec(spec_json), run, beat)
@@ -112,25 +114,29 @@ def _train_and_evaluate(url: str, run_id: int, lease: str, spec, run, beat) -> s
 
 def _hung(idle: float) -> None:
     """The watchdog's verdict: the run's thread made no progress for ``idle`` seconds (a
-    hung device or file system). Log every thread's stack for the post-mortem, then end
-    this pool process: the heartbeat has stopped, so the reconciler requeues the run
-    (a death, counted against POSBENCH_MAX_ATTEMPTS) and it resumes elsewhere."""
+    hung device or file system). Write every thread's stack for the post-mortem, then
+    end this pool process: the heartbeat has stopped, so the reconciler requeues the
+    run (a death, counted against POSBENCH_MAX_ATTEMPTS) and it resumes elsewhere.
+    No logging module here: the stuck thread may hold its lock."""
     import faulthandler
-    import sys
 
-    log.critical("no progress for %.0f s: the run is hung; this pool process exits", idle)
-    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-    sys.stderr.flush()
+    note = f"no progress for {idle:.0f} s: the run is hung; this pool process exits\n"
+    os.write(2, note.encode())
+    faulthandler.dump_traceback(file=2, all_threads=True)  # fd 2: Celery replaced sys.stderr
     os._exit(75)
 
 
 def _release(url: str, run_id: int, lease: str, where: str) -> str:
-    """The worker is shutting down: the checkpoint is saved; queue the run again."""
+    """The worker is shutting down: the checkpoint is saved; queue the run again (or end
+    it cancelled, when a cancel arrived that the run had not yet seen)."""
     from jobs.service import enqueue
     from worker import store
 
-    if not store.release(url, run_id, lease):
+    outcome = store.release(url, run_id, lease)
+    if outcome is None:
         return "lease lost: another worker owns the run now"
+    if outcome == "cancelled":
+        return "cancelled"
     enqueue([run_id])  # a failed send is retried by the reconciler (never sent)
     stopped = where.removeprefix("cancelled ")
     log.info("run %s released to the queue (worker shutting down, %s)", run_id, stopped)
@@ -178,17 +184,30 @@ def _init_worker(**_: object) -> None:
     signal.signal(SHUTDOWN_SIGNAL, signal.SIG_IGN)
 
 
-@worker_shutting_down.connect
-def _tell_pool_processes(**_: object) -> None:
-    """In the worker's main process, at the start of a shutdown: ask every pool process
-    to hand its run back (the warm shutdown then waits for them to return)."""
-    from billiard.process import active_children
+def _listen_for_shutdown() -> None:
+    signal.signal(SHUTDOWN_SIGNAL, lambda *_: shutting_down.set())
 
-    for child in active_children():
-        try:
-            os.kill(child.pid, SHUTDOWN_SIGNAL)
-        except (ProcessLookupError, TypeError):  # already gone, or never started
-            continue
+
+class HandBack(bootsteps.StartStopStep):
+    """A worker step that stops before the pool does, on every warm shutdown (SIGTERM,
+    the first Ctrl-C, ``celery control shutdown``, a SIGHUP restart): it asks every pool
+    process to hand its run back, and the pool's own stop then waits for them. A cold
+    shutdown terminates the pool instead (``terminate``, a no-op here): the reconciler
+    requeues those runs."""
+
+    requires = ("celery.worker.components:Pool",)
+
+    def stop(self, worker: object) -> None:
+        from billiard.process import active_children
+
+        for child in active_children():
+            try:
+                os.kill(child.pid, SHUTDOWN_SIGNAL)
+            except (ProcessLookupError, TypeError):  # already gone, or never started
+                continue
+
+
+app.steps["worker"].add(HandBack)
 
 
 @worker_process_init.connect
@@ -199,7 +218,7 @@ def _init_pool_process(**_: object) -> None:
 
     from db.engine import dispose_after_fork
 
-    signal.signal(SHUTDOWN_SIGNAL, lambda *_: shutting_down.set())
+    _listen_for_shutdown()
     dispose_after_fork()
     index = getattr(current_process(), "index", None)
     if get_settings().pin_gpus and index is not None:
