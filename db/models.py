@@ -83,6 +83,7 @@ class Run(Base):
     params: Mapped[dict[str, Any]]
     seed: Mapped[int]
     config_hash: Mapped[str] = mapped_column(String(32), index=True)
+    train_hash: Mapped[str | None] = mapped_column(String(32), index=True)
     status: Mapped[str] = mapped_column(String(16), default="queued")
     step: Mapped[int] = mapped_column(default=0)
     total_steps: Mapped[int]

@@ -136,6 +136,8 @@ def submit(
                 params=run_spec.encoding.resolved_params,
                 seed=run_spec.seed,
                 config_hash=run_spec.config_hash,
+                # --force trains afresh: no train hash, so no trained model is adopted.
+                train_hash=None if force else run_spec.train_hash,
                 total_steps=spec.train.steps,
                 status="queued",
             )

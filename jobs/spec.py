@@ -371,11 +371,13 @@ class EvalSpec(_Strict):
 
 
 class RunSpec(_Strict):
-    """One trained model of a study: (encoding, seed), with its config hash."""
+    """One trained model of a study: (encoding, seed), with its config hash (everything
+    its results depend on) and its train hash (what the trained model depends on)."""
 
     encoding: EncodingSpec
     seed: int
     config_hash: str
+    train_hash: str
 
 
 class StudySpec(_Strict):
@@ -504,35 +506,51 @@ class StudySpec(_Strict):
 
     def runs(self) -> list[RunSpec]:
         return [
-            RunSpec(encoding=encoding, seed=seed, config_hash=self.config_hash(encoding, seed))
+            RunSpec(
+                encoding=encoding,
+                seed=seed,
+                config_hash=self.config_hash(encoding, seed),
+                train_hash=self.train_hash(encoding, seed),
+            )
             for encoding in self.encodings
             for seed in self.seeds
         ]
 
-    def config_hash(self, encoding: EncodingSpec, seed: int) -> str:
-        """Stable hash of everything that changes a run's results (not the study's name,
-        nor the other encodings or seeds), RESULTS_VERSION included."""
+    def _training_payload(self, encoding: EncodingSpec, seed: int) -> dict[str, Any]:
         train = self.train.model_dump(exclude={"checkpoint_every", "progress_every"})
-        evaluation = self.eval.model_dump(mode="json", exclude={"order_probe"})
         # Fields added later enter the payload only when set away from their default,
         # so every earlier run keeps its hash (and is still reused).
         if train["grad_accum"] == 1:
             del train["grad_accum"]
-        for variant in evaluation["variants"]:
-            if not variant["params"]:
-                del variant["params"]
-        payload = {
+        return {
             "results_version": RESULTS_VERSION,
             "task": {"name": self.task.name, "params": self.task.params},
             "model": self.model.dims(),
             "train": train,
             "encoding": {"name": encoding.name, "params": encoding.resolved_params},
             "seed": seed,
-            # The order probe adds summaries but changes no point of the curve.
-            "eval": evaluation,
         }
+
+    @staticmethod
+    def _digest(payload: dict[str, Any]) -> str:
         canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
         return hashlib.sha256(canonical.encode()).hexdigest()[:24]
+
+    def config_hash(self, encoding: EncodingSpec, seed: int) -> str:
+        """Stable hash of everything that changes a run's results (not the study's name,
+        nor the other encodings or seeds), RESULTS_VERSION included."""
+        evaluation = self.eval.model_dump(mode="json", exclude={"order_probe"})
+        for variant in evaluation["variants"]:
+            if not variant["params"]:
+                del variant["params"]
+        # The order probe adds summaries but changes no point of the curve.
+        return self._digest({**self._training_payload(encoding, seed), "eval": evaluation})
+
+    def train_hash(self, encoding: EncodingSpec, seed: int) -> str:
+        """Stable hash of what the trained model depends on: the config hash less the
+        evaluation settings. Runs that share it share their trained model (a study that
+        only evaluates differently trains nothing again), and it stamps checkpoints."""
+        return self._digest({**self._training_payload(encoding, seed), "training_only": True})
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json", exclude_defaults=False), sort_keys=False)

@@ -126,6 +126,55 @@ def record_progress(url: str, run_id: int, lease: str, point: Point) -> bool:
     return with_retry(attempt)
 
 
+def trained_models(url: str, train_hash: str, run_id: int) -> list[tuple[int, str]]:
+    """(run id, checkpoint URI) of finished runs, newest first, that trained the model
+    this run would train (same train hash): a study that only evaluates differently."""
+    with transaction(url) as session:
+        rows = session.execute(
+            select(Run.id, Run.checkpoint_uri)
+            .where(
+                Run.train_hash == train_hash,
+                Run.status == "done",
+                Run.checkpoint_uri.is_not(None),
+                Run.id != run_id,
+            )
+            .order_by(Run.finished_at.desc())
+        )
+        return [(donor, uri) for donor, uri in rows]
+
+
+def adopt_training(url: str, run_id: int, lease: str, donor_id: int) -> None:
+    """Give this run the training curve and progress of ``donor_id``, whose trained model
+    it uses (idempotent: a redelivered run upserts the same points)."""
+
+    def attempt() -> None:
+        with transaction(url) as session:
+            _hold(session, run_id, lease)
+            donor = session.get(Run, donor_id)
+            points = session.scalars(select(TrainPoint).where(TrainPoint.run_id == donor_id))
+            for point in points:
+                values = {c.key: getattr(point, c.key) for c in TrainPoint.__table__.columns}
+                values.pop("id")
+                upsert(
+                    session,
+                    TrainPoint.__table__,
+                    {**values, "run_id": run_id},
+                    keys=("run_id", "step"),
+                    returning=None,
+                )
+            session.execute(
+                update(Run)
+                .where(Run.id == run_id)
+                .values(
+                    step=donor.step,
+                    latest_loss=donor.latest_loss,
+                    tokens_per_second=donor.tokens_per_second,
+                )
+            )
+
+    with_retry(attempt)
+
+
 def record_evaluation(url: str, run_id: int, lease: str, row: EvaluationRow) -> None:
     """Upsert one point of the curve with its position bins (idempotent on redelivery)."""
 

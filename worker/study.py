@@ -185,7 +185,7 @@ def run_one(
         seed=run.seed,
         device=device,
         checkpoint=checkpoint,
-        fingerprint=run.config_hash,
+        fingerprint=run.train_hash,
         on_progress=on_progress,
         should_stop=should_stop,
         may_write=may_write,

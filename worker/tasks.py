@@ -68,6 +68,8 @@ def _train_and_evaluate(url: str, run_id: int, lease: str, spec, run, beat) -> s
     settings = get_settings()
     run_spec = matching_run(spec, run)
     checkpoint = settings.artifacts_dir / "runs" / f"{run_id}.pt"
+    adoptable = run.train_hash is not None and not checkpoint.exists()  # None: --force
+    trained_by = _adopt(url, run_id, lease, run.train_hash, checkpoint) if adoptable else None
     cancel = {"asked": False}
 
     def on_progress(point) -> None:
@@ -106,10 +108,41 @@ def _train_and_evaluate(url: str, run_id: int, lease: str, spec, run, beat) -> s
     )
     store.record_summaries(url, run_id, lease, summaries)
     provenance = {**result.provenance, "resumed_from_step": result.train.resumed_from}
+    if trained_by is not None:
+        provenance["trained_by_run"] = trained_by
     store.finish(
         url, run_id, lease, "done", provenance=provenance, checkpoint_uri=checkpoint.as_uri()
     )
     return "done"
+
+
+def _adopt(url: str, run_id: int, lease: str, train_hash: str, checkpoint) -> int | None:
+    """Use the trained model of a finished run with the same train hash (a study that
+    only evaluates differently): its final checkpoint becomes this run's (a hard link,
+    or a copy across file systems), so training resumes at its last step and only the
+    evaluation runs. Returns that run's id, or None when there is none on this machine."""
+    import shutil
+    import uuid
+    from pathlib import Path
+    from urllib.parse import unquote, urlparse
+
+    from worker import store
+
+    for donor, uri in store.trained_models(url, train_hash, run_id):
+        source = Path(unquote(urlparse(uri).path))
+        if not source.is_file():
+            continue  # written on another machine's artifacts folder
+        checkpoint.parent.mkdir(parents=True, exist_ok=True)
+        temporary = checkpoint.with_name(f"{checkpoint.name}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            os.link(source, temporary)
+        except OSError:
+            shutil.copyfile(source, temporary)
+        os.replace(temporary, checkpoint)
+        store.adopt_training(url, run_id, lease, donor)
+        log.info("run %s uses the model trained by run %s", run_id, donor)
+        return donor
+    return None
 
 
 def _hung(idle: float) -> None:

@@ -155,6 +155,39 @@ def test_sigterm_hands_the_run_back_and_another_worker_resumes_it_at_once(
     assert sorted(steps) == list(range(5, 2001, 5))
 
 
+def test_a_study_that_only_evaluates_differently_trains_nothing_again(
+    cluster_factory, sqlite_url: str
+) -> None:
+    cluster = cluster_factory(sqlite_url)
+    cluster.start_worker()
+    first = submit(spec(["rope"]), settings=cluster.settings, send=cluster.send)
+    cluster.wait_for(all_done, what="the first study done")
+    longer = spec(["rope"]).model_dump(mode="json")
+    longer["eval"]["lengths"] = [32, 64, 128]  # another config hash, the same training
+    second = submit(parse_spec(longer), settings=cluster.settings, send=cluster.send)
+    assert second.reused == []  # not the same results: it must evaluate at 128
+    runs = cluster.wait_for(lambda runs: len(runs) == 2 and all_done(runs), what="both done")
+    trained, adopted = runs
+    assert adopted.provenance["trained_by_run"] == trained.id == first.queued[0]
+    assert adopted.provenance["resumed_from_step"] == 30  # no step trained again
+    with transaction(sqlite_url) as session:
+        points = {
+            run_id: session.execute(
+                select(TrainPoint.step, TrainPoint.loss).where(TrainPoint.run_id == run_id)
+            ).all()
+            for run_id in (trained.id, adopted.id)
+        }
+    assert sorted(points[adopted.id]) == sorted(points[trained.id]) and points[trained.id]
+    keys = [k for k in evaluation_keys(cluster) if k[0] == adopted.id]
+    assert [k[3] for k in keys] == [32, 64, 128]
+    # The same model: one checkpoint file, linked. (Its numbers at 32 and 64 differ from
+    # the first study's: a study's scored bytes depend on its longest length.)
+    folder = cluster.settings.artifacts_dir / "runs"
+    assert (folder / f"{adopted.id}.pt").stat().st_ino == (
+        folder / f"{trained.id}.pt"
+    ).stat().st_ino
+
+
 def test_a_duplicated_message_never_duplicates_rows(cluster_factory, sqlite_url: str) -> None:
     cluster = cluster_factory(sqlite_url)
     submitted = submit(spec(["alibi"]), settings=cluster.settings, send=cluster.send)
