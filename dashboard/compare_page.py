@@ -8,7 +8,14 @@ from __future__ import annotations
 import streamlit as st
 
 from dashboard.common import database, query_ints, schema_ready, set_query
-from dashboard.curves import curve_figure, line_colors, normalize, position_figure, summarize
+from dashboard.curves import (
+    curve_figure,
+    line_colors,
+    normalize,
+    position_figure,
+    summarize,
+    training_figure,
+)
 from db import queries
 from jobs import analysis
 
@@ -109,6 +116,7 @@ def render() -> None:
                 key="positions",
                 width="stretch",
             )
+    _training(view, line_colors(summary))
     st.subheader("Results")
     table = summary.pivot_table(index="line", columns="eval_length", values="mean")
     st.dataframe(table, width="stretch", key="results")
@@ -142,6 +150,18 @@ def _summaries(selected: list[int], protocol: str, shown: list[str]) -> None:
         return
     grid = analysis.summary_grid(analysis.summary_statistics(analysis.with_lines(stored)))
     st.dataframe(grid, width="stretch", key="summaries")
+
+
+def _training(view, colors: dict[str, str]) -> None:
+    """The training loss of the runs behind the curves (the trained models, so one line
+    per encoding, not per inference variant)."""
+    runs = view.drop_duplicates("run_id")[["run_id", "study_id", "label", "seed"]]
+    points = queries.train_points(database(), runs["run_id"].tolist())
+    if points.empty:
+        return
+    curves = analysis.training_curves(points, runs.rename(columns={"run_id": "id"}))
+    with st.expander("Training loss", expanded=False):
+        st.plotly_chart(training_figure(curves, colors), key="training", width="stretch")
 
 
 def _pairwise(view, metric: str, train_lengths: dict[int, int]) -> None:

@@ -115,6 +115,46 @@ def position_figure(bins: pd.DataFrame, colors: dict[str, str]) -> go.Figure:
     return figure
 
 
+def training_figure(curves: pd.DataFrame, colors: dict[str, str]) -> go.Figure:
+    """Training loss against step: the mean over each line's seeds, with the lowest and
+    highest seed as a band."""
+    figure = go.Figure()
+    for index, (line, group) in enumerate(curves.groupby("line", sort=False)):
+        by_step = group.groupby("step")["loss"].agg(["mean", "min", "max", "count"])
+        color = colors.get(line, COLORS[index % len(COLORS)])
+        if (by_step["count"] > 1).any():
+            figure.add_trace(
+                go.Scatter(
+                    x=list(by_step.index) + list(by_step.index)[::-1],
+                    y=list(by_step["max"]) + list(by_step["min"])[::-1],
+                    fill="toself",
+                    fillcolor=color,
+                    opacity=0.18,
+                    line={"width": 0},
+                    hoverinfo="skip",
+                    showlegend=False,
+                    legendgroup=line,
+                )
+            )
+        figure.add_trace(
+            go.Scatter(
+                x=by_step.index.tolist(),
+                y=by_step["mean"].tolist(),
+                mode="lines",
+                name=line,
+                line={"color": color},
+                legendgroup=line,
+                customdata=by_step[["count"]].to_numpy().tolist(),
+                hovertemplate=f"{line}<br>step %{{x}}<br>loss %{{y:.4g}}"
+                "<br>seeds %{customdata[0]}<extra></extra>",
+            )
+        )
+    figure.update_xaxes(title="training step")
+    figure.update_yaxes(type="log", title="training loss (nats / byte, log scale)")
+    figure.update_layout(height=420, margin={"l": 60, "r": 20, "t": 30, "b": 50})
+    return figure
+
+
 COLORS = [
     "#1f77b4",
     "#ff7f0e",

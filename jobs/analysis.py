@@ -463,6 +463,44 @@ def claim(row: Mapping[str, Any] | pd.Series, train_length: int | None) -> str:
     return f"{sentence} ({seeds[0]} vs {seeds[1]} seeds)"
 
 
+TRAINING_COLUMNS = ["line", "run_id", "seed", "step", "loss", "lr", "tokens_per_second", "elapsed"]
+
+
+def training_curves(points: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
+    """Every stored training point (``db.queries.train_points``) with its run's line
+    (the run's label; ``runs`` needs id, label, seed and, across studies, study_id)."""
+    if points.empty:
+        return pd.DataFrame(columns=TRAINING_COLUMNS)
+    named = runs.rename(columns={"id": "run_id"})
+    several = "study_id" in named and named["study_id"].nunique() > 1
+    named["line"] = [
+        line_name(label, "none", study if several else None)
+        for label, study in zip(
+            named["label"], named.get("study_id", [None] * len(named)), strict=True
+        )
+    ]
+    merged = points.merge(named[["run_id", "line", "seed"]], on="run_id")
+    return merged[TRAINING_COLUMNS].sort_values(["line", "seed", "step"], ignore_index=True)
+
+
+def training_table(curves: pd.DataFrame) -> pd.DataFrame:
+    """One row per run: steps reported, the last and the lowest training loss, the
+    median throughput, and the training time (``elapsed`` at the last point)."""
+    rows = [
+        {
+            "line": line,
+            "seed": int(seed),
+            "steps": int(group["step"].max()),
+            "final loss": float(group.sort_values("step")["loss"].iloc[-1]),
+            "lowest loss": float(group["loss"].min()),
+            "tokens/s": float(group["tokens_per_second"].median()),
+            "seconds": float(group["elapsed"].max()),
+        }
+        for (line, seed), group in curves.groupby(["line", "seed"], sort=True)
+    ]
+    return pd.DataFrame(rows)
+
+
 def group_accuracy(frame: pd.DataFrame, line: str = "line") -> pd.DataFrame:
     """Accuracy by each key of the groups synthetic tasks report (labels such as
     ``depth=0.5`` or ``variant=marked depth=0.5``): one row per (line, eval_length, key,

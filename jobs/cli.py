@@ -347,8 +347,9 @@ def results(
             "--view",
             help="curves (metric by length), summaries (extrapolation ratio, effective "
             "length, log-perplexity area, order probe: mean and bootstrap 95% interval "
-            "across seeds), pairwise (P(A beats B) at each length) or groups (synthetic "
-            "tasks: accuracy by each group key, e.g. depth or word-order variant).",
+            "across seeds), pairwise (P(A beats B) at each length), groups (synthetic "
+            "tasks: accuracy by each group key, e.g. depth or word-order variant) or train "
+            "(the training curves: every point with csv/json, one row per run as a table).",
         ),
     ] = "curves",
     factor: Annotated[
@@ -363,7 +364,7 @@ def results(
     _check_id(study, "--study")
     if output not in ("table", "csv", "json"):
         fail(f"--format must be table, csv or json, got {output!r}", code=2)
-    views = ("curves", "summaries", "pairwise", "groups")
+    views = ("curves", "summaries", "pairwise", "groups", "train")
     if view not in views:
         fail(f"--view must be one of {', '.join(views)}, got {view!r}", code=2)
     if factor is not None and view != "pairwise":
@@ -407,6 +408,10 @@ def results(
     elif view == "groups":
         frame = analysis.group_accuracy(analysis.with_lines(frame))
         title = "accuracy by group"
+    elif view == "train":
+        runs = queries.runs(url, study_id=study)
+        frame = analysis.training_curves(queries.train_points(url, runs["id"].tolist()), runs)
+        title = "training (one row per run; --format csv or json for every point)"
     if output == "csv":
         typer.echo(frame.drop(columns=["groups"], errors="ignore").to_csv(index=False), nl=False)
     elif output == "json":
@@ -430,6 +435,8 @@ def results(
 
         if view == "summaries":  # the key ones; --format json has them all
             frame = analysis.summary_grid(frame, analysis.KEY_SUMMARIES).reset_index()
+        elif view == "train":
+            frame = analysis.training_table(frame)
         console.print(frame_table(frame, f"study {study} ({row['name']}): {title}"))
 
 

@@ -46,6 +46,8 @@ def seed_study(settings: Settings) -> int:
                 "between steps 11 and 15 (lr 0.003); try a lower learning rate",
             )
             continue
+        halfway = TrainPoint(20, 3.0 + 0.2 * (index % 2), 1e-3, 5000.0, 3.0)  # seeds differ
+        store.record_progress(url, run_id, lease, halfway)
         store.record_progress(url, run_id, lease, TrainPoint(40, 2.5, 1e-4, 6000.0, 6.0))
         growth = 0.02 if index < 2 else 0.0005  # rope degrades, alibi stays flat
         for length in LENGTHS:

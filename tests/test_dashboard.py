@@ -183,7 +183,12 @@ def test_compare_draws_curves_with_seed_intervals(settings) -> None:
     app.query_params["studies"] = str(study)
     app.run()
     assert not app.exception
-    curves, positions = figures(app)
+    curves, positions, training = figures(app)
+    # The training loss of the runs behind the curves: mean over seeds, seeds as a band.
+    trained = {t["name"]: t for t in training["data"] if t.get("mode") == "lines"}
+    assert sorted(trained) == ["alibi", "rope"]
+    assert trained["rope"]["x"] == [20, 40] and trained["rope"]["y"] == pytest.approx([3.1, 2.5])
+    assert len([t for t in training["data"] if t.get("fill") == "toself"]) == 2
     lines = [t for t in curves["data"] if t.get("mode") == "lines+markers"]
     marker = [t for t in curves["data"] if t.get("name") == "train length 32"]
     assert marker and marker[0]["x"] == [32, 32]

@@ -157,7 +157,7 @@ def test_results_pairwise_attaches_a_probability_to_each_claim(settings: Setting
     [
         (
             ["--view", "table"],
-            "--view must be one of curves, summaries, pairwise, groups, got 'table'",
+            "--view must be one of curves, summaries, pairwise, groups, train, got 'table'",
         ),
         (["--factor", "2"], "--factor applies to --view pairwise only"),
     ],
@@ -280,3 +280,17 @@ def test_delete_asks_first_then_removes_the_study(settings: Settings) -> None:
     assert f"deleted study {study} (seeded): 6 runs, 12 evaluations" in done.stdout
     assert queries.studies(settings.database, [study]).empty
     assert queries.curves(settings.database, study_ids=[study]).empty
+
+
+def test_results_train_view_lists_every_point_and_one_row_per_run(settings: Settings) -> None:
+    study = seed_study(settings)
+    done = posbench(
+        settings, "results", "--study", str(study), "--view", "train", "--format", "json"
+    )
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout)
+    rope = [(r["seed"], r["step"], r["loss"]) for r in rows if r["line"] == "rope"]
+    assert rope == [(0, 20, 3.0), (0, 40, 2.5), (1, 20, 3.2), (1, 40, 2.5)]
+    assert {r["line"] for r in rows} == {"alibi", "rope", "t5"}  # t5 seed 0 is halfway
+    table = posbench(settings, "results", "--study", str(study), "--view", "train")
+    assert table.returncode == 0 and "final loss" in table.stdout and "lowest loss" in table.stdout
