@@ -179,6 +179,7 @@ def summary_keys(factors: Sequence[float] = FACTORS) -> list[str]:
     """The keys of ``summarize_run`` for these factors, in order (column names to store)."""
     return [f"ratio_{factor:g}x" for factor in factors] + [
         "effective_length",
+        "effective_length_censored",
         "log_ppl_area",
         "mean_log_ppl",
     ]
@@ -190,7 +191,9 @@ def summarize_run(
     """Every per-run summary as a flat dict with stable keys (a database row later).
 
     Keys: ``ratio_{f}x`` for each factor (extrapolation_ratio), ``effective_length``
-    (effective_context_length with default tolerance/threshold), ``log_ppl_area`` and
+    (effective_context_length with default tolerance/threshold),
+    ``effective_length_censored`` (1.0 when that is the longest evaluated length, so
+    only a lower bound; 0.0 when the run failed at the next length), ``log_ppl_area`` and
     ``mean_log_ppl`` (over every evaluated length). Keys whose definition does not apply
     to ``metric`` are present with None: effective_length for metrics other than
     perplexity/accuracy, the log-perplexity pair for metrics other than perplexity.
@@ -208,8 +211,12 @@ def summarize_run(
         for factor in factors
     }
     applies = metric in ("perplexity", "accuracy")
-    out["effective_length"] = (
-        effective_context_length(values, train_length, metric) if applies else None
+    effective = effective_context_length(values, train_length, metric) if applies else None
+    out["effective_length"] = effective
+    # 1: the run held up to its longest evaluated length, so its effective length is a
+    # lower bound set by the grid, not a length where it failed.
+    out["effective_length_censored"] = (
+        None if effective is None else float(effective == max(values, default=None))
     )
     whole = metric == "perplexity" and not censored
     out["log_ppl_area"] = log_perplexity_area(values) if whole else None
@@ -621,12 +628,23 @@ KEY_SUMMARIES = (
 def summary_grid(stats: pd.DataFrame, names: Sequence[str] | None = None) -> pd.DataFrame:
     """``summary_statistics`` as one row per line and one column per summary (only
     ``names`` when given), each cell "mean [low, high]" (just the mean for one seed),
-    columns in SUMMARY_LABELS order."""
+    columns in SUMMARY_LABELS order; an effective length reads "≥ ..." when some seed
+    held up to the longest evaluated length (a lower bound set by the grid)."""
+    # Censoring marks the effective length ("≥ 1024": some seed never failed up to the
+    # end of the grid) instead of being a column of its own.
+    censored = stats[stats["summary"] == "effective_length_censored"]
+    bounded = set(censored.loc[censored["mean"] > 0, "line"])
+    stats = stats[stats["summary"] != "effective_length_censored"]
     if names is not None:
         stats = stats[stats["summary"].isin(names)]
     if stats.empty:
         return pd.DataFrame()
-    cells = stats.assign(cell=[_cell(row) for row in stats.itertuples()])
+    cells = stats.assign(
+        cell=[
+            ("≥ " if row.summary == "effective_length" and row.line in bounded else "") + _cell(row)
+            for row in stats.itertuples()
+        ]
+    )
     grid = cells.pivot_table(index="line", columns="summary", values="cell", aggfunc="first")
     known = [key for key in SUMMARY_LABELS if key in grid.columns]
     grid = grid[known + sorted(set(grid.columns) - set(known))]

@@ -126,6 +126,7 @@ def test_summarize_run_has_stable_keys():
     assert summary["ratio_4x"] == pytest.approx(2.0)
     assert summary["ratio_8x"] is None
     assert summary["effective_length"] == 256
+    assert summary["effective_length_censored"] == 0.0  # it failed at 512
     assert summary["mean_log_ppl"] == pytest.approx(summary["log_ppl_area"] / math.log(4))
 
 
@@ -134,6 +135,7 @@ def test_summarize_run_leaves_inapplicable_keys_empty():
     assert accuracy == {
         "ratio_2x": pytest.approx(0.75),
         "effective_length": 256,
+        "effective_length_censored": 1.0,  # 256 is the end of the grid: a lower bound
         "log_ppl_area": None,
         "mean_log_ppl": None,
     }

@@ -206,7 +206,8 @@ def test_compare_draws_curves_with_seed_intervals(settings) -> None:
     summaries = app.dataframe[1].value
     assert list(summaries.index) == ["alibi", "rope"]
     assert {"ratio 2x", "ratio 4x", "effective length", "order sensitivity"} <= set(summaries)
-    assert summaries.loc["alibi", "effective length"].startswith("128 [128, 128]")
+    # alibi never failed up to 128, the longest length: a lower bound.
+    assert summaries.loc["alibi", "effective length"].startswith("≥ 128 [128, 128]")
     assert summaries.loc["rope", "effective length"].startswith("32 [32, 32]")
     assert summaries.loc["rope", "order sensitivity"].startswith("0.4")
     assert summaries.loc["alibi", "order sensitivity"].startswith("0.1")

@@ -97,8 +97,9 @@ def test_summaries_are_stored_once_per_key_even_when_a_finish_is_retried(
     settings: Settings,
 ) -> None:
     seed_study(settings)
-    # 4 finished runs x (5 ratios + effective length + 2 area summaries + 3 order probe)
-    assert stored(settings) == 4 * 11
+    # 4 finished runs x (5 ratios + effective length and its censoring + 2 area summaries
+    # + 3 order probe)
+    assert stored(settings) == 4 * 12
     url = settings.database
     with transaction(url) as session:
         run = session.scalars(select(Run).where(Run.status == "done")).first()
@@ -108,7 +109,7 @@ def test_summaries_are_stored_once_per_key_even_when_a_finish_is_retried(
     assert sorted(n for _, _, n, _ in points) == [32, 64, 128]
     again = summarize_points(points, train_length=32, metric="perplexity")
     store.record_summaries(url, run_id, "again", again)
-    assert stored(settings) == 4 * 11
+    assert stored(settings) == 4 * 12
     with pytest.raises(store.LeaseLost):
         store.record_summaries(url, run_id, "someone else", [Summary("none", "x", "y", 1.0)])
 
@@ -217,7 +218,7 @@ def test_a_reused_run_brings_its_summaries(settings: Settings) -> None:
     seed_study(settings)
     again = submit(SEEDED_SPEC, settings=settings, send=lambda run_id: None)
     assert len(again.reused) == 4  # the finished runs
-    assert stored(settings) == 2 * 4 * 11
+    assert stored(settings) == 2 * 4 * 12
 
 
 def test_db_upgrade_summarises_runs_finished_before_summaries_existed(settings: Settings) -> None:
@@ -227,7 +228,7 @@ def test_db_upgrade_summarises_runs_finished_before_summaries_existed(settings: 
     done = posbench(settings, "db", "upgrade")
     assert done.returncode == 0, done.stderr
     assert "summarised 4 runs finished before summaries were stored" in done.stdout
-    assert stored(settings) == 4 * 8  # the curve summaries; the order probe needs the model
+    assert stored(settings) == 4 * 9  # the curve summaries; the order probe needs the model
 
 
 def test_the_encoding_summaries_view_aggregates_the_seeds_for_sql(settings: Settings) -> None:
