@@ -40,7 +40,8 @@ COPY dashboard /src/dashboard
 
 FROM deps-cpu AS slim
 COPY --from=source /src/ ./
-RUN pip install . && python -c "import jobs.cli, db.migrate, dashboard"
+# [hf]: HuggingFace corpora (hf:wikitext:...) on the cpu workers, which run this image.
+RUN pip install ".[hf]" && python -c "import jobs.cli, db.migrate, dashboard, datasets"
 USER posbench
 EXPOSE 8501
 ENTRYPOINT ["posbench"]
@@ -48,7 +49,7 @@ CMD ["dashboard", "--port", "8501"]
 
 FROM deps-cuda AS worker
 COPY --from=source /src/ ./
-RUN pip install . && python -c "import jobs.cli, worker.tasks"
+RUN pip install ".[hf]" && python -c "import jobs.cli, worker.tasks, datasets"
 USER posbench
 ENTRYPOINT ["posbench"]
 CMD ["worker", "--queues", "gpu"]

@@ -254,7 +254,7 @@ def render() -> None:
         presets,
         key="preset",
         help="smoke: seconds (tiny model); quick: minutes on a CPU; "
-        "paper: the ALiBi paper's setting, for GPUs",
+        "paper: the ALiBi paper's setting on WikiText-103 (downloaded), for GPUs",
     )
     base = PRESET_SPECS.get(preset, CUSTOM)
     data, problems = form(base, prefix=preset)

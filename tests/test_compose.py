@@ -157,6 +157,8 @@ def test_the_images_copy_every_package_pip_installs() -> None:
     assert not copied & set(ignored)
     # Each image takes the source stage whole.
     assert dockerfile.count("COPY --from=source /src/ ./") == 2
+    # Workers of either image can read HuggingFace corpora (the paper preset's).
+    assert dockerfile.count('pip install ".[hf]"') == 2
 
 
 @pytest.mark.parametrize("name", ["migrate", "dashboard", "worker", "worker-cpu"])

@@ -390,7 +390,7 @@ def test_config_hashes_change_only_with_what_a_run_measures() -> None:
         "4b2dfc4562327f94caa799c6",
         "4727d83b04e4da30378b0d25",
     ]
-    assert preset_spec("paper").runs()[0].config_hash == "c28dc013c6d6ed669c4a536f"
+    assert preset_spec("paper").runs()[0].config_hash == "f1ce73fdde30f778bfbf42c7"
     custom = parse_spec(
         {
             "encodings": [{"name": "rope", "base": 20000}],
