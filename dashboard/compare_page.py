@@ -19,7 +19,10 @@ from dashboard.curves import (
 from db import queries
 from jobs import analysis
 
-METRICS = {"perplexity": ["perplexity", "loss", "bits_per_byte"], "accuracy": ["accuracy"]}
+METRICS = {
+    "perplexity": ["perplexity", "loss", "bits_per_byte"],
+    "accuracy": ["accuracy", "token_accuracy"],
+}
 MAX_LENGTHS = 48
 
 

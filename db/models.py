@@ -139,6 +139,7 @@ class Evaluation(Base):
     perplexity: Mapped[float | None]
     bits_per_byte: Mapped[float | None]
     accuracy: Mapped[float | None]
+    token_accuracy: Mapped[float | None]
     tokens: Mapped[int] = mapped_column(default=0)
     tokens_per_second: Mapped[float | None]
     peak_memory_bytes: Mapped[int | None] = mapped_column(BigInteger)

@@ -119,6 +119,7 @@ def curves(
             Evaluation.perplexity,
             Evaluation.bits_per_byte,
             Evaluation.accuracy,
+            Evaluation.token_accuracy,
             Evaluation.tokens,
             Evaluation.tokens_per_second,
             Evaluation.peak_memory_bytes,

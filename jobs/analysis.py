@@ -21,7 +21,13 @@ import pandas as pd
 
 Curve = Mapping[int, float | None] | Iterable[tuple[int, float | None]]
 
-LOWER_IS_BETTER = {"loss": True, "perplexity": True, "bits_per_byte": True, "accuracy": False}
+LOWER_IS_BETTER = {
+    "loss": True,
+    "perplexity": True,
+    "bits_per_byte": True,
+    "accuracy": False,
+    "token_accuracy": False,
+}
 FACTORS = (2, 4, 8, 16, 32)
 RESAMPLES = 2000
 SUMMARY_COLUMNS = ["line", "study_id", "eval_length", "mean", "low", "high", "seeds"]

@@ -313,6 +313,22 @@ def test_log_position_bins() -> None:
     assert bins[0].loss < 1e-3 and bins[3].loss == pytest.approx(np.log(4), rel=1e-5)
 
 
+def test_token_accuracy_gives_partial_credit_exact_match_does_not() -> None:
+    from worker.data.base import Batch
+
+    accumulator = _Accumulator(6)
+    targets = torch.tensor([[1, 2, 3, 1, 2, 3], [1, 2, 3, 1, 2, 3]])
+    scored = torch.zeros(2, 6, dtype=torch.bool)
+    scored[:, 3:] = True  # a 3-byte answer per example
+    logits = torch.full((2, 6, 4), -10.0)
+    logits[0].scatter_(1, targets[0, :, None], 10.0)  # example 0: every byte right
+    logits[1, :, 0] = 10.0  # example 1: predicts byte 0 everywhere...
+    logits[1, 3, 0], logits[1, 3, 1] = -10.0, 10.0  # ...but the first answer byte right
+    accumulator.add(logits, Batch(targets, targets, scored))
+    assert (accumulator.exact, accumulator.examples) == (1, 2)  # exact match: 1 of 2
+    assert accumulator.right_tokens == 4 and accumulator.tokens == 6  # tokens: 4 of 6
+
+
 # -- synthetic tasks ----------------------------------------------------------------------
 
 

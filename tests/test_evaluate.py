@@ -102,6 +102,8 @@ def test_passkey_accuracy_by_depth() -> None:
     rows = run_one(spec, spec.runs()[0]).evaluations
     for row in rows:
         assert 0.0 <= row.accuracy <= 1.0 and row.perplexity is None
+        # An exact answer has every byte right: per-byte accuracy is never below it.
+        assert row.accuracy <= row.token_accuracy <= 1.0
         assert set(row.groups) == {"depth=0", "depth=0.25", "depth=0.5", "depth=0.75", "depth=1"}
         assert row.tokens == 10 * 5  # 5 digits per example
 

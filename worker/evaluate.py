@@ -55,6 +55,7 @@ class Evaluation:
     perplexity: float | None = None
     bits_per_byte: float | None = None
     accuracy: float | None = None
+    token_accuracy: float | None = None
     tokens: int = 0
     tokens_per_second: float | None = None
     peak_memory_bytes: int | None = None
@@ -100,6 +101,7 @@ class _Accumulator:
         self.inputs = 0
         self.exact = 0
         self.examples = 0
+        self.right_tokens = 0
         self.group_exact: dict[str, list[int]] = {}
 
     def add(self, logits: torch.Tensor, batch: Batch) -> None:
@@ -119,7 +121,9 @@ class _Accumulator:
         self.position_loss += masked.sum(0).double().cpu()
         self.position_tokens += scored.sum(0).double().cpu()
         if batch.scored is not None:
-            correct = (logits.argmax(-1) == batch.targets) | ~scored
+            hits = logits.argmax(-1) == batch.targets
+            self.right_tokens += int((hits & scored).sum())
+            correct = hits | ~scored
             exact = correct.all(-1).cpu()
             self.exact += int(exact.sum())
             self.examples += len(exact)
@@ -224,6 +228,8 @@ def evaluate_length(
         row.position_bins = result.bins()
     else:
         row.accuracy = result.exact / max(1, result.examples)
+        # Partial success: exact match drops to 0 as soon as one answer byte is wrong.
+        row.token_accuracy = result.right_tokens / max(1, result.tokens)
         row.groups = {
             label: hit / total for label, (hit, total) in sorted(result.group_exact.items())
         }
