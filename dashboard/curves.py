@@ -32,6 +32,23 @@ def line_colors(summary: pd.DataFrame) -> dict[str, str]:
     return {line: COLORS[index % len(COLORS)] for index, line in enumerate(lines)}
 
 
+def _band(figure: go.Figure, x, low, high, color: str, line: str) -> None:
+    """A shaded region between ``low`` and ``high`` along ``x``, in the line's colour."""
+    figure.add_trace(
+        go.Scatter(
+            x=list(x) + list(x)[::-1],
+            y=list(high) + list(low)[::-1],
+            fill="toself",
+            fillcolor=color,
+            opacity=0.18,
+            line={"width": 0},
+            hoverinfo="skip",
+            showlegend=False,
+            legendgroup=line,
+        )
+    )
+
+
 def curve_figure(
     summary: pd.DataFrame, metric: str, train_lengths: list[int], log_y: bool, title: str
 ) -> go.Figure:
@@ -41,19 +58,7 @@ def curve_figure(
         group = group.sort_values("eval_length")
         color = colors[line]
         if (group["seeds"] > 1).any():
-            figure.add_trace(
-                go.Scatter(
-                    x=list(group["eval_length"]) + list(group["eval_length"])[::-1],
-                    y=list(group["high"]) + list(group["low"])[::-1],
-                    fill="toself",
-                    fillcolor=color,
-                    opacity=0.18,
-                    line={"width": 0},
-                    hoverinfo="skip",
-                    showlegend=False,
-                    legendgroup=line,
-                )
-            )
+            _band(figure, group["eval_length"], group["low"], group["high"], color, line)
         figure.add_trace(
             go.Scatter(
                 x=group["eval_length"],
@@ -123,19 +128,7 @@ def training_figure(curves: pd.DataFrame, colors: dict[str, str]) -> go.Figure:
         by_step = group.groupby("step")["loss"].agg(["mean", "min", "max", "count"])
         color = colors.get(line, COLORS[index % len(COLORS)])
         if (by_step["count"] > 1).any():
-            figure.add_trace(
-                go.Scatter(
-                    x=list(by_step.index) + list(by_step.index)[::-1],
-                    y=list(by_step["max"]) + list(by_step["min"])[::-1],
-                    fill="toself",
-                    fillcolor=color,
-                    opacity=0.18,
-                    line={"width": 0},
-                    hoverinfo="skip",
-                    showlegend=False,
-                    legendgroup=line,
-                )
-            )
+            _band(figure, by_step.index, by_step["min"], by_step["max"], color, line)
         figure.add_trace(
             go.Scatter(
                 x=by_step.index.tolist(),

@@ -166,57 +166,49 @@ def test_randomized_positions_evaluate_reproducibly_per_run_seed() -> None:
     assert losses(seed=1, global_seed=1) != first
 
 
-def test_a_cancel_stops_evaluation_between_points() -> None:
+def _evaluate_nope_until(evaluation: dict, should_stop, message: str) -> list:
+    """Evaluate an untrained NoPE model with ``should_stop`` until it raises RunCancelled
+    with ``message``; the points stored before."""
     from worker.train import RunCancelled
 
-    spec = parse_spec({**TINY, "encodings": ["nope"], "eval": {"lengths": [16, 32], "tokens": 64}})
-    task = prepared_task(spec)
+    spec = parse_spec({**TINY, "encodings": ["nope"], "eval": evaluation})
     model = build_model(ModelConfig(**spec.model.dims()), "nope", train_length=16)
-    stored = []
-    with pytest.raises(RunCancelled, match="cancelled while evaluating, before none @ 32"):
+    stored: list = []
+    with pytest.raises(RunCancelled, match=message):
         evaluate(
             model,
-            task,
+            prepared_task(spec),
             spec.eval,
             train_length=16,
             scalable=False,
             device=torch.device("cpu"),
             on_evaluation=stored.append,
-            should_stop=lambda: bool(stored),  # asked once the first point is stored
+            should_stop=lambda: should_stop(stored),
         )
+    return stored
+
+
+def test_a_cancel_stops_evaluation_between_points() -> None:
+    stored = _evaluate_nope_until(
+        {"lengths": [16, 32], "tokens": 64},
+        lambda stored: bool(stored),  # asked once the first point is stored
+        "cancelled while evaluating, before none @ 32",
+    )
     assert [row.length for row in stored] == [16]  # the point before the cancel stays
 
 
 def test_a_cancel_stops_a_long_length_between_its_batches() -> None:
-    from worker.train import RunCancelled
-
-    spec = parse_spec(
-        {
-            **TINY,
-            "encodings": ["nope"],
-            "eval": {"lengths": [16], "tokens": 1024, "batch_tokens": 256},
-        }
-    )
-    task = prepared_task(spec)
-    model = build_model(ModelConfig(**spec.model.dims()), "nope", train_length=16)
     calls = []
 
-    def asked() -> bool:  # once the third batch of the length is reached
+    def asked(stored: list) -> bool:  # once the third batch of the length is reached
         calls.append(1)
         return len(calls) > 3
 
-    stored = []
-    with pytest.raises(RunCancelled, match="cancelled while evaluating at length 16"):
-        evaluate(
-            model,
-            task,
-            spec.eval,
-            train_length=16,
-            scalable=False,
-            device=torch.device("cpu"),
-            on_evaluation=stored.append,
-            should_stop=asked,
-        )
+    stored = _evaluate_nope_until(
+        {"lengths": [16], "tokens": 1024, "batch_tokens": 256},
+        asked,
+        "cancelled while evaluating at length 16",
+    )
     assert stored == [] and len(calls) == 4  # 1 before the point, then 1 per batch of 4
 
 
