@@ -269,6 +269,12 @@ def render() -> None:
             st.error(problem)
     else:
         st.info(estimate(spec))
+        if spec.train.length not in spec.eval.lengths:
+            st.warning(
+                f"The training length {spec.train.length} is not among the evaluation "
+                "lengths: the curves are drawn, but extrapolation ratios and the effective "
+                "length are relative to it and stay empty."
+            )
     with st.expander("YAML (for `posbench submit`)", expanded=False):
         st.code(yaml.safe_dump(data, sort_keys=False), language="yaml")
     clicked = st.button("Submit", type="primary", disabled=spec is None, key="submit")
