@@ -110,9 +110,16 @@ def _load(spec_file: Path | None, preset: str | None):
     if (spec_file is None) == (preset is None):
         fail("give either a spec file or --preset NAME (smoke, quick, paper)", code=2)
     try:
-        return load_spec(spec_file) if spec_file is not None else preset_spec(preset or "")
+        spec = load_spec(spec_file) if spec_file is not None else preset_spec(preset or "")
     except SpecError as err:
         fail("invalid spec: " + "; ".join(err.problems), code=2)
+    if spec.train.length not in spec.eval.lengths:
+        typer.echo(
+            f"note: the training length {spec.train.length} is not among eval.lengths: "
+            "extrapolation ratios and the effective length will stay empty",
+            err=True,
+        )
+    return spec
 
 
 def _check_id(value: int | None, what: str) -> None:

@@ -105,3 +105,16 @@ def test_bad_input_exits_2_with_one_readable_reason(tmp_path: Path) -> None:
     assert into_file.returncode == 2 and "is a file; give a folder" in into_file.stderr
     for result in (device, into_file):
         assert "Traceback" not in result.stderr
+
+
+def test_a_spec_that_skips_the_training_length_runs_with_a_note(tmp_path: Path) -> None:
+    spec = tmp_path / "study.yaml"
+    spec.write_text(
+        "model: tiny\ntrain: {length: 16, steps: 2, batch_size: 2}\nencodings: [alibi]\n"
+        "eval: {lengths: [32], tokens: 64, order_probe: false}\n"
+    )
+    done = posbench("run", str(spec), "--out", str(tmp_path / "o"), "--json")
+    assert done.returncode == 0, done.stderr
+    assert "note: the training length 16 is not among eval.lengths" in done.stderr
+    (run,) = json.loads(done.stdout)["runs"]
+    assert [e["length"] for e in run["evaluations"]] == [32]
