@@ -125,7 +125,7 @@ def render() -> None:
     st.dataframe(table, width="stretch", key="results")
     _summaries(selected, protocol, shown)
     _pairwise(view, metric, train_lengths)
-    if metric == "accuracy":
+    if metric in ("accuracy", "token_accuracy"):
         _groups(view)
     st.download_button(
         "Download CSV",

@@ -36,33 +36,39 @@ def _names(items: list[Any]) -> list[str]:
     return [item if isinstance(item, str) else item["name"] for item in items]
 
 
-def _param_input(param: Param, key: str) -> Any:
+def _param_input(param: Param, key: str, given: Any = None) -> Any:
+    """An input for one parameter, starting from ``given`` (the preset's value) or the
+    default. Returns None for a derived default left as it is."""
     label = f"{param.name}"
+    start = param.default if given is None else given
     if param.choices is not None:
         return st.selectbox(
-            label, param.choices, index=param.choices.index(param.default), key=key, help=param.help
+            label, param.choices, index=param.choices.index(start), key=key, help=param.help
         )
+    derived = f" (default: {param.derived})" if param.derived else ""
     if param.type is int:
-        default = param.default if param.default is not None else int(param.low or 1)
+        shown = start if start is not None else int(param.low or 1)
         value = st.number_input(
             label,
-            value=int(default),
+            value=int(shown),
             step=1,
             key=key,
             min_value=int(param.low) if param.low is not None else None,
-            help=param.help + (f" (default: {param.derived})" if param.derived else ""),
+            help=param.help + derived,
         )
-        return None if param.default is None and value == default else int(value)
+        return None if start is None and value == shown else int(value)
     if param.type is float:
-        return st.number_input(
+        shown = start if start is not None else float(param.low or 1.0)
+        value = st.number_input(
             label,
-            value=float(param.default),
+            value=float(shown),
             key=key,
             format="%g",
             min_value=float(param.low) if param.low is not None else None,
-            help=param.help,
+            help=param.help + derived,
         )
-    return st.text_input(label, value=str(param.default), key=key, help=param.help)
+        return None if start is None and value == shown else float(value)
+    return st.text_input(label, value=str(start), key=key, help=param.help)
 
 
 def form(base: dict[str, Any], prefix: str) -> tuple[dict[str, Any], list[str]]:
@@ -99,8 +105,11 @@ def form(base: dict[str, Any], prefix: str) -> tuple[dict[str, Any], list[str]]:
             format_func=lambda n: f"{n}: {TASKS[n].summary}",
         )
         spec["task"] = {"name": task}
+        base_task = base.get("task")
+        same = isinstance(base_task, dict) and base_task.get("name", "lm") == task
+        given = base_task if same else {}
         for param in TASKS[task].params:
-            value = _param_input(param, key(f"{task}.{param.name}"))
+            value = _param_input(param, key(f"{task}.{param.name}"), given.get(param.name))
             if value is not None and value != param.default:
                 spec["task"][param.name] = value
         sizes = [*MODEL_PRESETS, "custom"]
@@ -179,7 +188,13 @@ def form(base: dict[str, Any], prefix: str) -> tuple[dict[str, Any], list[str]]:
                 continue
             with st.expander(f"{name} parameters"):
                 st.caption(entry.reference)
-                params = {p.name: _param_input(p, key(f"{name}.{p.name}")) for p in entry.params}
+                given = next(
+                    (e for e in base["encodings"] if isinstance(e, dict) and e["name"] == name), {}
+                )
+                params = {
+                    p.name: _param_input(p, key(f"{name}.{p.name}"), given.get(p.name))
+                    for p in entry.params
+                }
             changed = {
                 k: v for k, v in params.items() if v is not None and v != entry.param(k).default
             }

@@ -221,9 +221,10 @@ def summarize_run(
     out["effective_length"] = effective
     # 1: the run held up to its longest evaluated length, so its effective length is a
     # lower bound set by the grid, not a length where it failed.
-    out["effective_length_censored"] = (
-        None if effective is None else float(effective == max(values, default=None))
-    )
+    # The longest length evaluated, even without a value (a learned table past its end
+    # did not hold there).
+    longest = max((length for length, _ in given), default=None)
+    out["effective_length_censored"] = None if effective is None else float(effective == longest)
     whole = metric == "perplexity" and not censored
     out["log_ppl_area"] = log_perplexity_area(values) if whole else None
     out["mean_log_ppl"] = mean_log_perplexity(values) if whole else None

@@ -416,7 +416,10 @@ class StudySpec(_Strict):
         train = data.get("train", {})
         if not isinstance(evaluation, dict) or "lengths" in evaluation:
             return data
-        length = train.get("length", 128) if isinstance(train, dict) else train.length
+        if isinstance(train, dict):
+            length = train.get("length", 128)
+        else:  # a TrainSpec, or something the train section's own check will refuse
+            length = getattr(train, "length", None)
         if not is_positive_int(length):
             return data  # the train section's own check says what is wrong
         lengths = [length * 2**k for k in range(4) if length * 2**k <= MAX_EVAL_LENGTH]

@@ -130,6 +130,14 @@ def test_summarize_run_has_stable_keys():
     assert summary["mean_log_ppl"] == pytest.approx(summary["log_ppl_area"] / math.log(4))
 
 
+def test_a_curve_cut_short_by_its_encoding_is_not_censored():
+    # A learned table past its end: it did not hold at 256, whatever the grid.
+    cut = summarize_run({128: 2.0, 256: None, 512: None}, TRAIN, "perplexity")
+    assert cut["effective_length"] == 128 and cut["effective_length_censored"] == 0.0
+    held = summarize_run({128: 2.0, 256: 2.1}, TRAIN, "perplexity")
+    assert held["effective_length"] == 256 and held["effective_length_censored"] == 1.0
+
+
 def test_summarize_run_leaves_inapplicable_keys_empty():
     accuracy = summarize_run({128: 0.8, 256: 0.6}, TRAIN, "accuracy", factors=(2,))
     assert accuracy == {

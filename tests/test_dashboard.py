@@ -96,6 +96,16 @@ def test_presets_fill_the_form(settings) -> None:
     ]
     assert app.number_input(key="quick:steps").value == 600
     assert not app.error and app.button(key="submit").disabled is False
+    # Every preset draws, with its own task parameters (paper: WikiText-103, and FIRE,
+    # whose threshold has a derived default).
+    for preset in ("smoke", "paper"):
+        app.selectbox(key="preset").set_value(preset).run()
+        assert not app.exception, (preset, app.exception)
+        assert not app.error and app.button(key="submit").disabled is False
+    assert app.text_input(key="paper:lm.corpus").value == "hf:wikitext:wikitext-103-raw-v1"
+    yaml_view = app.code[0].value
+    assert "corpus: hf:wikitext:wikitext-103-raw-v1" in yaml_view
+    assert "init_threshold" not in yaml_view  # left to its derived default
 
 
 def test_encoding_parameters_come_from_the_registry(settings) -> None:

@@ -414,3 +414,9 @@ def test_evaluation_lengths_default_to_multiples_of_the_training_length() -> Non
     )
     # The stored spec names them, so the study reads the same whatever the defaults become.
     assert "- 384" in spec.to_yaml()
+
+
+@pytest.mark.parametrize("train", [None, "fast", [1, 2], 3])
+def test_a_train_section_that_is_not_a_mapping_is_a_message_not_a_crash(train) -> None:
+    with pytest.raises(SpecError, match="train"):
+        parse_spec({**BASE, "train": train})
