@@ -16,7 +16,8 @@ ENV POSBENCH_GIT_COMMIT=${GIT_COMMIT} \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     POSBENCH_HOME=/data \
-    POSBENCH_ARTIFACTS=/artifacts
+    POSBENCH_ARTIFACTS=/artifacts \
+    HF_HOME=/data/huggingface
 RUN useradd --create-home --uid 10001 posbench \
     && mkdir -p /data /artifacts /app \
     && chown posbench:posbench /data /artifacts

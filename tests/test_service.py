@@ -286,6 +286,60 @@ with store.Heartbeat({settings.database!r}, {run_id}, {lease!r}, 0.1, hang_secon
     assert "Timeout (0:00:01" in done.stderr and 'File "<string>"' in done.stderr
 
 
+def test_a_trained_model_is_adopted_only_from_a_final_checkpoint_of_the_same_training(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    from worker.tasks import _adopt
+    from worker.train import CHECKPOINT_VERSION
+
+    first = submit(parse_spec(SPEC), settings=settings, send=Recorder())
+    donor = first.queued[0]
+    other_eval = {**SPEC, "name": "longer", "eval": {"lengths": [16, 32, 64]}}
+    second = submit(parse_spec(other_eval), settings=settings, send=Recorder())
+    with transaction(settings.database) as session:
+        hashes = {r.id: r.train_hash for r in session.scalars(select(Run))}
+    run_id = second.queued[0]  # rope, seed 0: the donor's training, evaluated further
+    assert hashes[run_id] == hashes[donor] and second.reused == []
+    folder = settings.artifacts_dir / "runs"
+    folder.mkdir(parents=True)
+    source = folder / f"{donor}.pt"
+    _finish_run(settings, donor)
+    with transaction(settings.database) as session:
+        session.get(Run, donor).checkpoint_uri = source.as_uri()
+    lease = store.claim(settings.database, run_id, "w")[0]
+    target = folder / f"{run_id}.pt"
+
+    def stamp(step: int, fingerprint: str) -> None:
+        torch.save(
+            {"version": CHECKPOINT_VERSION, "fingerprint": fingerprint, "step": step}, source
+        )
+
+    def adopt():
+        return _adopt(settings.database, run_id, lease, hashes[run_id], 4, target)
+
+    assert adopt() is None  # no file: trained on another machine
+    stamp(2, hashes[donor])
+    assert adopt() is None  # not final (4 steps)
+    stamp(4, "another configuration")
+    assert adopt() is None
+    stamp(4, hashes[donor])
+    real = store.trained_models
+    monkeypatch.setattr(store, "trained_models", lambda *a: [(10_000, source.as_uri())])
+    assert adopt() is None  # a donor row deleted meanwhile
+    monkeypatch.setattr(store, "trained_models", real)
+    assert not target.exists() and not list(folder.glob("*.tmp"))
+    marker = adopt()
+    assert marker == {"trained_by_run": donor, "training": {"seed": 0}}
+    assert target.stat().st_ino == source.stat().st_ino  # the same file, linked
+    with transaction(settings.database) as session:
+        run = session.get(Run, run_id)
+        assert (run.step, run.provenance) == (4, marker)  # kept for a resumed attempt
+        steps = session.scalars(select(TrainPoint.step).where(TrainPoint.run_id == run_id))
+        assert list(steps) == [4]
+
+
 def test_evaluations_are_idempotent_upserts(settings: Settings) -> None:
     run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder()).queued[0]
     lease = store.claim(settings.database, run_id, "a")[0]

@@ -143,14 +143,19 @@ def trained_models(url: str, train_hash: str, run_id: int) -> list[tuple[int, st
         return [(donor, uri) for donor, uri in rows]
 
 
-def adopt_training(url: str, run_id: int, lease: str, donor_id: int) -> None:
+def adopt_training(url: str, run_id: int, lease: str, donor_id: int) -> dict | None:
     """Give this run the training curve and progress of ``donor_id``, whose trained model
-    it uses (idempotent: a redelivered run upserts the same points)."""
+    it uses, and a provenance marker (``trained_by_run``, and the donor's own provenance
+    under ``training``), stored at once so that a resumed attempt keeps it. Idempotent (a
+    redelivered run upserts the same points). None when the donor run is gone."""
 
-    def attempt() -> None:
+    def attempt() -> dict | None:
         with transaction(url) as session:
             _hold(session, run_id, lease)
             donor = session.get(Run, donor_id)
+            if donor is None:
+                return None
+            marker = {"trained_by_run": donor_id, "training": donor.provenance}
             points = session.scalars(select(TrainPoint).where(TrainPoint.run_id == donor_id))
             for point in points:
                 values = {c.key: getattr(point, c.key) for c in TrainPoint.__table__.columns}
@@ -169,10 +174,12 @@ def adopt_training(url: str, run_id: int, lease: str, donor_id: int) -> None:
                     step=donor.step,
                     latest_loss=donor.latest_loss,
                     tokens_per_second=donor.tokens_per_second,
+                    provenance=marker,
                 )
             )
+            return marker
 
-    with_retry(attempt)
+    return with_retry(attempt)
 
 
 def record_evaluation(url: str, run_id: int, lease: str, row: EvaluationRow) -> None:

@@ -68,8 +68,10 @@ def _train_and_evaluate(url: str, run_id: int, lease: str, spec, run, beat) -> s
     settings = get_settings()
     run_spec = matching_run(spec, run)
     checkpoint = settings.artifacts_dir / "runs" / f"{run_id}.pt"
-    adoptable = run.train_hash is not None and not checkpoint.exists()  # None: --force
-    trained_by = _adopt(url, run_id, lease, run.train_hash, checkpoint) if adoptable else None
+    # A model trained by another run: adopted now, or by an earlier attempt of this one.
+    adopted = run.provenance if isinstance(run.provenance, dict) else {}
+    if run.train_hash is not None and not checkpoint.exists():  # None: --force
+        adopted = _adopt(url, run_id, lease, run.train_hash, spec.train.steps, checkpoint) or {}
     cancel = {"asked": False}
 
     def on_progress(point) -> None:
@@ -108,19 +110,22 @@ def _train_and_evaluate(url: str, run_id: int, lease: str, spec, run, beat) -> s
     )
     store.record_summaries(url, run_id, lease, summaries)
     provenance = {**result.provenance, "resumed_from_step": result.train.resumed_from}
-    if trained_by is not None:
-        provenance["trained_by_run"] = trained_by
+    provenance.update({k: adopted[k] for k in ("trained_by_run", "training") if k in adopted})
     store.finish(
         url, run_id, lease, "done", provenance=provenance, checkpoint_uri=checkpoint.as_uri()
     )
     return "done"
 
 
-def _adopt(url: str, run_id: int, lease: str, train_hash: str, checkpoint) -> int | None:
+def _adopt(
+    url: str, run_id: int, lease: str, train_hash: str, steps: int, checkpoint
+) -> dict | None:
     """Use the trained model of a finished run with the same train hash (a study that
     only evaluates differently): its final checkpoint becomes this run's (a hard link,
     or a copy across file systems), so training resumes at its last step and only the
-    evaluation runs. Returns that run's id, or None when there is none on this machine."""
+    evaluation runs. A checkpoint is taken only when it is final and stamped with this
+    train hash. Returns the provenance marker (``store.adopt_training``), or None when
+    no finished run's checkpoint is on this machine."""
     import shutil
     import uuid
     from pathlib import Path
@@ -130,19 +135,46 @@ def _adopt(url: str, run_id: int, lease: str, train_hash: str, checkpoint) -> in
 
     for donor, uri in store.trained_models(url, train_hash, run_id):
         source = Path(unquote(urlparse(uri).path))
-        if not source.is_file():
-            continue  # written on another machine's artifacts folder
+        if not _final_checkpoint(source, train_hash, steps):
+            continue  # on another machine, partial, or of another configuration
         checkpoint.parent.mkdir(parents=True, exist_ok=True)
         temporary = checkpoint.with_name(f"{checkpoint.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
-            os.link(source, temporary)
-        except OSError:
-            shutil.copyfile(source, temporary)
+            try:
+                os.link(source, temporary)
+            except OSError:
+                shutil.copyfile(source, temporary)
+        except OSError:  # deleted meanwhile
+            temporary.unlink(missing_ok=True)
+            continue
+        try:
+            marker = store.adopt_training(url, run_id, lease, donor)  # the database first
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+        if marker is None:
+            temporary.unlink(missing_ok=True)
+            continue
         os.replace(temporary, checkpoint)
-        store.adopt_training(url, run_id, lease, donor)
         log.info("run %s uses the model trained by run %s", run_id, donor)
-        return donor
+        return marker
     return None
+
+
+def _final_checkpoint(path, train_hash: str, steps: int) -> bool:
+    import torch
+
+    from worker.train import CHECKPOINT_VERSION
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # missing, unreadable, not a checkpoint
+        return False
+    return (
+        state.get("version") == CHECKPOINT_VERSION
+        and state.get("fingerprint") == train_hash
+        and int(state.get("step", -1)) == steps
+    )
 
 
 def _hung(idle: float) -> None:
