@@ -136,10 +136,12 @@ def submit(
                 params=run_spec.encoding.resolved_params,
                 seed=run_spec.seed,
                 config_hash=run_spec.config_hash,
-                # --force trains afresh: no train hash, so no trained model is adopted.
-                train_hash=None if force else run_spec.train_hash,
+                train_hash=run_spec.train_hash,
                 total_steps=spec.train.steps,
                 status="queued",
+                # --force trains afresh (adopts no trained model); the model it trains
+                # can serve later studies. The worker replaces this at the finish.
+                provenance={"train_afresh": True} if force else None,
             )
             session.add(run)
             session.flush()

@@ -140,6 +140,10 @@ def test_a_finished_config_hash_is_reused_unless_forced(settings: Settings) -> N
         ]
     forced = submit(parse_spec(SPEC), settings=settings, send=Recorder(), force=True)
     assert forced.reused == [] and len(forced.queued) == 4
+    with transaction(settings.database) as session:
+        run = session.get(Run, forced.queued[0])
+        # It trains afresh (adopts no trained model), and can serve as one later.
+        assert run.provenance == {"train_afresh": True} and run.train_hash is not None
 
 
 def test_claim_is_exclusive_and_guards_every_write(settings: Settings) -> None:

@@ -70,7 +70,7 @@ def _train_and_evaluate(url: str, run_id: int, lease: str, spec, run, beat) -> s
     checkpoint = settings.artifacts_dir / "runs" / f"{run_id}.pt"
     # A model trained by another run: adopted now, or by an earlier attempt of this one.
     adopted = run.provenance if isinstance(run.provenance, dict) else {}
-    if run.train_hash is not None and not checkpoint.exists():  # None: --force
+    if run.train_hash is not None and not checkpoint.exists() and not adopted.get("train_afresh"):
         adopted = _adopt(url, run_id, lease, run.train_hash, spec.train.steps, checkpoint) or {}
     cancel = {"asked": False}
 
