@@ -417,31 +417,49 @@ def reconcile(
 
 
 def backfill_summaries(url: str) -> int:
-    """Summarise finished runs that have evaluations but no summaries (runs finished
-    before the ``run_summaries`` table existed); returns how many. The order probe needs
-    the model, so only the curve summaries are filled in."""
+    """Summarise finished runs whose curve summaries are missing or incomplete (runs
+    finished before the ``run_summaries`` table existed, or before a summary such as
+    ``effective_length_censored`` was added); returns how many runs gained rows. Only
+    missing rows are added: stored values stay. The order probe needs the model, so
+    only the curve summaries are filled in."""
     # Here, not at the top: submitting a study need not load pandas.
     from db.queries import run_points
     from jobs import analysis
 
+    # The curve summary added last: a run without it has gaps to fill.
+    newest = "effective_length_censored"
+    assert newest in analysis.summary_keys()
+
     def attempt() -> int:
         with transaction(url) as session:
-            summarised = select(RunSummary.run_id).distinct()
+            complete = select(RunSummary.run_id).where(RunSummary.name == newest).distinct()
             pending = session.execute(
                 select(Run.id, Study.metric, Study.train_length)
                 .join(Study, Study.id == Run.study_id)
-                .where(Run.status == "done", Run.id.not_in(summarised))
+                .where(Run.status == "done", Run.id.not_in(complete))
             ).all()
             filled = 0
             for run_id, metric, train_length in pending:
                 points = session.execute(run_points(run_id, metric)).all()
                 if not points:
                     continue
-                for summary in analysis.summarize_points(
-                    points, train_length=train_length, metric=metric
-                ):
+                stored = set(
+                    session.execute(
+                        select(RunSummary.variant, RunSummary.protocol, RunSummary.name).where(
+                            RunSummary.run_id == run_id
+                        )
+                    ).all()
+                )
+                added = [
+                    summary
+                    for summary in analysis.summarize_points(
+                        points, train_length=train_length, metric=metric
+                    )
+                    if (summary.variant, summary.protocol, summary.name) not in stored
+                ]
+                for summary in added:
                     session.add(RunSummary(run_id=run_id, **summary._asdict()))
-                filled += 1
+                filled += bool(added)
             return filled
 
     return with_retry(attempt)

@@ -231,6 +231,26 @@ def test_db_upgrade_summarises_runs_finished_before_summaries_existed(settings: 
     assert stored(settings) == 4 * 9  # the curve summaries; the order probe needs the model
 
 
+def test_db_upgrade_fills_a_summary_added_after_a_run_was_summarised(settings: Settings) -> None:
+    seed_study(settings)
+    with transaction(settings.database) as session:
+        session.execute(
+            RunSummary.__table__.delete().where(RunSummary.name == "effective_length_censored")
+        )
+        session.execute(update(RunSummary).where(RunSummary.name == "ratio_2x").values(value=123.0))
+    before = stored(settings)
+    done = posbench(settings, "db", "upgrade")
+    assert done.returncode == 0, done.stderr
+    assert stored(settings) == before + 4  # one per finished run, nothing twice
+    with transaction(settings.database) as session:
+        kept = session.scalars(select(RunSummary.value).where(RunSummary.name == "ratio_2x"))
+        assert set(kept) == {123.0}  # stored values stay
+        censored = session.scalars(
+            select(RunSummary.value).where(RunSummary.name == "effective_length_censored")
+        )
+        assert sorted(censored) == [0.0, 0.0, 1.0, 1.0]  # rope fails at 64; alibi holds
+
+
 def test_the_encoding_summaries_view_aggregates_the_seeds_for_sql(settings: Settings) -> None:
     from sqlalchemy import text
 
