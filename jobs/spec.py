@@ -306,7 +306,12 @@ class VariantSpec(_Strict):
             factor = self.factor if self.factor == "auto" else f"{float(self.factor):g}"
             name = f"{name}:{factor}"
         if self.params:
-            name += "(" + ", ".join(f"{k}={v:g}" for k, v in self.params.items()) + ")"
+            shown = (
+                str(v).lower() if isinstance(v, bool) else f"{v:g}" for v in self.params.values()
+            )
+            name += (
+                "(" + ", ".join(f"{k}={v}" for k, v in zip(self.params, shown, strict=True)) + ")"
+            )
         return name
 
     def factor_at(self, eval_length: int, train_length: int) -> float | None:

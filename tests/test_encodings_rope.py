@@ -255,6 +255,18 @@ def test_yarn_temperature_scales_logits_by_its_square() -> None:
     assert float((rq * rk).sum()) == pytest.approx(float((q * q).sum()) * factor**2, rel=1e-5)
 
 
+def test_ntk_by_parts_is_yarn_without_its_temperature() -> None:
+    # YaRN section 3.2: the ramp alone; section 3.4 adds the temperature.
+    rope = build("rope", n_heads=1, head_dim=8, d_model=8, train_length=2048)
+    yarn = rope.with_scaling("yarn", 4.0)
+    by_parts = rope.with_scaling("yarn", 4.0, temperature=False)
+    torch.testing.assert_close(by_parts.inv_freq, yarn.inv_freq)
+    assert by_parts.attention_factor == 1.0 and yarn.attention_factor > 1.0
+    q = torch.randn(1, 1, 1, 8)
+    rq, rk = by_parts.rotate(q, q, torch.tensor([0]))
+    assert float((rq * rk).sum()) == pytest.approx(float((q * q).sum()), rel=1e-5)
+
+
 def test_yarn_measures_rotations_over_the_original_length() -> None:
     rope = build("rope", n_heads=1, head_dim=8, d_model=8, train_length=2048)
     assert not torch.equal(
@@ -269,7 +281,8 @@ def test_yarn_measures_rotations_over_the_original_length() -> None:
         ("stretch", 2.0, {}, r"unknown RoPE scaling 'stretch'"),
         ("pi", None, {}, r"'pi' needs a factor"),
         ("ntk", 0.5, {}, r"factor must be in \[1, 1024\]"),
-        ("yarn", 4.0, {"gamma": 1.0}, r"no parameter 'gamma' \(allowed: alpha, beta\)"),
+        ("yarn", 4.0, {"gamma": 1.0}, r"no parameter 'gamma' \(allowed: alpha, beta, temp"),
+        ("yarn", 4.0, {"temperature": 1}, r"'temperature' must be true or false, got 1"),
         ("yarn", 4.0, {"alpha": 40.0}, r"beta > alpha"),
     ],
 )

@@ -374,6 +374,10 @@ def test_yarn_parameters_may_be_set_per_variant() -> None:
     )
     (yarn,) = [v for v in spec.eval.variants if v.method == "yarn"]
     assert yarn.params == {"beta": 16.0} and yarn.label == "yarn:8(beta=16)"
+    by_parts = parse_spec(
+        with_value("eval.variants", [{"method": "yarn", "factor": "auto", "temperature": False}])
+    ).eval.variants[-1]
+    assert by_parts.label == "yarn:auto(temperature=false)"
     for variant, message in [
         ({"method": "yarn", "gamma": 1}, "variant 'yarn' has no parameter 'gamma'"),
         ({"method": "pi", "beta": 2}, "variant 'pi' has no parameter 'beta' (allowed: none)"),

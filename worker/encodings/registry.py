@@ -392,6 +392,13 @@ SCALINGS: dict[str, ScalingInfo] = {
             params=(
                 Param("alpha", float, 1.0, "below alpha rotations in L: interpolate", low=0.0),
                 Param("beta", float, 32.0, "above beta rotations in L: extrapolate", low=0.0),
+                Param(
+                    "temperature",
+                    bool,
+                    True,
+                    "apply the attention temperature; false: the ramp alone, the paper's "
+                    "'NTK-by-parts' (section 3.2)",
+                ),
             ),
         ),
     )

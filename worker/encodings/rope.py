@@ -91,6 +91,7 @@ class RopeScaling:
     original_length: int
     alpha: float = 1.0
     beta: float = 32.0
+    temperature: bool = True  # YaRN's; False: "NTK-by-parts" (the ramp alone)
 
 
 @dataclass(frozen=True)
@@ -252,7 +253,7 @@ class Rope(PositionEncoding):
         method: str,
         factor: float | None = None,
         original_length: int | None = None,
-        **params: float,
+        **params: float | bool,
     ) -> Rope:
         """A copy of this encoding with an inference-time scaling; this one is unchanged."""
         spec = scaling_info(method)
@@ -299,7 +300,7 @@ class Rope(PositionEncoding):
     @property
     def attention_factor(self) -> float:
         """Multiplier applied to both q and k (YaRN's temperature); 1 otherwise."""
-        if self.scaling is not None and self.scaling.method == "yarn":
+        if self.scaling is not None and self.scaling.method == "yarn" and self.scaling.temperature:
             return yarn_attention_factor(self.scaling.factor)
         return 1.0
 
