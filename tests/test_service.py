@@ -310,8 +310,10 @@ def test_a_trained_model_is_adopted_only_from_a_final_checkpoint_of_the_same_tra
     folder.mkdir(parents=True)
     source = folder / f"{donor}.pt"
     _finish_run(settings, donor)
+    trained = {"seed": 0, "data": "lm:pystdlib:abc"}  # the donor's provenance
     with transaction(settings.database) as session:
         session.get(Run, donor).checkpoint_uri = source.as_uri()
+        session.get(Run, donor).provenance = trained
     lease = store.claim(settings.database, run_id, "w")[0]
     target = folder / f"{run_id}.pt"
 
@@ -320,8 +322,8 @@ def test_a_trained_model_is_adopted_only_from_a_final_checkpoint_of_the_same_tra
             {"version": CHECKPOINT_VERSION, "fingerprint": fingerprint, "step": step}, source
         )
 
-    def adopt():
-        return _adopt(settings.database, run_id, lease, hashes[run_id], 4, target)
+    def adopt(data: str = "lm:pystdlib:abc"):
+        return _adopt(settings.database, run_id, lease, hashes[run_id], 4, data, target)
 
     assert adopt() is None  # no file: trained on another machine
     stamp(2, hashes[donor])
@@ -330,12 +332,14 @@ def test_a_trained_model_is_adopted_only_from_a_final_checkpoint_of_the_same_tra
     assert adopt() is None
     stamp(4, hashes[donor])
     real = store.trained_models
-    monkeypatch.setattr(store, "trained_models", lambda *a: [(10_000, source.as_uri())])
+    stale = [(10_000, source.as_uri(), "lm:pystdlib:abc")]
+    monkeypatch.setattr(store, "trained_models", lambda *a: stale)
     assert adopt() is None  # a donor row deleted meanwhile
     monkeypatch.setattr(store, "trained_models", real)
     assert not target.exists() and not list(folder.glob("*.tmp"))
+    assert adopt(data="lm:pystdlib:edited") is None  # trained on other bytes
     marker = adopt()
-    assert marker == {"trained_by_run": donor, "training": {"seed": 0}}
+    assert marker == {"trained_by_run": donor, "training": trained}
     assert target.stat().st_ino == source.stat().st_ino  # the same file, linked
     with transaction(settings.database) as session:
         run = session.get(Run, run_id)

@@ -126,12 +126,13 @@ def record_progress(url: str, run_id: int, lease: str, point: Point) -> bool:
     return with_retry(attempt)
 
 
-def trained_models(url: str, train_hash: str, run_id: int) -> list[tuple[int, str]]:
-    """(run id, checkpoint URI) of finished runs, newest first, that trained the model
-    this run would train (same train hash): a study that only evaluates differently."""
+def trained_models(url: str, train_hash: str, run_id: int) -> list[tuple[int, str, str | None]]:
+    """(run id, checkpoint URI, data fingerprint) of finished runs, newest first, that
+    trained the model this run would train (same train hash): a study that only
+    evaluates differently."""
     with transaction(url) as session:
         rows = session.execute(
-            select(Run.id, Run.checkpoint_uri)
+            select(Run.id, Run.checkpoint_uri, Run.provenance)
             .where(
                 Run.train_hash == train_hash,
                 Run.status == "done",
@@ -140,7 +141,10 @@ def trained_models(url: str, train_hash: str, run_id: int) -> list[tuple[int, st
             )
             .order_by(Run.finished_at.desc())
         )
-        return [(donor, uri) for donor, uri in rows]
+        return [
+            (donor, uri, (provenance or {}).get("data") if isinstance(provenance, dict) else None)
+            for donor, uri, provenance in rows
+        ]
 
 
 def adopt_training(url: str, run_id: int, lease: str, donor_id: int) -> dict | None:

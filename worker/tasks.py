@@ -62,16 +62,18 @@ def _train_and_evaluate(url: str, run_id: int, lease: str, spec, run, beat) -> s
 
     from jobs.analysis import summarize_points
     from worker import store
-    from worker.study import resolve_device, run_one
+    from worker.study import prepared_task, resolve_device, run_one
     from worker.train import RunCancelled
 
     settings = get_settings()
     run_spec = matching_run(spec, run)
     checkpoint = settings.artifacts_dir / "runs" / f"{run_id}.pt"
+    task = prepared_task(spec)  # first: a trained model is adopted only on the same data
     # A model trained by another run: adopted now, or by an earlier attempt of this one.
     adopted = run.provenance if isinstance(run.provenance, dict) else {}
     if run.train_hash is not None and not checkpoint.exists() and not adopted.get("train_afresh"):
-        adopted = _adopt(url, run_id, lease, run.train_hash, spec.train.steps, checkpoint) or {}
+        trained = (run.train_hash, spec.train.steps, task.fingerprint)
+        adopted = _adopt(url, run_id, lease, *trained, checkpoint) or {}
     cancel = {"asked": False}
 
     def on_progress(point) -> None:
@@ -90,6 +92,7 @@ def _train_and_evaluate(url: str, run_id: int, lease: str, spec, run, beat) -> s
             ),
             may_write=lambda: not beat.lost,
             skip_evaluations=store.stored_evaluations(url, run_id),
+            task=task,
         )
     except RunCancelled as err:
         if beat.lost:
@@ -118,14 +121,16 @@ def _train_and_evaluate(url: str, run_id: int, lease: str, spec, run, beat) -> s
 
 
 def _adopt(
-    url: str, run_id: int, lease: str, train_hash: str, steps: int, checkpoint
+    url: str, run_id: int, lease: str, train_hash: str, steps: int, data: str, checkpoint
 ) -> dict | None:
     """Use the trained model of a finished run with the same train hash (a study that
     only evaluates differently): its final checkpoint becomes this run's (a hard link,
     or a copy across file systems), so training resumes at its last step and only the
-    evaluation runs. A checkpoint is taken only when it is final and stamped with this
-    train hash. Returns the provenance marker (``store.adopt_training``), or None when
-    no finished run's checkpoint is on this machine."""
+    evaluation runs. A checkpoint is taken only when it is final, stamped with this
+    train hash, and trained on the same data (``data``: the task's fingerprint; an
+    edited text: corpus under the same path has another). Returns the provenance
+    marker (``store.adopt_training``), or None when no finished run's checkpoint is on
+    this machine."""
     import shutil
     import uuid
     from pathlib import Path
@@ -133,7 +138,9 @@ def _adopt(
 
     from worker import store
 
-    for donor, uri in store.trained_models(url, train_hash, run_id):
+    for donor, uri, donor_data in store.trained_models(url, train_hash, run_id):
+        if donor_data != data:
+            continue
         source = Path(unquote(urlparse(uri).path))
         if not _final_checkpoint(source, train_hash, steps):
             continue  # on another machine, partial, or of another configuration
