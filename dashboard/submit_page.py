@@ -250,7 +250,7 @@ def form(base: dict[str, Any], prefix: str) -> tuple[dict[str, Any], list[str]]:
 def estimate(spec: StudySpec) -> str:
     runs = len(spec.runs())
     batch = spec.train.batch_size * spec.train.grad_accum
-    tokens = spec.train.steps * batch * spec.train.length
+    tokens = spec.train.steps * spec.train.tokens_per_step
     flops = 6 * spec.model.parameters * tokens * runs
     return (
         f"{runs} runs x {spec.train.steps:,} steps x {batch} x "

@@ -35,6 +35,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     func,
+    inspect,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -51,6 +52,15 @@ class Base(DeclarativeBase):
         dict[str, Any]: JSON,
         dt.datetime: DateTime(timezone=True),
     }
+
+    def column_values(self, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+        """This row's column values by attribute, less the primary key and ``skip``: what
+        a copy of it under another parent starts from."""
+        return {
+            attr.key: getattr(self, attr.key)
+            for attr in inspect(type(self)).column_attrs
+            if attr.key not in skip and not any(column.primary_key for column in attr.columns)
+        }
 
 
 class Study(Base):

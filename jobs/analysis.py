@@ -219,10 +219,9 @@ def summarize_run(
     applies = metric in ("perplexity", "accuracy")
     effective = effective_context_length(values, train_length, metric) if applies else None
     out["effective_length"] = effective
-    # 1: the run held up to its longest evaluated length, so its effective length is a
-    # lower bound set by the grid, not a length where it failed.
-    # The longest length evaluated, even without a value (a learned table past its end
-    # did not hold there).
+    # 1: the run held up to its longest evaluated length (one without a value counts: a
+    # learned table past its end did not hold there), so its effective length is a lower
+    # bound set by the grid, not a length where it failed.
     longest = max((length for length, _ in given), default=None)
     out["effective_length_censored"] = None if effective is None else float(effective == longest)
     whole = metric == "perplexity" and not censored
@@ -482,17 +481,10 @@ TRAINING_COLUMNS = ["line", "run_id", "seed", "step", "loss", "lr", "tokens_per_
 
 def training_curves(points: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
     """Every stored training point (``db.queries.train_points``) with its run's line
-    (the run's label; ``runs`` needs id, label, seed and, across studies, study_id)."""
+    (``with_lines`` of the trained model; ``runs`` needs id, study_id, label, seed)."""
     if points.empty:
         return pd.DataFrame(columns=TRAINING_COLUMNS)
-    named = runs.rename(columns={"id": "run_id"})
-    several = "study_id" in named and named["study_id"].nunique() > 1
-    named["line"] = [
-        line_name(label, "none", study if several else None)
-        for label, study in zip(
-            named["label"], named.get("study_id", [None] * len(named)), strict=True
-        )
-    ]
+    named = with_lines(runs.rename(columns={"id": "run_id"}).assign(variant="none"))
     merged = points.merge(named[["run_id", "line", "seed"]], on="run_id")
     return merged[TRAINING_COLUMNS].sort_values(["line", "seed", "step"], ignore_index=True)
 

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from sqlalchemy import delete, func, inspect, select, update
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
 from db.engine import transaction, with_retry
@@ -81,13 +81,7 @@ def celery_send(run_id: int, settings: Settings | None = None) -> None:
 def _copied(row: Base, *, skip: tuple[str, ...] = (), **changes: object) -> Base:
     """A new row of ``row``'s model with its column values, less the primary key and
     ``skip`` (left to their defaults), with ``changes`` applied."""
-    mapper = inspect(type(row))
-    values = {
-        attr.key: getattr(row, attr.key)
-        for attr in mapper.column_attrs
-        if attr.key not in skip and not any(column.primary_key for column in attr.columns)
-    }
-    return type(row)(**{**values, **changes})
+    return type(row)(**{**row.column_values(skip), **changes})
 
 
 def _copy_results(session: Session, source: Run, target: Run) -> None:
@@ -426,13 +420,17 @@ def backfill_summaries(url: str) -> int:
     from db.queries import run_points
     from jobs import analysis
 
-    # The curve summary added last: a run without it has gaps to fill.
-    newest = "effective_length_censored"
-    assert newest in analysis.summary_keys()
+    keys = analysis.summary_keys()
 
     def attempt() -> int:
         with transaction(url) as session:
-            complete = select(RunSummary.run_id).where(RunSummary.name == newest).distinct()
+            # Complete: every curve summary is stored (for at least one of its curves).
+            complete = (
+                select(RunSummary.run_id)
+                .where(RunSummary.name.in_(keys))
+                .group_by(RunSummary.run_id)
+                .having(func.count(RunSummary.name.distinct()) == len(keys))
+            )
             pending = session.execute(
                 select(Run.id, Study.metric, Study.train_length)
                 .join(Study, Study.id == Run.study_id)

@@ -182,6 +182,11 @@ class TrainSpec(_Strict):
     progress_every: int = Field(10, ge=1, le=MAX_STEPS)
     compile: bool = False
 
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens one optimizer step reads: grad_accum micro-batches of batch_size."""
+        return self.batch_size * self.grad_accum * self.length
+
 
 class EncodingSpec(_Strict):
     name: str
@@ -446,9 +451,7 @@ class StudySpec(_Strict):
             problems.append(f"encodings: the same configuration listed twice: {twice}")
         if len(set(self.seeds)) != len(self.seeds):
             problems.append("seeds: each seed may appear once")
-        train_tokens = (
-            self.train.steps * self.train.batch_size * self.train.grad_accum * self.train.length
-        )
+        train_tokens = self.train.steps * self.train.tokens_per_step
         if train_tokens > MAX_TRAIN_TOKENS:
             problems.append(
                 f"train: steps x batch_size x grad_accum x length = {train_tokens:,} tokens "

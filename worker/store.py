@@ -162,12 +162,10 @@ def adopt_training(url: str, run_id: int, lease: str, donor_id: int) -> dict | N
             marker = {"trained_by_run": donor_id, "training": donor.provenance}
             points = session.scalars(select(TrainPoint).where(TrainPoint.run_id == donor_id))
             for point in points:
-                values = {c.key: getattr(point, c.key) for c in TrainPoint.__table__.columns}
-                values.pop("id")
                 upsert(
                     session,
                     TrainPoint.__table__,
-                    {**values, "run_id": run_id},
+                    {**point.column_values(), "run_id": run_id},
                     keys=("run_id", "step"),
                     returning=None,
                 )
@@ -338,6 +336,10 @@ class Heartbeat:
             # fd 2 itself: a Celery pool process has replaced sys.stderr with a logger.
             faulthandler.dump_traceback_later(self.hang_seconds + 2 * self.every, exit=True, file=2)
 
+    def _disarm(self) -> None:
+        if self.hard_deadline:
+            faulthandler.cancel_dump_traceback_later()
+
     def _beat(self) -> None:
         while not self._stop.wait(self.every):
             idle = liveness.idle_seconds()
@@ -354,8 +356,7 @@ class Heartbeat:
             self.cancel_asked = self.cancel_asked or asked
             if not ours:
                 self.lost = True
-                if self.hard_deadline:  # the run stops at its next step; no deadline now
-                    faulthandler.cancel_dump_traceback_later()
+                self._disarm()  # the run stops at its next step; no deadline now
                 return
 
     def __enter__(self) -> Heartbeat:
@@ -367,5 +368,4 @@ class Heartbeat:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-        if self.hard_deadline:
-            faulthandler.cancel_dump_traceback_later()
+        self._disarm()

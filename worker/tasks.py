@@ -79,6 +79,9 @@ def _train_and_evaluate(url: str, run_id: int, lease: str, spec, run, beat) -> s
     def on_progress(point) -> None:
         cancel["asked"] = store.record_progress(url, run_id, lease, point)
 
+    def cancel_asked() -> bool:  # by a progress report's answer or by the heartbeat's
+        return cancel["asked"] or beat.cancel_asked
+
     try:
         result = run_one(
             spec,
@@ -87,9 +90,7 @@ def _train_and_evaluate(url: str, run_id: int, lease: str, spec, run, beat) -> s
             checkpoint=checkpoint,
             on_progress=on_progress,
             on_evaluation=lambda row: store.record_evaluation(url, run_id, lease, row),
-            should_stop=lambda: (
-                cancel["asked"] or beat.cancel_asked or beat.lost or shutting_down.is_set()
-            ),
+            should_stop=lambda: cancel_asked() or beat.lost or shutting_down.is_set(),
             may_write=lambda: not beat.lost,
             skip_evaluations=store.stored_evaluations(url, run_id),
             task=task,
@@ -97,7 +98,7 @@ def _train_and_evaluate(url: str, run_id: int, lease: str, spec, run, beat) -> s
     except RunCancelled as err:
         if beat.lost:
             raise store.LeaseLost(str(err)) from None
-        if shutting_down.is_set() and not (cancel["asked"] or beat.cancel_asked):
+        if shutting_down.is_set() and not cancel_asked():
             return _release(url, run_id, lease, str(err))
         store.finish(url, run_id, lease, "cancelled", reason=str(err))
         return "cancelled"
@@ -171,17 +172,13 @@ def _adopt(
 def _final_checkpoint(path, train_hash: str, steps: int) -> bool:
     import torch
 
-    from worker.train import CHECKPOINT_VERSION
+    from worker.train import checkpoint_problem
 
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # missing, unreadable, not a checkpoint
         return False
-    return (
-        state.get("version") == CHECKPOINT_VERSION
-        and state.get("fingerprint") == train_hash
-        and int(state.get("step", -1)) == steps
-    )
+    return checkpoint_problem(state, train_hash) is None and int(state.get("step", -1)) == steps
 
 
 def _hung(idle: float) -> None:

@@ -132,6 +132,16 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
         os.close(folder)
 
 
+def checkpoint_problem(state: dict[str, Any], fingerprint: str | None) -> str | None:
+    """Why a loaded checkpoint is not this run's (another format version or, when
+    ``fingerprint`` is given, another configuration), or None when it is."""
+    if state.get("version") != CHECKPOINT_VERSION:
+        return f"format version {state.get('version')}, not {CHECKPOINT_VERSION}"
+    if fingerprint is not None and state.get("fingerprint") != fingerprint:
+        return f"another configuration ({state.get('fingerprint')})"
+    return None
+
+
 def load_checkpoint(
     path: Path, device: torch.device, fingerprint: str | None = None
 ) -> dict[str, Any] | None:
@@ -143,11 +153,7 @@ def load_checkpoint(
         return None
     try:
         state = torch.load(path, map_location=device, weights_only=True)
-        problem = None
-        if state.get("version") != CHECKPOINT_VERSION:
-            problem = f"format version {state.get('version')}, not {CHECKPOINT_VERSION}"
-        elif fingerprint is not None and state.get("fingerprint") != fingerprint:
-            problem = f"another configuration ({state.get('fingerprint')})"
+        problem = checkpoint_problem(state, fingerprint)
     except Exception as err:  # truncated, not a checkpoint, or not torch's format
         state, problem = None, f"unreadable ({type(err).__name__})"
     if problem is None:
@@ -175,7 +181,7 @@ def train(
     """Train ``model`` for ``spec.steps`` steps (or until ``stop_after``, for tests).
 
     The data order depends on ``seed`` alone, so every encoding sees the same batches.
-    ``fingerprint`` (the run's config hash) stamps the checkpoint; ``may_write`` says
+    ``fingerprint`` (the run's train hash) stamps the checkpoint; ``may_write`` says
     whether this process still owns the run (a worker that lost its lease must not
     overwrite the new owner's checkpoint).
     """
@@ -219,7 +225,7 @@ def train(
 
     forward = torch.compile(model) if spec.compile else model
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    tokens_per_step = spec.batch_size * spec.grad_accum * spec.length
+    tokens_per_step = spec.tokens_per_step
     started = time.perf_counter()
     # Steps of the reporting interval (it may have begun before a resume) and the
     # steps timed in this process since the last report (throughput).
