@@ -156,14 +156,14 @@ def _summaries(selected: list[int], protocol: str, shown: list[str]) -> None:
 
 
 def _training(view, colors: dict[str, str]) -> None:
-    """The training loss of the runs behind the curves (the trained models, so one line
-    per encoding, not per inference variant)."""
+    """The training and validation loss of the runs behind the curves (the trained
+    models, so one line per encoding, not per inference variant)."""
     runs = view.drop_duplicates("run_id")[["run_id", "study_id", "label", "seed"]]
     points = queries.train_points(database(), runs["run_id"].tolist())
     if points.empty:
         return
     curves = analysis.training_curves(points, runs.rename(columns={"run_id": "id"}))
-    with st.expander("Training loss", expanded=False):
+    with st.expander("Training and validation loss", expanded=False):
         st.plotly_chart(training_figure(curves, colors), key="training", width="stretch")
 
 

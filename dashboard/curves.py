@@ -122,7 +122,8 @@ def position_figure(bins: pd.DataFrame, colors: dict[str, str]) -> go.Figure:
 
 def training_figure(curves: pd.DataFrame, colors: dict[str, str]) -> go.Figure:
     """Training loss against step: the mean over each line's seeds, with the lowest and
-    highest seed as a band."""
+    highest seed as a band; the validation loss (held out, at the training length) as a
+    dashed line with markers where the runs validated."""
     figure = go.Figure()
     for index, (line, group) in enumerate(curves.groupby("line", sort=False)):
         by_step = group.groupby("step")["loss"].agg(["mean", "min", "max", "count"])
@@ -142,8 +143,24 @@ def training_figure(curves: pd.DataFrame, colors: dict[str, str]) -> go.Figure:
                 "<br>seeds %{customdata[0]}<extra></extra>",
             )
         )
+        validated = group.dropna(subset=["val_loss"]) if "val_loss" in group else group[:0]
+        if len(validated):
+            val = validated.groupby("step")["val_loss"].agg(["mean", "count"])
+            figure.add_trace(
+                go.Scatter(
+                    x=val.index.tolist(),
+                    y=val["mean"].tolist(),
+                    mode="lines+markers",
+                    name=f"{line} (validation)",
+                    line={"color": color, "dash": "dash"},
+                    legendgroup=line,
+                    customdata=val[["count"]].to_numpy().tolist(),
+                    hovertemplate=f"{line}<br>step %{{x}}<br>validation loss %{{y:.4g}}"
+                    "<br>seeds %{customdata[0]}<extra></extra>",
+                )
+            )
     figure.update_xaxes(title="training step")
-    figure.update_yaxes(type="log", title="training loss (nats / byte, log scale)")
+    figure.update_yaxes(type="log", title="loss (nats / byte, log scale); dashed: validation")
     figure.update_layout(height=420, margin={"l": 60, "r": 20, "t": 30, "b": 50})
     return figure
 

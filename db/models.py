@@ -5,7 +5,8 @@ Tables (documented for plain SQL in the README):
 - ``studies``: what a user submitted (the validated spec as JSON);
 - ``runs``: one trained model of a study, (encoding label, seed), with its status,
   progress, heartbeat, lease, config hash, failure reason and provenance;
-- ``train_points``: the training curve (step, loss, learning rate, tokens/s);
+- ``train_points``: the training curve (step, loss, learning rate, tokens/s, and the
+  validation loss at the steps that validate);
 - ``evaluations``: one point of an extrapolation curve, (run, variant, protocol,
   eval length) -> metrics;
 - ``position_bins``: loss by position inside the evaluation window;
@@ -129,6 +130,8 @@ class TrainPoint(Base):
     lr: Mapped[float]
     tokens_per_second: Mapped[float]
     elapsed: Mapped[float]
+    # Held-out loss at the training length (train.val_every); NULL between validations.
+    val_loss: Mapped[float | None]
 
 
 class Evaluation(Base):

@@ -190,6 +190,7 @@ def train_points(url: str, run_ids: Sequence[int]) -> pd.DataFrame:
             TrainPoint.lr,
             TrainPoint.tokens_per_second,
             TrainPoint.elapsed,
+            TrainPoint.val_loss,
         )
         .where(TrainPoint.run_id.in_(run_ids))
         .order_by(TrainPoint.run_id, TrainPoint.step)

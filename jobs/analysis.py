@@ -476,7 +476,17 @@ def claim(row: Mapping[str, Any] | pd.Series, train_length: int | None) -> str:
     return f"{sentence} ({seeds[0]} vs {seeds[1]} seeds)"
 
 
-TRAINING_COLUMNS = ["line", "run_id", "seed", "step", "loss", "lr", "tokens_per_second", "elapsed"]
+TRAINING_COLUMNS = [
+    "line",
+    "run_id",
+    "seed",
+    "step",
+    "loss",
+    "val_loss",
+    "lr",
+    "tokens_per_second",
+    "elapsed",
+]
 
 
 def training_curves(points: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
@@ -490,20 +500,26 @@ def training_curves(points: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def training_table(curves: pd.DataFrame) -> pd.DataFrame:
-    """One row per run: steps reported, the last and the lowest training loss, the
-    median throughput, and the training time (``elapsed`` at the last point)."""
-    rows = [
-        {
-            "line": line,
-            "seed": int(seed),
-            "steps": int(group["step"].max()),
-            "final loss": float(group.sort_values("step")["loss"].iloc[-1]),
-            "lowest loss": float(group["loss"].min()),
-            "tokens/s": float(group["tokens_per_second"].median()),
-            "seconds": float(group["elapsed"].max()),
-        }
-        for (line, seed), group in curves.groupby(["line", "seed"], sort=True)
-    ]
+    """One row per run: steps reported, the last and the lowest training loss, the last
+    and the lowest validation loss (NaN for a run that never validated), the median
+    throughput, and the training time (``elapsed`` at the last point)."""
+    rows = []
+    for (line, seed), group in curves.groupby(["line", "seed"], sort=True):
+        group = group.sort_values("step")
+        validated = group["val_loss"].dropna()
+        rows.append(
+            {
+                "line": line,
+                "seed": int(seed),
+                "steps": int(group["step"].max()),
+                "final loss": float(group["loss"].iloc[-1]),
+                "lowest loss": float(group["loss"].min()),
+                "final val loss": float(validated.iloc[-1]) if len(validated) else math.nan,
+                "lowest val loss": float(validated.min()) if len(validated) else math.nan,
+                "tokens/s": float(group["tokens_per_second"].median()),
+                "seconds": float(group["elapsed"].max()),
+            }
+        )
     return pd.DataFrame(rows)
 
 

@@ -97,6 +97,13 @@ def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: 
         )
         for run in runs
     }
+    last_val: dict[str, str] = {}
+
+    def validated(run, point) -> str:  # the last validation loss stays on the bar
+        if point.val_loss is not None:
+            last_val[run.config_hash] = f"  val {point.val_loss:.3f}"
+        return last_val.get(run.config_hash, "")
+
     try:
         with progress:
             result = run_study(
@@ -107,7 +114,8 @@ def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: 
                 on_progress=lambda run, p: progress.update(
                     bars[run.config_hash],
                     completed=p.step,
-                    status=f"loss {p.loss:.3f}  {p.tokens_per_second:,.0f} tok/s",
+                    status=f"loss {p.loss:.3f}{validated(run, p)}  "
+                    f"{p.tokens_per_second:,.0f} tok/s",
                 ),
                 on_evaluation=lambda run, row: progress.update(
                     bars[run.config_hash], status=f"evaluated {row.variant} @ {row.length}"

@@ -180,6 +180,20 @@ class TrainSpec(_Strict):
     grad_clip: float = Field(1.0, gt=0, le=100.0)
     checkpoint_every: int = Field(200, ge=1, le=MAX_STEPS)
     progress_every: int = Field(10, ge=1, le=MAX_STEPS)
+    val_every: int = Field(
+        100,
+        ge=0,
+        le=MAX_STEPS,
+        description="steps between validation losses at the training length, and at the "
+        "last step (0: none)",
+    )
+    val_tokens: int = Field(
+        16_384,
+        ge=1,
+        le=1 << 24,
+        description="held-out targets each validation scores (synthetic tasks: "
+        "val_tokens / length examples)",
+    )
     compile: bool = False
 
     @property
@@ -528,7 +542,9 @@ class StudySpec(_Strict):
         ]
 
     def _training_payload(self, encoding: EncodingSpec, seed: int) -> dict[str, Any]:
-        train = self.train.model_dump(exclude={"checkpoint_every", "progress_every"})
+        # Reporting, checkpointing and validation change no weight of the trained model.
+        reporting = {"checkpoint_every", "progress_every", "val_every", "val_tokens"}
+        train = self.train.model_dump(exclude=reporting)
         # Fields added later enter the payload only when set away from their default,
         # so every earlier run keeps its hash (and is still reused).
         if train["grad_accum"] == 1:

@@ -48,7 +48,8 @@ def seed_study(settings: Settings) -> int:
             continue
         halfway = TrainPoint(20, 3.0 + 0.2 * (index % 2), 1e-3, 5000.0, 3.0)  # seeds differ
         store.record_progress(url, run_id, lease, halfway)
-        store.record_progress(url, run_id, lease, TrainPoint(40, 2.5, 1e-4, 6000.0, 6.0))
+        validated = TrainPoint(40, 2.5, 1e-4, 6000.0, 6.0, val_loss=2.6 + 0.1 * (index % 2))
+        store.record_progress(url, run_id, lease, validated)
         growth = 0.02 if index < 2 else 0.0005  # rope degrades, alibi stays flat
         for length in LENGTHS:
             loss = 2.5 + growth * (length - 32) + 0.01 * (index % 2)

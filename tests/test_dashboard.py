@@ -204,6 +204,12 @@ def test_compare_draws_curves_with_seed_intervals(settings) -> None:
     assert sorted(trained) == ["alibi", "rope"]
     assert trained["rope"]["x"] == [20, 40] and trained["rope"]["y"] == pytest.approx([3.1, 2.5])
     assert len([t for t in training["data"] if t.get("fill") == "toself"]) == 2
+    # The validation loss where the runs validated (step 40 only): mean over seeds, dashed.
+    validated = {t["name"]: t for t in training["data"] if t.get("mode") == "lines+markers"}
+    assert sorted(validated) == ["alibi (validation)", "rope (validation)"]
+    assert validated["rope (validation)"]["x"] == [40]
+    assert validated["rope (validation)"]["y"] == pytest.approx([2.65])
+    assert validated["rope (validation)"]["line"]["dash"] == "dash"
     lines = [t for t in curves["data"] if t.get("mode") == "lines+markers"]
     marker = [t for t in curves["data"] if t.get("name") == "train length 32"]
     assert marker and marker[0]["x"] == [32, 32]

@@ -65,7 +65,7 @@ def test_an_evaluation_in_little_memory_gives_the_same_numbers(monkeypatch) -> N
     monkeypatch.setattr(evaluate, "available_bytes", lambda device: 0)
     monkeypatch.setattr(evaluate, "eval_batch_size", recorded)
     scarce = run_one(spec, spec.runs()[0]).evaluations[0]
-    assert sizes == [1]  # one sequence at a time
+    assert sizes == [1, 1]  # one sequence at a time: the last step's validation, the evaluation
     assert scarce.loss == pytest.approx(plenty.loss, rel=1e-5)
     assert scarce.tokens == plenty.tokens == 512
 

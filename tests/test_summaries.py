@@ -32,7 +32,7 @@ def settings(tmp_path: Path) -> Settings:
 
 
 def test_the_migrations_build_exactly_the_models_schema(settings: Settings) -> None:
-    assert current(settings.database) == "0005"
+    assert current(settings.database) == "0006"
     with engine_for(settings.database).connect() as connection:
         differences = compare_metadata(MigrationContext.configure(connection), Base.metadata)
     assert differences == []
@@ -312,6 +312,9 @@ def test_results_train_view_lists_every_point_and_one_row_per_run(settings: Sett
     rows = json.loads(done.stdout)
     rope = [(r["seed"], r["step"], r["loss"]) for r in rows if r["line"] == "rope"]
     assert rope == [(0, 20, 3.0), (0, 40, 2.5), (1, 20, 3.2), (1, 40, 2.5)]
+    validated = [(r["seed"], r["step"], r["val_loss"]) for r in rows if r["line"] == "rope"]
+    assert validated == [(0, 20, None), (0, 40, 2.6), (1, 20, None), (1, 40, 2.7)]
     assert {r["line"] for r in rows} == {"alibi", "rope", "t5"}  # t5 seed 0 is halfway
     table = posbench(settings, "results", "--study", str(study), "--view", "train")
     assert table.returncode == 0 and "final loss" in table.stdout and "lowest loss" in table.stdout
+    assert "final val loss" in table.stdout

@@ -274,3 +274,103 @@ def test_gradient_accumulation_averages_micro_batches(task, monkeypatch) -> None
     assert first.curve[0].loss == pytest.approx(second.curve[0].loss, rel=1e-6)
     for key, value in single.state_dict().items():
         torch.testing.assert_close(accumulated.state_dict()[key], value, rtol=0, atol=1e-6)
+
+
+def _validator(model, task, length: int, tokens: int = 256):
+    from worker.evaluate import validation_loss
+
+    return lambda: validation_loss(
+        model, task, length=length, tokens=tokens, batch_tokens=4096, device=CPU, seed=3
+    )
+
+
+@pytest.mark.parametrize("encoding", ["randomized", "rope"])
+def test_validation_changes_no_step_and_reports_at_its_steps(encoding: str, task) -> None:
+    # Randomized positions draw from the global generator in training and in
+    # validation: validating must leave training's draws (and its weights) as they were.
+    spec = TrainSpec(length=32, steps=10, batch_size=4, progress_every=2, val_every=4)
+    plain = build_model("tiny", encoding, train_length=32, seed=3)
+    unvalidated = train(plain, task, spec, seed=3, device=CPU)
+    model = build_model("tiny", encoding, train_length=32, seed=3)
+    validated = train(model, task, spec, seed=3, device=CPU, validate=_validator(model, task, 32))
+    for key, value in plain.state_dict().items():
+        assert torch.equal(value, model.state_dict()[key]), key
+    assert [p.loss for p in validated.curve] == [p.loss for p in unvalidated.curve]
+    assert [p.step for p in validated.curve] == [2, 4, 6, 8, 10]
+    assert [p.step for p in validated.curve if p.val_loss is not None] == [4, 8, 10]
+    assert all(p.val_loss is None for p in unvalidated.curve)
+    losses = [p.val_loss for p in validated.curve if p.val_loss is not None]
+    assert all(0 < loss < 6 for loss in losses) and losses[-1] < losses[0]
+
+
+def test_validation_off_and_off_cadence_steps(task) -> None:
+    # val_every 0: no validation; a cadence that is not a multiple of the reports adds
+    # a report at the validation step.
+    spec = TrainSpec(length=16, steps=6, batch_size=2, progress_every=4, val_every=0)
+    model = build_model("tiny", "nope", train_length=16)
+    off = train(model, task, spec, seed=1, device=CPU, validate=_validator(model, task, 16))
+    assert [(p.step, p.val_loss) for p in off.curve] == [(4, None), (6, None)]
+    spec = TrainSpec(length=16, steps=6, batch_size=2, progress_every=4, val_every=3)
+    model = build_model("tiny", "nope", train_length=16)
+    odd = train(model, task, spec, seed=1, device=CPU, validate=_validator(model, task, 16))
+    assert [(p.step, p.val_loss is not None) for p in odd.curve] == [
+        (3, True),
+        (4, False),
+        (6, True),
+    ]
+
+
+def test_validation_loss_is_the_evaluation_loss_at_the_training_length(task) -> None:
+    # The same held-out targets as the final evaluation at the training length when the
+    # budgets match, so the last validation point and the 1x evaluation agree.
+    from jobs.spec import EvalSpec
+    from worker.evaluate import NONE, evaluate_length
+
+    model = build_model("tiny", "rope", train_length=32, seed=2).eval()
+    eval_spec = EvalSpec(lengths=[32], tokens=512)
+    row = evaluate_length(
+        model,
+        task,
+        eval_spec,
+        length=32,
+        protocol="nonoverlapping",
+        variant=NONE,
+        train_length=32,
+        device=CPU,
+        seed=3,
+    )
+    model.train()
+    value = _validator(model, task, 32, tokens=512)()
+    assert value == pytest.approx(row.loss, rel=1e-6)
+    assert model.training and _validator(model, task, 32, tokens=512)() == value
+
+
+def test_a_resumed_run_reports_the_same_validation_curve(task, tmp_path: Path) -> None:
+    spec = TrainSpec(length=16, steps=8, batch_size=2, checkpoint_every=3, val_every=2)
+    model = build_model("tiny", "randomized", train_length=16, seed=1)
+    straight = train(model, task, spec, seed=1, device=CPU, validate=_validator(model, task, 16))
+    checkpoint = tmp_path / "run.pt"
+    model = build_model("tiny", "randomized", train_length=16, seed=1)
+    validate = _validator(model, task, 16)
+    train(
+        model,
+        task,
+        spec,
+        seed=1,
+        device=CPU,
+        checkpoint=checkpoint,
+        stop_after=3,
+        validate=validate,
+    )
+    model = build_model("tiny", "randomized", train_length=16, seed=1)
+    resumed = train(
+        model,
+        task,
+        spec,
+        seed=1,
+        device=CPU,
+        checkpoint=checkpoint,
+        validate=_validator(model, task, 16),
+    )
+    assert resumed.resumed_from == 3
+    assert [p.val_loss for p in resumed.curve] == [p.val_loss for p in straight.curve]

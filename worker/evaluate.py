@@ -10,6 +10,7 @@ clamped and never a crash.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import time
@@ -149,10 +150,11 @@ def _run_batches(
     length: int,
     device: torch.device,
     should_stop: Callable[[], bool] | None = None,
+    no_grad: Callable[[], Any] = torch.inference_mode,
 ) -> _Accumulator:
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     accumulator = _Accumulator(length)
-    with torch.inference_mode(), autocast:
+    with no_grad(), autocast:
         for batch in batches:
             # Every batch: a long length may take minutes; its partial sums are dropped.
             if should_stop is not None and should_stop():
@@ -161,6 +163,61 @@ def _run_batches(
             accumulator.add(model(batch.inputs), batch)
             liveness.touch()
     return accumulator
+
+
+@contextlib.contextmanager
+def _seeded(point: str, device: torch.device) -> Iterator[None]:
+    """Random draws inside the model (randomized positions are sampled at evaluation too,
+    as in Ruoss et al.'s code) come from generators seeded by ``point`` (the run's seed
+    and the point of the plan): a rerun or a resumed run measures the same thing, and
+    the generators training draws from are restored afterwards."""
+    seed = zlib.crc32(point.encode())
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.random.default_generator.manual_seed(seed)
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(seed)
+        yield
+
+
+def validation_loss(
+    model: Transformer,
+    task: Task,
+    *,
+    length: int,
+    tokens: int,
+    batch_tokens: int,
+    device: torch.device,
+    seed: int = 0,
+) -> float:
+    """Mean loss of the model (in training: its weights now) on ``tokens`` held-out
+    targets at ``length``, the same targets at every call (synthetic tasks: the first
+    ``tokens // length`` evaluation examples). The model's mode and the random
+    generators training draws from are left as they were, so validating changes no
+    later step."""
+    training = model.training
+    model.eval()
+
+    def run(batch_size: int) -> _Accumulator:
+        batches = task.eval_batches(
+            length,
+            protocol="nonoverlapping",
+            batch_size=batch_size,
+            tokens=tokens,
+            examples=max(1, tokens // length),
+            longest=length,
+        )
+        with _seeded(f"{seed}/validation/{length}", device):
+            # no_grad, not inference_mode: tensors the model keeps (cached tables) must
+            # stay usable by the training steps that follow.
+            return _run_batches(model, batches, length, device, no_grad=torch.no_grad)
+
+    try:
+        size = eval_batch_size(model.config, length, batch_tokens, available_bytes(device))
+        result = halving_on_oom(run, size)
+    finally:
+        model.train(training)
+    return result.loss_sum / max(1, result.tokens)
 
 
 def evaluate_length(
@@ -199,17 +256,7 @@ def evaluate_length(
             stride=spec.stride,
             longest=max(spec.lengths),
         )
-        # Random draws inside the model (randomized positions are sampled at evaluation
-        # too, as in Ruoss et al.'s code) come from a generator seeded by the run's seed
-        # and this point of the plan: a rerun or a resumed run measures the same thing.
-        point = zlib.crc32(f"{seed}/{variant.label}/{protocol}/{length}".encode())
-        devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            # Only the generators this evaluation draws from, and fork_rng restores them.
-            torch.random.default_generator.manual_seed(point)
-            if device.type == "cuda":
-                with torch.cuda.device(device):
-                    torch.cuda.manual_seed(point)
+        with _seeded(f"{seed}/{variant.label}/{protocol}/{length}", device):
             if variant.method == "none":
                 return _run_batches(model, batches, length, device, should_stop)
             with model.scaled(variant.method, row.factor, train_length, **variant.params):

@@ -25,7 +25,7 @@ from jobs.spec import RunSpec, StudySpec
 from worker.data import build_task
 from worker.data.base import Task
 from worker.encodings import REGISTRY
-from worker.evaluate import Evaluation, evaluate
+from worker.evaluate import Evaluation, evaluate, validation_loss
 from worker.memory import available_bytes, eval_batch_size
 from worker.model import ModelConfig, build_model
 from worker.probes import OrderProbe, order_probe
@@ -189,6 +189,15 @@ def run_one(
         on_progress=on_progress,
         should_stop=should_stop,
         may_write=may_write,
+        validate=lambda: validation_loss(
+            model,
+            task,
+            length=spec.train.length,
+            tokens=spec.train.val_tokens,
+            batch_tokens=spec.eval.batch_tokens,
+            device=device,
+            seed=run.seed,
+        ),
     )
     rows = evaluate(
         model,

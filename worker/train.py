@@ -51,6 +51,7 @@ class TrainPoint:
     lr: float
     tokens_per_second: float
     elapsed: float
+    val_loss: float | None = None  # held-out loss at the training length, when validated
 
 
 @dataclass
@@ -177,13 +178,16 @@ def train(
     should_stop: Callable[[], bool] | None = None,
     may_write: Callable[[], bool] | None = None,
     stop_after: int | None = None,
+    validate: Callable[[], float] | None = None,
 ) -> TrainResult:
     """Train ``model`` for ``spec.steps`` steps (or until ``stop_after``, for tests).
 
     The data order depends on ``seed`` alone, so every encoding sees the same batches.
     ``fingerprint`` (the run's train hash) stamps the checkpoint; ``may_write`` says
     whether this process still owns the run (a worker that lost its lease must not
-    overwrite the new owner's checkpoint).
+    overwrite the new owner's checkpoint). ``validate`` (the held-out loss of the
+    weights now, ``worker.evaluate.validation_loss``) runs every ``spec.val_every``
+    steps and at the last one; its value joins that step's report.
     """
     model.to(device)
     model.train()
@@ -276,16 +280,21 @@ def train(
         interval_steps += 1
         timed_steps += 1
         # The last step reports; stopping early (stop_after, tests) is like a kill.
-        report = step % spec.progress_every == 0 or step == spec.steps
+        validating = validate is not None and spec.val_every > 0
+        validating = validating and (step % spec.val_every == 0 or step == spec.steps)
+        report = validating or step % spec.progress_every == 0 or step == spec.steps
         if report:
             mean_loss = check_finite()
             now = time.perf_counter()
+            throughput = timed_steps * tokens_per_step / max(now - interval_start, 1e-9)
+            val_loss = validate() if validating else None
             point = TrainPoint(
                 step=step,
                 loss=mean_loss,
                 lr=lr,
-                tokens_per_second=timed_steps * tokens_per_step / max(now - interval_start, 1e-9),
-                elapsed=elapsed_before + now - started,
+                tokens_per_second=throughput,
+                elapsed=elapsed_before + time.perf_counter() - started,
+                val_loss=val_loss,
             )
             curve.append(point)
             last_loss = mean_loss

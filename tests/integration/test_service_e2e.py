@@ -60,7 +60,8 @@ def all_done(runs) -> bool:
 def test_submit_train_evaluate_query(cluster_factory, database_url: str) -> None:
     cluster = cluster_factory(database_url)
     cluster.start_worker()
-    submitted = submit(spec(["rope", "alibi"]), settings=cluster.settings, send=cluster.send)
+    study_spec = spec(["rope", "alibi"], val_every=20, val_tokens=256)
+    submitted = submit(study_spec, settings=cluster.settings, send=cluster.send)
     runs = cluster.wait_for(all_done, what="both runs done")
     assert [r.attempts for r in runs] == [1, 1]
     assert all(
@@ -75,6 +76,10 @@ def test_submit_train_evaluate_query(cluster_factory, database_url: str) -> None
     assert set(bins["evaluation_id"]) == set(curves["evaluation_id"])
     points = queries.train_points(database_url, [r.id for r in runs])
     assert sorted(points["step"].unique()) == [5, 10, 15, 20, 25, 30]
+    # The held-out loss every val_every steps and at the last one, stored with its point.
+    validated = points.dropna(subset=["val_loss"])
+    assert sorted(validated["step"]) == [20, 20, 30, 30]
+    assert validated["val_loss"].between(0.5, 6).all()
     study = queries.studies(database_url, [submitted.study_id]).iloc[0]
     assert (study["done"], study["runs"]) == (2, 2)
     done = cluster.cli("results", "--study", str(submitted.study_id), "--format", "json")
