@@ -242,6 +242,18 @@ def form(base: dict[str, Any], prefix: str) -> tuple[dict[str, Any], list[str]]:
             key=key("variants"),
             help=" · ".join(f"{n}: {s.summary}" for n, s in SCALINGS.items()),
         )
+        listed = [v for v in evaluation.get("variants", []) if isinstance(v, str) and "+" in v]
+        tuned = st.text_input(
+            "Fine-tuned RoPE variants",
+            ", ".join(listed),
+            key=key("finetuned"),
+            placeholder="yarn:4+ft200, pi:4+ft200@512",
+            help="method:factor+ftSTEPS[@LENGTH]: the trained model fine-tuned under the "
+            "scaling for STEPS steps at LENGTH tokens (default: factor x the training "
+            "length) at a tenth of the peak learning rate, then evaluated (the PI and YaRN "
+            "papers' recipe)",
+        )
+        variants += [v.strip() for v in tuned.split(",") if v.strip()]
         if variants:
             spec["eval"]["variants"] = variants
     return spec, problems
@@ -251,11 +263,13 @@ def estimate(spec: StudySpec) -> str:
     runs = len(spec.runs())
     batch = spec.train.batch_size * spec.train.grad_accum
     tokens = spec.train.steps * spec.train.tokens_per_step
-    flops = 6 * spec.model.parameters * tokens * runs
+    tuning = spec.finetune_tokens()
+    flops = 6 * spec.model.parameters * (tokens * runs + tuning)
     return (
         f"{runs} runs x {spec.train.steps:,} steps x {batch} x "
         f"{spec.train.length} tokens = {runs * tokens:,} training tokens "
-        f"(about {flops:.2g} FLOPs), evaluated at {len(spec.eval.lengths)} lengths"
+        + (f"+ {tuning:,} fine-tuning tokens " if tuning else "")
+        + f"(about {flops:.2g} FLOPs), evaluated at {len(spec.eval.lengths)} lengths"
     )
 
 

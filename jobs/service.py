@@ -241,7 +241,10 @@ def delete_study(study_id: int, *, settings: Settings | None = None) -> Deleted:
     removed = 0
     folder = settings.artifacts_dir / "runs"
     for run_id in run_ids:
-        for path in [folder / f"{run_id}.pt", *folder.glob(f"{run_id}.pt.*.stale")]:
+        # The checkpoint, its fine-tuned variants' (.pt.ft-*), files set aside (.stale)
+        # and temporaries a killed write or adoption left (.tmp, some hidden).
+        others = [*folder.glob(f"{run_id}.pt.*"), *folder.glob(f".{run_id}.pt.*")]
+        for path in [folder / f"{run_id}.pt", *others]:
             if path.is_file():
                 path.unlink()
                 removed += 1

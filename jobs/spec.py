@@ -250,25 +250,69 @@ def _format_param(value: Any) -> str:
     return str(value)
 
 
+class FinetuneSpec(_Strict):
+    """Fine-tune the trained model under the variant's scaling before evaluating it: the
+    recipe of the PI and YaRN papers (a few hundred steps at the longer length). The
+    schedule is the training's (AdamW, weight decay, clipping, warmup fraction), at a
+    constant learning rate after the warmup."""
+
+    steps: int = Field(ge=1, le=MAX_STEPS)
+    length: int | None = Field(
+        None, ge=8, le=MAX_TRAIN_LENGTH, description="default: factor x train.length"
+    )
+    lr: float | None = Field(None, gt=0, le=1.0, description="default: train.lr / 10")
+    batch_size: int | None = Field(None, ge=1, le=1024, description="default: train.batch_size")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _steps_only(cls, value: Any) -> Any:
+        return {"steps": value} if isinstance(value, int) and not isinstance(value, bool) else value
+
+    @property
+    def label(self) -> str:
+        """``ft200``, ``ft200@512``, ``ft200@512(lr=0.0002, batch=8)``."""
+        name = f"ft{self.steps}" + (f"@{self.length}" if self.length is not None else "")
+        extras = [f"lr={self.lr:g}"] if self.lr is not None else []
+        extras += [f"batch={self.batch_size}"] if self.batch_size is not None else []
+        return name + (f"({', '.join(extras)})" if extras else "")
+
+
+FINETUNED = ("pi", "ntk", "yarn")  # the scalings with one fixed factor
+
+
 class VariantSpec(_Strict):
     """An inference-time RoPE scaling applied at evaluation; ``none`` is the trained model.
 
-    ``factor: auto`` uses s = max(1, eval_length / train_length) at each length.
+    ``factor: auto`` uses s = max(1, eval_length / train_length) at each length. With
+    ``finetune``, the trained model is first fine-tuned under the scaling (a fixed
+    factor), and that model is evaluated.
     """
 
     method: Literal["none", "pi", "ntk", "dynamic_ntk", "yarn"] = "none"
     factor: float | Literal["auto"] | None = None
     # The scaling's own parameters (YaRN's alpha and beta), checked against the registry.
     params: dict[str, Any] = Field(default_factory=dict)
+    finetune: FinetuneSpec | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _shorthand(cls, value: Any) -> Any:
-        # "yarn", "yarn:4" or "pi:auto"
-        if isinstance(value, str):
-            method, _, factor = value.partition(":")
-            return {"method": method, "factor": factor or None}
-        return value
+        # "yarn", "yarn:4", "pi:auto", "yarn:4+ft200" or "yarn:4+ft200@512"
+        if not isinstance(value, str):
+            return value
+        head, plus, tail = value.partition("+")
+        method, _, factor = head.partition(":")
+        shorthand = {"method": method, "factor": factor or None}
+        if plus:
+            steps, _, length = tail.removeprefix("ft").partition("@")
+            if not tail.startswith("ft") or not steps.isdigit() or not (length or "0").isdigit():
+                raise ValueError(
+                    f"variant {value!r}: after '+' comes the fine-tuning, ftSTEPS or "
+                    "ftSTEPS@LENGTH, e.g. 'yarn:4+ft200@512'"
+                )
+            tuning = {"steps": int(steps)} | ({"length": int(length)} if length else {})
+            shorthand["finetune"] = tuning
+        return shorthand
 
     @field_validator("factor", mode="before")
     @classmethod
@@ -287,9 +331,10 @@ class VariantSpec(_Strict):
     def _flat_params(cls, value: Any) -> Any:
         # {method: yarn, factor: 8, beta: 16} is accepted as well as params: {beta: 16}.
         if isinstance(value, dict) and "params" not in value:
-            rest = {k: v for k, v in value.items() if k not in ("method", "factor")}
+            own = ("method", "factor", "finetune")
+            rest = {k: v for k, v in value.items() if k not in own}
             if rest:
-                kept = {k: v for k, v in value.items() if k in ("method", "factor")}
+                kept = {k: v for k, v in value.items() if k in own}
                 return {**kept, "params": rest}
         return value
 
@@ -304,10 +349,17 @@ class VariantSpec(_Strict):
             resolved = SCALINGS[self.method].resolve(self.params, owner)
             # Only what was given stays (and names the variant); defaults stay implicit.
             object.__setattr__(self, "params", {k: resolved[k] for k in self.params})
-            if len(self.label) > MAX_VARIANT_LABEL:
+        if self.finetune is not None:
+            if self.method not in FINETUNED:
                 raise ValueError(
-                    f"the variant's label {self.label!r} is longer than {MAX_VARIANT_LABEL} "
-                    "characters; give its parameters fewer digits"
+                    f"variant {self.method!r}: fine-tuning applies to a scaling with one "
+                    f"fixed factor: {', '.join(FINETUNED)}"
+                )
+            if self.factor is None or self.factor == "auto":
+                raise ValueError(
+                    f"variant {self.method!r} with finetune needs a number factor (the model "
+                    f"is fine-tuned once, at one scaling), e.g. '{self.method}:4+ft200'"
+                    + ("; none was given" if self.factor is None else ", not 'auto'")
                 )
         if self.method in ("none", "dynamic_ntk"):
             if self.factor is not None:
@@ -316,6 +368,11 @@ class VariantSpec(_Strict):
             object.__setattr__(self, "factor", "auto")
         elif self.factor != "auto" and not 1.0 <= float(self.factor) <= 1024.0:
             raise ValueError(f"factor must be in [1, 1024] or 'auto', got {self.factor}")
+        if len(self.label) > MAX_VARIANT_LABEL:
+            raise ValueError(
+                f"the variant's label {self.label!r} is longer than {MAX_VARIANT_LABEL} "
+                "characters; give its parameters fewer digits"
+            )
         return self
 
     @property
@@ -331,7 +388,7 @@ class VariantSpec(_Strict):
             name += (
                 "(" + ", ".join(f"{k}={v}" for k, v in zip(self.params, shown, strict=True)) + ")"
             )
-        return name
+        return name + (f"+{self.finetune.label}" if self.finetune is not None else "")
 
     def factor_at(self, eval_length: int, train_length: int) -> float | None:
         if self.factor is None:
@@ -472,10 +529,24 @@ class StudySpec(_Strict):
                 "per run; "
                 f"at most {MAX_TRAIN_TOKENS:,}"
             )
+        tuned = [self.finetune_spec(v) for v in self.eval.variants if v.finetune is not None]
+        for variant, tuning in zip(
+            [v for v in self.eval.variants if v.finetune is not None], tuned, strict=True
+        ):
+            if tuning.length > MAX_TRAIN_LENGTH:
+                problems.append(
+                    f"eval.variants: {variant.label!r} fine-tunes at {tuning.length} tokens; "
+                    f"at most {MAX_TRAIN_LENGTH} (give finetune.length)"
+                )
+            tokens = tuning.steps * tuning.tokens_per_step
+            if train_tokens + tokens > MAX_TRAIN_TOKENS:
+                problems.append(
+                    f"eval.variants: {variant.label!r}: training and fine-tuning read "
+                    f"{train_tokens + tokens:,} tokens per run; at most {MAX_TRAIN_TOKENS:,}"
+                )
         task = TASKS[self.task.name]
-        problems += length_problems(
-            self.task.name, self.task.params, max(self.train.length, *self.eval.lengths)
-        )
+        longest_read = max(self.train.length, *self.eval.lengths, *(t.length for t in tuned))
+        problems += length_problems(self.task.name, self.task.params, longest_read)
         shortest = min(self.train.length, *self.eval.lengths)
         if shortest < task.min_length:
             problems.append(
@@ -527,6 +598,32 @@ class StudySpec(_Strict):
             raise ValueError("; ".join(problems))
         return self
 
+    def finetune_spec(self, variant: VariantSpec) -> TrainSpec:
+        """The training settings of ``variant``'s fine-tuning: the study's, for
+        ``finetune.steps`` steps at ``finetune.length`` (default: factor x the training
+        length) and a constant ``finetune.lr`` after the warmup (default: a tenth of the
+        training's peak), with no validation."""
+        tuning = variant.finetune
+        if tuning is None or variant.factor in (None, "auto"):
+            raise ValueError(f"variant {variant.label!r} is not fine-tuned")
+        length = tuning.length or round(float(variant.factor) * self.train.length)
+        return self.train.model_copy(
+            update={
+                "steps": tuning.steps,
+                "length": length,
+                "lr": tuning.lr if tuning.lr is not None else self.train.lr / 10,
+                "min_lr_ratio": 1.0,
+                "batch_size": tuning.batch_size or self.train.batch_size,
+                "val_every": 0,
+            }
+        )
+
+    def finetune_tokens(self) -> int:
+        """Tokens the fine-tuned variants read, over every run they apply to (rotary)."""
+        tuned = [self.finetune_spec(v) for v in self.eval.variants if v.finetune is not None]
+        runs = sum(REGISTRY[e.name].scalable for e in self.encodings) * len(self.seeds)
+        return runs * sum(t.steps * t.tokens_per_step for t in tuned)
+
     # -- runs ---------------------------------------------------------------------------------
 
     def runs(self) -> list[RunSpec]:
@@ -570,6 +667,8 @@ class StudySpec(_Strict):
         for variant in evaluation["variants"]:
             if not variant["params"]:
                 del variant["params"]
+            if variant["finetune"] is None:  # added later: absent, so old hashes hold
+                del variant["finetune"]
         # The order probe adds summaries but changes no point of the curve.
         return self._digest({**self._training_payload(encoding, seed), "eval": evaluation})
 

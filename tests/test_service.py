@@ -246,12 +246,18 @@ def test_deleting_a_study_removes_everything_stored_for_it(settings: Settings) -
     cancel(study_id=first.study_id, settings=settings)
     folder = settings.artifacts_dir / "runs"
     folder.mkdir(parents=True)
-    for name in (f"{first.queued[0]}.pt", f"{first.queued[0]}.pt.1a2b3c4d.stale", "999.pt"):
+    run = first.queued[0]
+    # Its checkpoint, a fine-tuned variant's, one set aside, a killed adoption's and a
+    # killed write's temporaries; and files of other runs (999, and 1 run id prefix).
+    mine = [f"{run}.pt", f"{run}.pt.ft-0123456789ab", f"{run}.pt.1a2b3c4d.stale"]
+    mine += [f"{run}.pt.1a2b3c4d.tmp", f".{run}.pt.ft-0123456789ab.5e6f.tmp"]
+    others = ["999.pt", f"{run}0.pt", f"{run}0.pt.ft-0123456789ab"]
+    for name in mine + others:
         (folder / name).write_bytes(b"checkpoint")
     before = {model: count(settings, model) for model in (Evaluation, PositionBin, TrainPoint)}
     deleted = delete_study(first.study_id, settings=settings)
-    assert (deleted.runs, deleted.evaluations, deleted.checkpoints) == (4, 1, 2)
-    assert sorted(p.name for p in folder.iterdir()) == ["999.pt"]  # another run's
+    assert (deleted.runs, deleted.evaluations, deleted.checkpoints) == (4, 1, len(mine))
+    assert sorted(p.name for p in folder.iterdir()) == sorted(others)
     with transaction(settings.database) as session:
         assert session.get(Study, first.study_id) is None
         assert session.scalars(select(Run.study_id).distinct()).all() == [again.study_id]

@@ -424,3 +424,68 @@ def test_evaluation_lengths_default_to_multiples_of_the_training_length() -> Non
 def test_a_train_section_that_is_not_a_mapping_is_a_message_not_a_crash(train) -> None:
     with pytest.raises(SpecError, match="train"):
         parse_spec({**BASE, "train": train})
+
+
+def test_fine_tuned_variants_parse_label_and_derive_their_training() -> None:
+    spec = parse_spec(
+        with_value(
+            "eval.variants",
+            [
+                "yarn:4+ft200",
+                "pi:2+ft50@96",
+                {"method": "ntk", "factor": 4, "finetune": {"steps": 10, "lr": 1e-3}},
+                {"method": "yarn", "factor": 8, "beta": 16, "finetune": 30},
+            ],
+        )
+    )
+    labels = [v.label for v in spec.eval.variants]
+    assert labels == [
+        "none",
+        "yarn:4+ft200",
+        "pi:2+ft50@96",
+        "ntk:4+ft10(lr=0.001)",
+        "yarn:8(beta=16)+ft30",
+    ]
+    yarn = spec.finetune_spec(spec.eval.variants[1])
+    # factor x the training length, a tenth of the peak rate held after the warmup,
+    # the study's batch and schedule otherwise, no validation.
+    assert (yarn.steps, yarn.length, yarn.batch_size) == (200, 128, spec.train.batch_size)
+    assert yarn.lr == pytest.approx(spec.train.lr / 10) and yarn.min_lr_ratio == 1.0
+    assert yarn.warmup == spec.train.warmup and yarn.val_every == 0
+    assert spec.finetune_spec(spec.eval.variants[2]).length == 96
+    assert spec.finetune_spec(spec.eval.variants[3]).lr == 1e-3
+    # Fine-tuning tokens over the runs it applies to: one rotary encoding, one seed.
+    per_step = spec.train.batch_size
+    assert spec.finetune_tokens() == per_step * (200 * 128 + 50 * 96 + 10 * 128 + 30 * 256)
+    # The variant is part of what a run measures: its config hash, not its train hash.
+    plain = parse_spec(with_value("eval.variants", ["yarn:4"]))
+    tuned = parse_spec(with_value("eval.variants", ["yarn:4", "yarn:4+ft200"]))
+    assert plain.runs()[0].config_hash != tuned.runs()[0].config_hash
+    assert plain.runs()[0].train_hash == tuned.runs()[0].train_hash
+
+
+@pytest.mark.parametrize(
+    ("variants", "message"),
+    [
+        (["yarn+ft10"], "variant 'yarn' with finetune needs a number factor"),
+        (["yarn:auto+ft10"], "variant 'yarn' with finetune needs a number factor"),
+        (["dynamic_ntk+ft10"], "fine-tuning applies to a scaling with one fixed factor: pi"),
+        ([{"method": "none", "finetune": 5}], "fine-tuning applies to a scaling with one"),
+        (["yarn:4+fx10"], "after '+' comes the fine-tuning, ftSTEPS or ftSTEPS@LENGTH"),
+        (["yarn:4+ft"], "after '+' comes the fine-tuning"),
+        (["yarn:4+ft10@x"], "after '+' comes the fine-tuning"),
+        (["yarn:4+ft0"], "finetune.steps = 0: must be greater than or equal to 1"),
+        (
+            [{"method": "pi", "factor": 2, "finetune": {"steps": 5, "length": 4}}],
+            "finetune.length = 4: must be greater than or equal to 8",
+        ),
+        (
+            [{"method": "pi", "factor": 2, "finetune": {"steps": 5, "warmup": 0}}],
+            "finetune.warmup: unknown key (allowed: steps, length, lr, batch_size)",
+        ),
+        (["yarn:1024+ft10"], "fine-tunes at 32768 tokens; at most 16384"),
+        (["yarn:4+ft200", "yarn:4.0+ft200"], "listed twice: yarn:4+ft200"),
+    ],
+)
+def test_fine_tuned_variants_are_refused_with_a_reason(variants: list, message: str) -> None:
+    assert message in rejected(with_value("eval.variants", variants))

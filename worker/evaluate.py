@@ -308,20 +308,32 @@ def evaluate(
     skip: set[tuple[str, str, int]] | None = None,
     seed: int = 0,
     should_stop: Callable[[], bool] | None = None,
+    model_for: Callable[[VariantSpec], Transformer] | None = None,
 ) -> list[Evaluation]:
     """Evaluate at every point of the plan; ``skip`` holds (variant, protocol, length)
     keys already stored (a resumed run does not redo them). ``seed`` (the run's) seeds
-    any random draw the model makes, per point of the plan."""
+    any random draw the model makes, per point of the plan. ``model_for`` gives the
+    model a fine-tuned variant evaluates (asked once per such variant, and only when
+    one of its points is still to do)."""
     model.to(device)
     model.eval()
     rows = []
+    tuned: dict[str, Transformer] = {}
     for variant, protocol, length in evaluation_plan(spec, scalable):
         if skip and (variant.label, protocol, length) in skip:
             continue
         if should_stop is not None and should_stop():
             raise RunCancelled(f"cancelled while evaluating, before {variant.label} @ {length}")
+        evaluated = model
+        if variant.finetune is not None:
+            if model_for is None:
+                raise ValueError(f"variant {variant.label!r} evaluates a fine-tuned model")
+            if variant.label not in tuned:
+                tuned.clear()  # the plan is variant by variant: one fine-tuned copy at a time
+                tuned[variant.label] = model_for(variant).to(device).eval()
+            evaluated = tuned[variant.label]
         row = evaluate_length(
-            model,
+            evaluated,
             task,
             spec,
             length=length,

@@ -6,6 +6,8 @@ CLI, notebooks and demos (no broker, no database).
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import os
 import platform
 import subprocess
@@ -21,13 +23,13 @@ import torch
 
 from jobs import analysis
 from jobs.settings import get_settings
-from jobs.spec import RunSpec, StudySpec
+from jobs.spec import RunSpec, StudySpec, VariantSpec
 from worker.data import build_task
 from worker.data.base import Task
 from worker.encodings import REGISTRY
 from worker.evaluate import Evaluation, evaluate, validation_loss
 from worker.memory import available_bytes, eval_batch_size
-from worker.model import ModelConfig, build_model
+from worker.model import ModelConfig, Transformer, build_model
 from worker.probes import OrderProbe, order_probe
 from worker.train import RunCancelled, TrainPoint, TrainResult, train
 
@@ -199,6 +201,39 @@ def run_one(
             seed=run.seed,
         ),
     )
+    tunings: dict[str, dict[str, Any]] = {}
+
+    def finetuned(variant: VariantSpec) -> Transformer:
+        # A copy of the trained model, fine-tuned under the variant's scaling; evaluation
+        # applies the same scaling to it again. Checkpointed next to the run's own.
+        tuning = spec.finetune_spec(variant)
+        tuned = copy.deepcopy(model)
+        digest = hashlib.sha256(variant.label.encode()).hexdigest()[:12]
+        path = checkpoint.with_name(f"{checkpoint.name}.ft-{digest}") if checkpoint else None
+        factor = float(variant.factor)
+        with tuned.scaled(variant.method, factor, spec.train.length, **variant.params):
+            result = train(
+                tuned,
+                task,
+                tuning,
+                seed=run.seed,
+                device=device,
+                checkpoint=path,
+                fingerprint=f"{run.train_hash}+{variant.label}",
+                should_stop=should_stop,
+                may_write=may_write,
+            )
+        tunings[variant.label] = {
+            "steps": tuning.steps,
+            "length": tuning.length,
+            "lr": tuning.lr,
+            "batch_size": tuning.batch_size,
+            "final_loss": result.final_loss,
+            "seconds": result.seconds,
+            "resumed_from": result.resumed_from,
+        }
+        return tuned
+
     rows = evaluate(
         model,
         task,
@@ -210,6 +245,7 @@ def run_one(
         skip=skip_evaluations,
         seed=run.seed,
         should_stop=should_stop,
+        model_for=finetuned,
     )
     order = None
     if should_stop is not None and should_stop():
@@ -234,7 +270,8 @@ def run_one(
         config_hash=run.config_hash,
         train=trained,
         evaluations=rows,
-        provenance=provenance(device, run.seed, task.fingerprint),
+        provenance=provenance(device, run.seed, task.fingerprint)
+        | ({"finetune": tunings} if tunings else {}),
         order=order,
     )
 

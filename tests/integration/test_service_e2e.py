@@ -23,7 +23,13 @@ from .conftest import Cluster
 LENGTHS = [32, 64]
 
 
-def spec(encodings: list[str], steps: int = 30, seeds: list[int] | None = None, **train: int):
+def spec(
+    encodings: list[str],
+    steps: int = 30,
+    seeds: list[int] | None = None,
+    variants: list[str] | None = None,
+    **train: int,
+):
     return parse_spec(
         {
             "name": "e2e",
@@ -38,7 +44,7 @@ def spec(encodings: list[str], steps: int = 30, seeds: list[int] | None = None, 
             },
             "encodings": encodings,
             "seeds": seeds or [0],
-            "eval": {"lengths": LENGTHS, "tokens": 512},
+            "eval": {"lengths": LENGTHS, "tokens": 512, "variants": variants or ["none"]},
         }
     )
 
@@ -60,7 +66,7 @@ def all_done(runs) -> bool:
 def test_submit_train_evaluate_query(cluster_factory, database_url: str) -> None:
     cluster = cluster_factory(database_url)
     cluster.start_worker()
-    study_spec = spec(["rope", "alibi"], val_every=20, val_tokens=256)
+    study_spec = spec(["rope", "alibi"], variants=["pi:2+ft10"], val_every=20, val_tokens=256)
     submitted = submit(study_spec, settings=cluster.settings, send=cluster.send)
     runs = cluster.wait_for(all_done, what="both runs done")
     assert [r.attempts for r in runs] == [1, 1]
@@ -68,10 +74,18 @@ def test_submit_train_evaluate_query(cluster_factory, database_url: str) -> None
         r.provenance["torch_version"] and r.provenance["data"].startswith("lm:pystdlib")
         for r in runs
     )
+    rope, alibi = runs
     keys = evaluation_keys(cluster)
-    assert keys == sorted((r.id, "none", "nonoverlapping", n) for r in runs for n in LENGTHS)
+    # Every run's trained model; rope's fine-tuned at 2 x 32 tokens under PI as well,
+    # its checkpoint next to the run's.
+    planned = [(r.id, "none", "nonoverlapping", n) for r in runs for n in LENGTHS]
+    planned += [(rope.id, "pi:2+ft10", "nonoverlapping", n) for n in LENGTHS]
+    assert keys == sorted(planned)
+    assert rope.provenance["finetune"]["pi:2+ft10"]["length"] == 64
+    assert "finetune" not in alibi.provenance
+    assert len(list((cluster.settings.artifacts_dir / "runs").glob(f"{rope.id}.pt.ft-*"))) == 1
     curves = queries.curves(database_url, study_ids=[submitted.study_id])
-    assert len(curves) == 4 and curves["perplexity"].gt(1).all()
+    assert len(curves) == 6 and curves["perplexity"].gt(1).all()
     bins = queries.position_bins(database_url, curves["evaluation_id"].tolist())
     assert set(bins["evaluation_id"]) == set(curves["evaluation_id"])
     points = queries.train_points(database_url, [r.id for r in runs])

@@ -1,0 +1,122 @@
+"""Fine-tuned RoPE variants: the trained model, fine-tuned under a scaling (the PI and
+YaRN papers' recipe), then evaluated; resumable like training."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from jobs.spec import parse_spec
+from worker.study import prepared_task, run_one
+from worker.train import RunCancelled
+
+CPU = torch.device("cpu")
+
+
+def study(variants: list) -> object:
+    return parse_spec(
+        {
+            "model": "tiny",
+            "train": {"length": 32, "steps": 30, "batch_size": 4, "val_every": 0},
+            "encodings": ["rope"],
+            "eval": {"lengths": [32, 128], "tokens": 512, "variants": variants},
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def task():
+    return prepared_task(study(["yarn:4"]))
+
+
+def losses(result, variant: str) -> list[float]:
+    return [row.loss for row in result.evaluations if row.variant == variant]
+
+
+def test_a_fine_tuned_variant_trains_a_copy_under_its_scaling(task) -> None:
+    spec = study(["yarn:4", "yarn:4+ft20"])
+    (run,) = spec.runs()
+    tuned = run_one(spec, run, device=CPU, task=task)
+    plain_spec = study(["yarn:4"])
+    plain = run_one(plain_spec, plain_spec.runs()[0], device=CPU, task=task)
+    # The trained model and its inference-time scaling are untouched by the fine-tuning
+    # of a copy: the same numbers as a study without the fine-tuned variant.
+    assert losses(tuned, "none") == losses(plain, "none")
+    assert losses(tuned, "yarn:4") == losses(plain, "yarn:4")
+    # Fine-tuned at 4 x 32 = 128 tokens: better than the scaling alone at that length.
+    record = tuned.provenance["finetune"]["yarn:4+ft20"]
+    assert (record["steps"], record["length"], record["resumed_from"]) == (20, 128, 0)
+    assert record["lr"] == pytest.approx(spec.train.lr / 10)
+    at_128 = {row.variant: row.loss for row in tuned.evaluations if row.length == 128}
+    assert at_128["yarn:4+ft20"] < at_128["yarn:4"]
+    assert "finetune" not in plain.provenance
+
+
+def test_a_stopped_fine_tuning_resumes_from_its_checkpoint(task, tmp_path: Path) -> None:
+    spec = study(["pi:4+ft12"])
+    (run,) = spec.runs()
+    straight = run_one(spec, run, device=CPU, task=task)
+    checkpoint = tmp_path / "7.pt"
+    stored: dict[tuple[str, str, int], float] = {}
+    calls = {"n": 0}
+
+    def stop_in_fine_tuning() -> bool:
+        # Training asks after each of its 30 steps; then each evaluation point and batch;
+        # then the fine-tuning's steps: stop a few steps into the fine-tuning.
+        calls["n"] += 1
+        return len(stored) == 2 and calls["n"] > 45
+
+    def keep(row) -> None:
+        stored[(row.variant, row.protocol, row.length)] = row.loss
+
+    with pytest.raises(RunCancelled, match=r"cancelled at step \d+ of 12"):
+        run_one(
+            spec,
+            run,
+            device=CPU,
+            task=task,
+            checkpoint=checkpoint,
+            on_evaluation=keep,
+            should_stop=stop_in_fine_tuning,
+        )
+    tuned_files = list(tmp_path.glob("7.pt.ft-*"))
+    assert len(tuned_files) == 1 and sorted(stored) == [
+        ("none", "nonoverlapping", 32),
+        ("none", "nonoverlapping", 128),
+    ]
+    resumed = run_one(
+        spec,
+        run,
+        device=CPU,
+        task=task,
+        checkpoint=checkpoint,
+        on_evaluation=keep,
+        skip_evaluations=set(stored),
+    )
+    record = resumed.provenance["finetune"]["pi:4+ft12"]
+    assert 0 < record["resumed_from"] < 12
+    assert [row.variant for row in resumed.evaluations] == ["pi:4+ft12", "pi:4+ft12"]
+    # Bit for bit the uninterrupted run's fine-tuned model (CPU).
+    assert losses(resumed, "pi:4+ft12") == losses(straight, "pi:4+ft12")
+    # A rerun that finds every point stored fine-tunes nothing again.
+    again = run_one(
+        spec, run, device=CPU, task=task, checkpoint=checkpoint, skip_evaluations=set(stored)
+    )
+    assert again.evaluations == [] and "finetune" not in again.provenance
+
+
+def test_fine_tuned_variants_apply_to_rotary_encodings_only(task) -> None:
+    spec = parse_spec(
+        {
+            "model": "tiny",
+            "train": {"length": 32, "steps": 4, "batch_size": 2, "val_every": 0},
+            "encodings": ["alibi", "rope"],
+            "eval": {"lengths": [32], "tokens": 256, "variants": ["yarn:2+ft3"]},
+        }
+    )
+    alibi, rope = spec.runs()
+    assert [r.variant for r in run_one(spec, alibi, device=CPU, task=task).evaluations] == ["none"]
+    rows = run_one(spec, rope, device=CPU, task=task).evaluations
+    assert [r.variant for r in rows] == ["none", "yarn:2+ft3"]
