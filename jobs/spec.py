@@ -350,12 +350,18 @@ class VariantSpec(_Strict):
             # Only what was given stays (and names the variant); defaults stay implicit.
             object.__setattr__(self, "params", {k: resolved[k] for k in self.params})
         if self.finetune is not None:
-            if self.method not in FINETUNED:
+            if self.method == "none":
+                if self.finetune.length is None:
+                    raise ValueError(
+                        "variant 'none' with finetune (fine-tuning at a longer length "
+                        "without a scaling) needs finetune.length, e.g. 'none+ft200@512'"
+                    )
+            elif self.method not in FINETUNED:
                 raise ValueError(
                     f"variant {self.method!r}: fine-tuning applies to a scaling with one "
-                    f"fixed factor: {', '.join(FINETUNED)}"
+                    f"fixed factor ({', '.join(FINETUNED)}) or to none (no scaling)"
                 )
-            if self.factor is None or self.factor == "auto":
+            elif self.factor is None or self.factor == "auto":
                 raise ValueError(
                     f"variant {self.method!r} with finetune needs a number factor (the model "
                     f"is fine-tuned once, at one scaling), e.g. '{self.method}:4+ft200'"
@@ -439,7 +445,7 @@ class EvalSpec(_Strict):
             raise ValueError(f"listed twice: {', '.join(twice)}")
         # The trained model ('none') is always evaluated, listed or not: one canonical
         # list, so a spec with and without it is the same study (and the same runs).
-        return [VariantSpec()] + [v for v in variants if v.method != "none"]
+        return [VariantSpec()] + [v for v in variants if v.label != "none"]
 
     @model_validator(mode="after")
     def _stride(self) -> EvalSpec:
@@ -604,7 +610,7 @@ class StudySpec(_Strict):
         length) and a constant ``finetune.lr`` after the warmup (default: a tenth of the
         training's peak), with no validation."""
         tuning = variant.finetune
-        if tuning is None or variant.factor in (None, "auto"):
+        if tuning is None:
             raise ValueError(f"variant {variant.label!r} is not fine-tuned")
         length = tuning.length or round(float(variant.factor) * self.train.length)
         return self.train.model_copy(
@@ -620,9 +626,15 @@ class StudySpec(_Strict):
 
     def finetune_tokens(self) -> int:
         """Tokens the fine-tuned variants read, over every run they apply to (rotary)."""
-        tuned = [self.finetune_spec(v) for v in self.eval.variants if v.finetune is not None]
-        runs = sum(REGISTRY[e.name].scalable for e in self.encodings) * len(self.seeds)
-        return runs * sum(t.steps * t.tokens_per_step for t in tuned)
+        scalable = sum(REGISTRY[e.name].scalable for e in self.encodings)
+        total = 0
+        for variant in self.eval.variants:
+            if variant.finetune is not None:
+                # Without a scaling, every encoding is fine-tuned; with one, rotary ones.
+                encodings = len(self.encodings) if variant.method == "none" else scalable
+                tuning = self.finetune_spec(variant)
+                total += encodings * len(self.seeds) * tuning.steps * tuning.tokens_per_step
+        return total
 
     # -- runs ---------------------------------------------------------------------------------
 

@@ -70,6 +70,14 @@ def test_submit_form_validates_inline_and_enqueues_nothing_while_invalid(setting
     app.multiselect(key="custom:variants").set_value(["yarn:auto"]).run()
     assert any("scales RoPE and applies to rope, xpos" in e.value for e in app.error)
     app.multiselect(key="custom:variants").set_value([]).run()
+    app.multiselect(key="custom:encodings").set_value(["rope"]).run()
+    app.text_input(key="custom:finetuned").set_value("yarn+ft10").run()
+    assert any("variant 'yarn' with finetune needs a number factor" in e.value for e in app.error)
+    app.text_input(key="custom:finetuned").set_value("yarn:2+ft10, pi:2+ft10@512").run()
+    assert not app.error and "fine-tuning tokens" in app.info[0].value
+    assert "- yarn:2+ft10\n" in app.code[0].value  # the variants go into the spec
+    app.text_input(key="custom:finetuned").set_value("").run()
+    app.multiselect(key="custom:encodings").set_value(["alibi"]).run()
     app.multiselect(key="custom:protocols").set_value(["sliding"]).run()
     app.number_input(key="custom:stride").set_value(4096).run()
     assert any(

@@ -107,16 +107,37 @@ def test_a_stopped_fine_tuning_resumes_from_its_checkpoint(task, tmp_path: Path)
     assert again.evaluations == [] and "finetune" not in again.provenance
 
 
-def test_fine_tuned_variants_apply_to_rotary_encodings_only(task) -> None:
+def test_scaled_fine_tuning_is_for_rotary_encodings_unscaled_for_every_one(task) -> None:
+    # 'yarn:2+ft3' scales RoPE: rotary runs only. 'none+ft3@64' fine-tunes at 64 tokens
+    # without a scaling (the PI paper's baseline): every encoding, and one whose learned
+    # table ends at 32 is not applicable, with the reason, instead of failing the run.
     spec = parse_spec(
         {
             "model": "tiny",
             "train": {"length": 32, "steps": 4, "batch_size": 2, "val_every": 0},
-            "encodings": ["alibi", "rope"],
-            "eval": {"lengths": [32], "tokens": 256, "variants": ["yarn:2+ft3"]},
+            "encodings": ["alibi", "rope", "learned"],
+            "eval": {
+                "lengths": [32, 64],
+                "tokens": 256,
+                "variants": ["yarn:2+ft3", "none+ft3@64"],
+            },
         }
     )
-    alibi, rope = spec.runs()
-    assert [r.variant for r in run_one(spec, alibi, device=CPU, task=task).evaluations] == ["none"]
-    rows = run_one(spec, rope, device=CPU, task=task).evaluations
-    assert [r.variant for r in rows] == ["none", "yarn:2+ft3"]
+    alibi, rope, learned = (run_one(spec, r, device=CPU, task=task) for r in spec.runs())
+    assert [(r.variant, r.length) for r in alibi.evaluations] == [
+        ("none", 32),
+        ("none", 64),
+        ("none+ft3@64", 32),
+        ("none+ft3@64", 64),
+    ]
+    assert alibi.provenance["finetune"]["none+ft3@64"]["length"] == 64
+    assert losses(alibi, "none+ft3@64") != losses(alibi, "none")
+    variants = [r.variant for r in rope.evaluations]
+    assert variants == ["none"] * 2 + ["yarn:2+ft3"] * 2 + ["none+ft3@64"] * 2
+    tuned = [r for r in learned.evaluations if r.variant == "none+ft3@64"]
+    assert len(tuned) == 2 and all(r.loss is None for r in tuned)
+    assert all(
+        r.not_applicable.startswith("not applicable: cannot fine-tune: encoding 'learned'")
+        for r in tuned
+    )
+    assert "finetune" not in learned.provenance

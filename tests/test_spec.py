@@ -457,6 +457,13 @@ def test_fine_tuned_variants_parse_label_and_derive_their_training() -> None:
     # Fine-tuning tokens over the runs it applies to: one rotary encoding, one seed.
     per_step = spec.train.batch_size
     assert spec.finetune_tokens() == per_step * (200 * 128 + 50 * 96 + 10 * 128 + 30 * 256)
+    # Without a scaling: fine-tuned at the given length, for every encoding.
+    direct = parse_spec(
+        {**with_value("eval.variants", ["none+ft20@64"]), "encodings": ["rope", "alibi"]}
+    )
+    assert [v.label for v in direct.eval.variants] == ["none", "none+ft20@64"]
+    assert direct.finetune_spec(direct.eval.variants[1]).length == 64
+    assert direct.finetune_tokens() == 2 * 20 * direct.train.batch_size * 64
     # The variant is part of what a run measures: its config hash, not its train hash.
     plain = parse_spec(with_value("eval.variants", ["yarn:4"]))
     tuned = parse_spec(with_value("eval.variants", ["yarn:4", "yarn:4+ft200"]))
@@ -469,8 +476,9 @@ def test_fine_tuned_variants_parse_label_and_derive_their_training() -> None:
     [
         (["yarn+ft10"], "variant 'yarn' with finetune needs a number factor"),
         (["yarn:auto+ft10"], "variant 'yarn' with finetune needs a number factor"),
-        (["dynamic_ntk+ft10"], "fine-tuning applies to a scaling with one fixed factor: pi"),
-        ([{"method": "none", "finetune": 5}], "fine-tuning applies to a scaling with one"),
+        (["dynamic_ntk+ft10"], "fine-tuning applies to a scaling with one fixed factor (pi"),
+        ([{"method": "none", "finetune": 5}], "variant 'none' with finetune (fine-tuning at a"),
+        (["none+ft10"], "needs finetune.length, e.g. 'none+ft200@512'"),
         (["yarn:4+fx10"], "after '+' comes the fine-tuning, ftSTEPS or ftSTEPS@LENGTH"),
         (["yarn:4+ft"], "after '+' comes the fine-tuning"),
         (["yarn:4+ft10@x"], "after '+' comes the fine-tuning"),

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from jobs.spec import EvalSpec, VariantSpec
 from worker import liveness
 from worker.data.base import Batch, Task
+from worker.encodings.base import PositionOutOfRange
 from worker.memory import (
     available_bytes,
     bound_heap_for,
@@ -287,7 +288,8 @@ def evaluation_plan(spec: EvalSpec, scalable: bool) -> list[tuple[VariantSpec, s
     """Every (variant, protocol, length) to evaluate for one run, shortest lengths first.
     The trained model itself (variant ``none``) always comes first; scalings apply to
     rotary encodings only."""
-    variants = [NONE] + [v for v in spec.variants if v.method != "none"] if scalable else [NONE]
+    # Fine-tuning without a scaling ('none+ft...') applies to every encoding.
+    variants = [v for v in spec.variants if scalable or v.method == "none"]
     return [
         (variant, protocol, length)
         for variant in variants
@@ -318,7 +320,7 @@ def evaluate(
     model.to(device)
     model.eval()
     rows = []
-    tuned: dict[str, Transformer] = {}
+    tuned: dict[str, Transformer | PositionOutOfRange] = {}
     for variant, protocol, length in evaluation_plan(spec, scalable):
         if skip and (variant.label, protocol, length) in skip:
             continue
@@ -330,20 +332,27 @@ def evaluate(
                 raise ValueError(f"variant {variant.label!r} evaluates a fine-tuned model")
             if variant.label not in tuned:
                 tuned.clear()  # the plan is variant by variant: one fine-tuned copy at a time
-                tuned[variant.label] = model_for(variant).to(device).eval()
+                try:
+                    tuned[variant.label] = model_for(variant).to(device).eval()
+                except PositionOutOfRange as err:  # a learned table shorter than the tuning
+                    tuned[variant.label] = err
             evaluated = tuned[variant.label]
-        row = evaluate_length(
-            evaluated,
-            task,
-            spec,
-            length=length,
-            protocol=protocol,
-            variant=variant,
-            train_length=train_length,
-            device=device,
-            seed=seed,
-            should_stop=should_stop,
-        )
+        if isinstance(evaluated, PositionOutOfRange):
+            reason = f"not applicable: cannot fine-tune: {evaluated}"
+            row = Evaluation(variant.label, protocol, length, not_applicable=reason)
+        else:
+            row = evaluate_length(
+                evaluated,
+                task,
+                spec,
+                length=length,
+                protocol=protocol,
+                variant=variant,
+                train_length=train_length,
+                device=device,
+                seed=seed,
+                should_stop=should_stop,
+            )
         rows.append(row)
         if on_evaluation is not None:
             on_evaluation(row)

@@ -6,6 +6,7 @@ CLI, notebooks and demos (no broker, no database).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import os
@@ -207,11 +208,18 @@ def run_one(
         # A copy of the trained model, fine-tuned under the variant's scaling; evaluation
         # applies the same scaling to it again. Checkpointed next to the run's own.
         tuning = spec.finetune_spec(variant)
+        model.encoding.check_length(tuning.length)  # a learned table: not applicable
         tuned = copy.deepcopy(model)
         digest = hashlib.sha256(variant.label.encode()).hexdigest()[:12]
         path = checkpoint.with_name(f"{checkpoint.name}.ft-{digest}") if checkpoint else None
-        factor = float(variant.factor)
-        with tuned.scaled(variant.method, factor, spec.train.length, **variant.params):
+        scaling = (
+            contextlib.nullcontext()  # 'none+ft...': fine-tuned at the length, unscaled
+            if variant.method == "none"
+            else tuned.scaled(
+                variant.method, float(variant.factor), spec.train.length, **variant.params
+            )
+        )
+        with scaling:
             result = train(
                 tuned,
                 task,
