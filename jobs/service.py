@@ -68,14 +68,18 @@ def queue_of(url: str, run_id: int) -> str:
     return study_queue(spec)
 
 
-def celery_send(run_id: int, settings: Settings | None = None) -> None:
-    """Enqueue ``train_run(run_id)`` by name on its study's queue: the producer never
-    imports the task's code."""
+def celery_send(
+    run_id: int, settings: Settings | None = None, countdown: float | None = None
+) -> None:
+    """Enqueue ``train_run(run_id)`` by name on its study's queue (``countdown``: not
+    before that many seconds): the producer never imports the task's code."""
     from jobs.celery_app import producer
 
     settings = settings or get_settings()
     queue = queue_of(settings.database, run_id)
-    producer(settings).send_task(TRAIN_RUN, args=[run_id], queue=queue, routing_key=queue)
+    producer(settings).send_task(
+        TRAIN_RUN, args=[run_id], queue=queue, routing_key=queue, countdown=countdown
+    )
 
 
 def _copied(row: Base, *, skip: tuple[str, ...] = (), **changes: object) -> Base:

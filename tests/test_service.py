@@ -354,6 +354,49 @@ def test_a_trained_model_is_adopted_only_from_a_final_checkpoint_of_the_same_tra
         assert list(steps) == [4]
 
 
+def test_a_run_waits_only_for_a_twin_whose_model_it_can_adopt(settings: Settings) -> None:
+    from worker.tasks import _twin_training
+
+    first = submit(parse_spec(SPEC), settings=settings, send=Recorder())
+    other_eval = {**SPEC, "name": "longer", "eval": {"lengths": [16, 32, 64]}}
+    second = submit(parse_spec(other_eval), settings=settings, send=Recorder())
+    older, newer = first.queued[0], second.queued[0]  # the same training
+    folder = settings.artifacts_dir / "runs"
+    folder.mkdir(parents=True)
+    url = settings.database
+
+    def waits(run_id: int, node: str) -> int | None:
+        with transaction(url) as session:
+            run = session.get(Run, run_id)
+            session.expunge(run)
+        return _twin_training(url, run, node, folder)
+
+    assert waits(newer, "n1") is None  # the twin is only queued
+    older_lease = store.claim(url, older, "n2:7")[0]
+    assert waits(newer, "n1") is None  # on another node, no checkpoint here: can't read it
+    (folder / f"{older}.pt").write_bytes(b"checkpoint")
+    assert waits(newer, "n1") == older  # its checkpoint is in this artifacts folder
+    (folder / f"{older}.pt").unlink()
+    assert waits(newer, "n2") == older  # on this node, and the older run
+    # Two twins that started together on one node: only the newer waits, until the other
+    # has trained a step (then it is past its own check, and either may wait for it).
+    newer_lease = store.claim(url, newer, "n2:8")[0]
+    assert waits(older, "n2") is None
+    store.record_progress(url, newer, newer_lease, Point(5, 2.5, 1e-3, 100.0, 1.0))
+    assert waits(older, "n2") == newer
+    assert store.release(url, newer, newer_lease) == "queued"
+    (folder / f"{newer}.pt").write_bytes(b"checkpoint")
+    assert waits(newer, "n2") is None  # a checkpoint of its own: it resumes that
+    (folder / f"{newer}.pt").unlink()
+    with transaction(url) as session:
+        session.get(Run, newer).provenance = {"train_afresh": True}
+    assert waits(newer, "n2") is None  # --force: trains afresh
+    with transaction(url) as session:
+        session.get(Run, newer).provenance = None
+    store.finish(url, older, older_lease, "done", checkpoint_uri=(folder / "x.pt").as_uri())
+    assert waits(newer, "n2") is None  # a finished twin: adopted (or trained) now, no wait
+
+
 def test_evaluations_are_idempotent_upserts(settings: Settings) -> None:
     run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder()).queued[0]
     lease = store.claim(settings.database, run_id, "a")[0]

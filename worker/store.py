@@ -147,6 +147,18 @@ def trained_models(url: str, train_hash: str, run_id: int) -> list[tuple[int, st
         ]
 
 
+def training_twins(url: str, train_hash: str, run_id: int) -> list[tuple[int, str | None, int]]:
+    """(run id, worker, step) of the other runs with this train hash that are running now:
+    a study that only evaluates differently, submitted while the first one trains."""
+    with transaction(url) as session:
+        rows = session.execute(
+            select(Run.id, Run.worker, Run.step)
+            .where(Run.train_hash == train_hash, Run.status == "running", Run.id != run_id)
+            .order_by(Run.id)
+        )
+        return [(twin, worker, step) for twin, worker, step in rows]
+
+
 def adopt_training(url: str, run_id: int, lease: str, donor_id: int) -> dict | None:
     """Give this run the training curve and progress of ``donor_id``, whose trained model
     it uses, and a provenance marker (``trained_by_run``, and the donor's own provenance

@@ -43,6 +43,9 @@ def train_run(self, run_id: int) -> str:
         return "not claimed: the run is not queued (done, cancelled, or another worker has it)"
     lease, spec_json, run = claimed
     _listen_for_shutdown()  # again here: whatever the pool type reset at fork
+    twin = _twin_training(url, run, node, settings.artifacts_dir / "runs")
+    if twin is not None:
+        return _wait_for_twin(url, run_id, lease, twin, settings.stale_after_seconds / 2)
     watchdog = {"hang_seconds": settings.hang_seconds, "on_hang": _hung, "hard_deadline": True}
     with store.Heartbeat(url, run_id, lease, settings.heartbeat_seconds, **watchdog) as beat:
         try:
@@ -167,6 +170,51 @@ def _adopt(
         log.info("run %s uses the model trained by run %s", run_id, donor)
         return marker
     return None
+
+
+def _twin_training(url: str, run, node: str, folder) -> int | None:
+    """The run that is training this run's model right now (same train hash: a study that
+    only evaluates differently, submitted while the first trains), when this run should
+    wait for it and adopt its model rather than train the same weights a second time;
+    else None. Only a run that has no checkpoint of its own, no adopted model and no
+    finished donor waits, and only for a twin whose checkpoint it will be able to read:
+    one whose checkpoint is already in this machine's artifacts folder, or one on this
+    node that has trained a step (two twins that start together on one node: the later
+    id waits)."""
+    from worker import store
+
+    provenance = run.provenance if isinstance(run.provenance, dict) else {}
+    if (
+        run.train_hash is None
+        or (folder / f"{run.id}.pt").exists()
+        or provenance.get("train_afresh")
+        or provenance.get("trained_by_run")
+        or store.trained_models(url, run.train_hash, run.id)
+    ):
+        return None
+    for twin, worker, step in store.training_twins(url, run.train_hash, run.id):
+        same_node = (worker or "").rpartition(":")[0] == node
+        if (folder / f"{twin}.pt").exists() or (same_node and (step > 0 or twin < run.id)):
+            return twin
+    return None
+
+
+def _wait_for_twin(url: str, run_id: int, lease: str, twin: int, seconds: float) -> str:
+    """Give the run back to the queue, to be delivered again in ``seconds``: by then its
+    twin may have finished (the run adopts its model), or stopped (the run trains)."""
+    import functools
+
+    from jobs.service import celery_send, enqueue
+    from worker import store
+
+    outcome = store.release(url, run_id, lease)
+    if outcome is None:
+        return "lease lost: another worker owns the run now"
+    if outcome == "cancelled":
+        return "cancelled"
+    enqueue([run_id], send=functools.partial(celery_send, countdown=seconds))
+    log.info("run %s waits for run %s, which trains the same model", run_id, twin)
+    return f"waiting: run {twin} trains the same model; queued again in {seconds:g} s"
 
 
 def _final_checkpoint(path, train_hash: str, steps: int) -> bool:

@@ -207,6 +207,33 @@ def test_a_study_that_only_evaluates_differently_trains_nothing_again(
     ).stat().st_ino
 
 
+def test_a_study_submitted_while_its_twin_trains_waits_and_trains_nothing(
+    cluster_factory, sqlite_url: str
+) -> None:
+    # The second study differs only in its evaluation and is submitted while the first
+    # still trains: its run waits for the first (given back to the queue, delivered again
+    # later) and adopts the trained model, instead of training the same weights at once
+    # on a second worker.
+    cluster = cluster_factory(sqlite_url)
+    cluster.start_worker("w1")
+    cluster.start_worker("w2")  # idle while the first trains: free to train the second
+    first = spec(["rope"], steps=600, checkpoint_every=20)
+    submit(first, settings=cluster.settings, send=cluster.send)
+    cluster.wait_for(lambda runs: runs and runs[0].step >= 20, what="first trained 20 steps")
+    longer = first.model_dump(mode="json")
+    longer["eval"]["lengths"] = [32, 64, 128]
+    submit(parse_spec(longer), settings=cluster.settings, send=cluster.send)
+    runs = cluster.wait_for(
+        lambda runs: len(runs) == 2 and all_done(runs), timeout=300, what="both done"
+    )
+    trained, waited = runs
+    assert "trains the same model" in cluster.logs()
+    assert waited.provenance["trained_by_run"] == trained.id
+    assert waited.provenance["resumed_from_step"] == 600  # no step trained again
+    assert waited.attempts == 1  # waiting spends no attempt
+    assert [k[3] for k in evaluation_keys(cluster) if k[0] == waited.id] == [32, 64, 128]
+
+
 def test_a_duplicated_message_never_duplicates_rows(cluster_factory, sqlite_url: str) -> None:
     cluster = cluster_factory(sqlite_url)
     submitted = submit(spec(["alibi"]), settings=cluster.settings, send=cluster.send)
