@@ -168,6 +168,14 @@ class ModelSpec(_Strict):
 
 class TrainSpec(_Strict):
     length: int = Field(128, ge=8, le=MAX_TRAIN_LENGTH, description="training sequence length")
+    min_length: int | None = Field(
+        None,
+        ge=8,
+        le=MAX_TRAIN_LENGTH,
+        description="each step's sequence length drawn uniformly from [min_length, length] "
+        "(training on every length up to length, as in the randomized-positions and NoPE "
+        "length-generalisation papers); default: every step at length",
+    )
     steps: int = Field(600, ge=1, le=MAX_STEPS)
     batch_size: int = Field(16, ge=1, le=1024)
     grad_accum: int = Field(
@@ -196,10 +204,21 @@ class TrainSpec(_Strict):
     )
     compile: bool = False
 
+    @model_validator(mode="after")
+    def _lengths(self) -> TrainSpec:
+        if self.min_length is not None and self.min_length > self.length:
+            raise ValueError(
+                f"train.min_length = {self.min_length} exceeds train.length = {self.length}; "
+                "steps draw their length from [min_length, length]"
+            )
+        return self
+
     @property
     def tokens_per_step(self) -> int:
-        """Tokens one optimizer step reads: grad_accum micro-batches of batch_size."""
-        return self.batch_size * self.grad_accum * self.length
+        """Tokens one optimizer step reads: grad_accum micro-batches of batch_size (on
+        average, when each step draws its length)."""
+        mean_length = (self.length + (self.min_length or self.length)) / 2
+        return round(self.batch_size * self.grad_accum * mean_length)
 
 
 class EncodingSpec(_Strict):
@@ -553,7 +572,7 @@ class StudySpec(_Strict):
         task = TASKS[self.task.name]
         longest_read = max(self.train.length, *self.eval.lengths, *(t.length for t in tuned))
         problems += length_problems(self.task.name, self.task.params, longest_read)
-        shortest = min(self.train.length, *self.eval.lengths)
+        shortest = min(self.train.min_length or self.train.length, *self.eval.lengths)
         if shortest < task.min_length:
             problems.append(
                 f"task {task.name!r} needs sequences of at least {task.min_length} bytes; "
@@ -620,6 +639,7 @@ class StudySpec(_Strict):
                 "lr": tuning.lr if tuning.lr is not None else self.train.lr / 10,
                 "min_lr_ratio": 1.0,
                 "batch_size": tuning.batch_size or self.train.batch_size,
+                "min_length": None,  # every fine-tuning step at its length
                 "val_every": 0,
             }
         )
@@ -658,6 +678,8 @@ class StudySpec(_Strict):
         # so every earlier run keeps its hash (and is still reused).
         if train["grad_accum"] == 1:
             del train["grad_accum"]
+        if train["min_length"] is None:
+            del train["min_length"]
         return {
             "results_version": RESULTS_VERSION,
             "task": {"name": self.task.name, "params": self.task.params},

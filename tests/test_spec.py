@@ -107,7 +107,7 @@ def test_cross_field_limits() -> None:
     ("spec", "message"),
     [
         ({**BASE, "trian": {}}, "trian: unknown key (allowed: name, task, model, train"),
-        (with_value("train.stepz", 3), "train.stepz: unknown key (allowed: length, steps"),
+        (with_value("train.stepz", 3), "train.stepz: unknown key (allowed: length, min_length, steps"),
         ({**BASE, "encodings": ["ropee"]}, "unknown encoding 'ropee' (available: nope"),
         ({**BASE, "encodings": [{"name": "rope", "base": 1}]}, "'base' must be float >= 2, got 1"),
         ({**BASE, "encodings": ["rope", "rope"]}, "listed twice: ['rope']"),
@@ -424,6 +424,20 @@ def test_evaluation_lengths_default_to_multiples_of_the_training_length() -> Non
 def test_a_train_section_that_is_not_a_mapping_is_a_message_not_a_crash(train) -> None:
     with pytest.raises(SpecError, match="train"):
         parse_spec({**BASE, "train": train})
+
+
+def test_training_lengths_may_be_drawn_per_step() -> None:
+    spec = parse_spec(with_value("train", {"length": 64, "min_length": 16}))
+    assert spec.train.tokens_per_step == 16 * 40  # the mean length, for estimates
+    fixed = parse_spec(with_value("train", {"length": 64}))
+    assert spec.runs()[0].train_hash != fixed.runs()[0].train_hash  # another model
+    message = rejected(with_value("train", {"length": 64, "min_length": 128}))
+    assert "train.min_length = 128 exceeds train.length = 64" in message
+    assert "train.min_length = 4: must be greater than or equal to 8" in rejected(
+        with_value("train", {"length": 64, "min_length": 4})
+    )
+    passkey = {**with_value("train", {"length": 128, "min_length": 16}), "task": "passkey"}
+    assert "task 'passkey' needs sequences of at least" in rejected(passkey)
 
 
 def test_fine_tuned_variants_parse_label_and_derive_their_training() -> None:

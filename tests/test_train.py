@@ -374,3 +374,39 @@ def test_a_resumed_run_reports_the_same_validation_curve(task, tmp_path: Path) -
     )
     assert resumed.resumed_from == 3
     assert [p.val_loss for p in resumed.curve] == [p.val_loss for p in straight.curve]
+
+
+class _Recording:
+    """A task that records the length of every training batch it gives."""
+
+    def __init__(self, task) -> None:
+        self.task, self.lengths = task, []
+
+    def train_batch(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
+        self.lengths.append(length)
+        return self.task.train_batch(batch_size, length, generator)
+
+
+def test_steps_may_draw_their_length_and_resume_the_same_draws(task, tmp_path: Path) -> None:
+    # min_length: each step at a length drawn from [min_length, length] by the data
+    # generator (one length for the step's micro-batches), so every encoding of a seed
+    # sees the same lengths, and a resumed run draws the rest exactly.
+    spec = TrainSpec(length=32, min_length=8, steps=12, batch_size=2, grad_accum=2, val_every=0)
+    straight = _Recording(task)
+    reference = build_model("tiny", "rope", train_length=32, seed=1)
+    train(reference, straight, spec, seed=1, device=CPU)
+    lengths = straight.lengths[::2]
+    assert straight.lengths[1::2] == lengths  # micro-batches of a step share it
+    assert all(8 <= n <= 32 for n in lengths) and len(set(lengths)) > 3
+    other = _Recording(task)
+    train(build_model("tiny", "alibi", train_length=32), other, spec, seed=1, device=CPU)
+    assert other.lengths == straight.lengths
+    first, rest = _Recording(task), _Recording(task)
+    checkpoint = tmp_path / "run.pt"
+    model = build_model("tiny", "rope", train_length=32, seed=1)
+    train(model, first, spec, seed=1, device=CPU, checkpoint=checkpoint, stop_after=5)
+    resumed = build_model("tiny", "rope", train_length=32, seed=1)
+    train(resumed, rest, spec, seed=1, device=CPU, checkpoint=checkpoint)
+    assert first.lengths + rest.lengths == straight.lengths
+    for key, value in resumed.state_dict().items():
+        assert torch.equal(value, reference.state_dict()[key]), key

@@ -229,11 +229,10 @@ def train(
 
     forward = torch.compile(model) if spec.compile else model
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    tokens_per_step = spec.tokens_per_step
     started = time.perf_counter()
     # Steps of the reporting interval (it may have begun before a resume) and the
-    # steps timed in this process since the last report (throughput).
-    interval_steps, timed_steps, interval_start = int(interval["steps"]), 0, started
+    # tokens read in this process since the last report (throughput).
+    interval_steps, timed_tokens, interval_start = int(interval["steps"]), 0, started
     loss_sum = torch.tensor(float(interval["loss_sum"]), device=device)
     last_loss = curve[-1].loss if curve else float("nan")
     end = spec.steps if stop_after is None else min(spec.steps, stop_after)
@@ -265,9 +264,13 @@ def train(
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
+        length = spec.length
+        if spec.min_length is not None:  # drawn from the data generator: same for every run
+            bounds = (spec.min_length, spec.length + 1)
+            length = int(torch.randint(*bounds, (1,), generator=data_rng))
         # grad_accum micro-batches of batch_size: one optimizer step on their mean loss.
         for _ in range(spec.grad_accum):
-            batch = task.train_batch(spec.batch_size, spec.length, data_rng).to(device)
+            batch = task.train_batch(spec.batch_size, length, data_rng).to(device)
             with autocast:
                 logits = forward(batch.inputs)
             loss = batch_loss(logits, batch) / spec.grad_accum
@@ -278,7 +281,7 @@ def train(
         liveness.touch()
         step += 1
         interval_steps += 1
-        timed_steps += 1
+        timed_tokens += spec.batch_size * spec.grad_accum * length
         # The last step reports; stopping early (stop_after, tests) is like a kill.
         validating = validate is not None and spec.val_every > 0
         validating = validating and (step % spec.val_every == 0 or step == spec.steps)
@@ -286,7 +289,7 @@ def train(
         if report:
             mean_loss = check_finite()
             now = time.perf_counter()
-            throughput = timed_steps * tokens_per_step / max(now - interval_start, 1e-9)
+            throughput = timed_tokens / max(now - interval_start, 1e-9)
             val_loss = validate() if validating else None
             point = TrainPoint(
                 step=step,
@@ -299,7 +302,7 @@ def train(
             curve.append(point)
             last_loss = mean_loss
             loss_sum.zero_()
-            interval_steps = timed_steps = 0
+            interval_steps = timed_tokens = 0
             if on_progress is not None:
                 on_progress(point)
         if step % spec.checkpoint_every == 0 or step == end:
