@@ -280,7 +280,13 @@ class FinetuneSpec(_Strict):
         None, ge=8, le=MAX_TRAIN_LENGTH, description="default: factor x train.length"
     )
     lr: float | None = Field(None, gt=0, le=1.0, description="default: train.lr / 10")
-    batch_size: int | None = Field(None, ge=1, le=1024, description="default: train.batch_size")
+    batch_size: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="default: the training's tokens per step, train.batch_size x "
+        "train.length / length (at least 1)",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -323,8 +329,8 @@ class VariantSpec(_Strict):
         method, _, factor = head.partition(":")
         shorthand = {"method": method, "factor": factor or None}
         if plus:
-            steps, _, length = tail.removeprefix("ft").partition("@")
-            if not tail.startswith("ft") or not steps.isdigit() or not (length or "0").isdigit():
+            steps, at, length = tail.removeprefix("ft").partition("@")
+            if not tail.startswith("ft") or not steps.isdigit() or (at and not length.isdigit()):
                 raise ValueError(
                     f"variant {value!r}: after '+' comes the fine-tuning, ftSTEPS or "
                     "ftSTEPS@LENGTH, e.g. 'yarn:4+ft200@512'"
@@ -396,7 +402,7 @@ class VariantSpec(_Strict):
         if len(self.label) > MAX_VARIANT_LABEL:
             raise ValueError(
                 f"the variant's label {self.label!r} is longer than {MAX_VARIANT_LABEL} "
-                "characters; give its parameters fewer digits"
+                "characters; give its parameters (or its fine-tuning's lr) fewer digits"
             )
         return self
 
@@ -563,16 +569,21 @@ class StudySpec(_Strict):
                     f"eval.variants: {variant.label!r} fine-tunes at {tuning.length} tokens; "
                     f"at most {MAX_TRAIN_LENGTH} (give finetune.length)"
                 )
-            tokens = tuning.steps * tuning.tokens_per_step
-            if train_tokens + tokens > MAX_TRAIN_TOKENS:
-                problems.append(
-                    f"eval.variants: {variant.label!r}: training and fine-tuning read "
-                    f"{train_tokens + tokens:,} tokens per run; at most {MAX_TRAIN_TOKENS:,}"
-                )
+
+        tuning_tokens = sum(t.steps * t.tokens_per_step for t in tuned)
+        if tuned and train_tokens + tuning_tokens > MAX_TRAIN_TOKENS:
+            problems.append(
+                f"eval.variants: training and fine-tuning read {train_tokens + tuning_tokens:,} "
+                f"tokens per run; at most {MAX_TRAIN_TOKENS:,}"
+            )
         task = TASKS[self.task.name]
         longest_read = max(self.train.length, *self.eval.lengths, *(t.length for t in tuned))
         problems += length_problems(self.task.name, self.task.params, longest_read)
-        shortest = min(self.train.min_length or self.train.length, *self.eval.lengths)
+        shortest = min(
+            self.train.min_length or self.train.length,
+            *self.eval.lengths,
+            *(t.length for t in tuned),
+        )
         if shortest < task.min_length:
             problems.append(
                 f"task {task.name!r} needs sequences of at least {task.min_length} bytes; "
@@ -626,7 +637,8 @@ class StudySpec(_Strict):
     def finetune_spec(self, variant: VariantSpec) -> TrainSpec:
         """The training settings of ``variant``'s fine-tuning: the study's, for
         ``finetune.steps`` steps at ``finetune.length`` (default: factor x the training
-        length) and a constant ``finetune.lr`` after the warmup (default: a tenth of the
+        length) with the training's tokens per step (``finetune.batch_size`` otherwise)
+        and a constant ``finetune.lr`` after the warmup (default: a tenth of the
         training's peak), with no validation."""
         tuning = variant.finetune
         if tuning is None:
@@ -638,7 +650,9 @@ class StudySpec(_Strict):
                 "length": length,
                 "lr": tuning.lr if tuning.lr is not None else self.train.lr / 10,
                 "min_lr_ratio": 1.0,
-                "batch_size": tuning.batch_size or self.train.batch_size,
+                # Default: the training's tokens per step (memory grows with the length).
+                "batch_size": tuning.batch_size
+                or max(1, round(self.train.batch_size * self.train.length / length)),
                 "min_length": None,  # every fine-tuning step at its length
                 "val_every": 0,
             }

@@ -100,6 +100,8 @@ def test_a_stopped_fine_tuning_resumes_from_its_checkpoint(task, tmp_path: Path)
     assert [row.variant for row in resumed.evaluations] == ["pi:4+ft12", "pi:4+ft12"]
     # Bit for bit the uninterrupted run's fine-tuned model (CPU).
     assert losses(resumed, "pi:4+ft12") == losses(straight, "pi:4+ft12")
+    assert not list(tmp_path.glob("7.pt.ft-*"))  # every point stored: the copy is gone
+    assert (tmp_path / "7.pt").exists()  # the trained model stays (others may adopt it)
     # A rerun that finds every point stored fine-tunes nothing again.
     again = run_one(
         spec, run, device=CPU, task=task, checkpoint=checkpoint, skip_evaluations=set(stored)
@@ -141,3 +143,35 @@ def test_scaled_fine_tuning_is_for_rotary_encodings_unscaled_for_every_one(task)
         for r in tuned
     )
     assert "finetune" not in learned.provenance
+
+
+def test_a_failed_fine_tuning_leaves_the_run_and_says_why(task) -> None:
+    from worker.evaluate import evaluate
+    from worker.model import build_model
+    from worker.train import TrainingDiverged
+
+    spec = study(["yarn:4", "yarn:4+ft20"])
+
+    def diverges(variant):
+        raise TrainingDiverged("the training loss became nan between steps 3 and 4")
+
+    rows = evaluate(
+        build_model("tiny", "rope", train_length=32),
+        task,
+        spec.eval,
+        train_length=32,
+        scalable=True,
+        device=CPU,
+        model_for=diverges,
+    )
+    assert [(r.variant, r.loss is not None) for r in rows] == [
+        ("none", True),
+        ("none", True),
+        ("yarn:4", True),
+        ("yarn:4", True),
+        ("yarn:4+ft20", False),
+        ("yarn:4+ft20", False),
+    ]
+    assert rows[-1].not_applicable == (
+        "not applicable: fine-tuning failed: the training loss became nan between steps 3 and 4"
+    )

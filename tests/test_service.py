@@ -338,7 +338,7 @@ def test_a_trained_model_is_adopted_only_from_a_final_checkpoint_of_the_same_tra
     assert adopt() is None
     stamp(4, hashes[donor])
     real = store.trained_models
-    stale = [(10_000, source.as_uri(), "lm:pystdlib:abc")]
+    stale = [(10_000, source.as_uri(), "lm:pystdlib:abc", "done")]
     monkeypatch.setattr(store, "trained_models", lambda *a: stale)
     assert adopt() is None  # a donor row deleted meanwhile
     monkeypatch.setattr(store, "trained_models", real)
@@ -354,8 +354,49 @@ def test_a_trained_model_is_adopted_only_from_a_final_checkpoint_of_the_same_tra
         assert list(steps) == [4]
 
 
+def test_a_twin_still_evaluating_gives_its_final_checkpoint_by_its_data_stamp(
+    settings: Settings,
+) -> None:
+    import torch
+
+    from worker.tasks import _adopt
+    from worker.train import CHECKPOINT_VERSION
+
+    first = submit(parse_spec(SPEC), settings=settings, send=Recorder())
+    other_eval = {**SPEC, "name": "longer", "eval": {"lengths": [16, 32, 64]}}
+    second = submit(parse_spec(other_eval), settings=settings, send=Recorder())
+    donor, run_id = first.queued[0], second.queued[0]
+    url = settings.database
+    with transaction(url) as session:
+        train_hash = session.get(Run, donor).train_hash
+    folder = settings.artifacts_dir / "runs"
+    folder.mkdir(parents=True)
+    donor_lease = store.claim(url, donor, "n1:1")[0]  # trained, now evaluating
+    store.record_progress(url, donor, donor_lease, Point(4, 2.5, 1e-3, 100.0, 1.0))
+    lease = store.claim(url, run_id, "n1:2")[0]
+    target = folder / f"{run_id}.pt"
+
+    def stamp(data: str | None) -> None:
+        state = {"version": CHECKPOINT_VERSION, "fingerprint": train_hash, "step": 4}
+        torch.save({**state, "data": data}, folder / f"{donor}.pt")
+
+    stamp("lm:pystdlib:other")
+    assert _adopt(url, run_id, lease, train_hash, 4, "lm:pystdlib:abc", target) is None
+    stamp(None)  # no stamp and no stored fingerprint: the data cannot be told
+    assert _adopt(url, run_id, lease, train_hash, 4, "lm:pystdlib:abc", target) is None
+    stamp("lm:pystdlib:abc")
+    marker = _adopt(url, run_id, lease, train_hash, 4, "lm:pystdlib:abc", target)
+    assert marker == {"trained_by_run": donor, "training": None}
+    assert target.stat().st_ino == (folder / f"{donor}.pt").stat().st_ino
+    with transaction(url) as session:
+        assert session.get(Run, run_id).step == 4
+
+
 def test_a_run_waits_only_for_a_twin_whose_model_it_can_adopt(settings: Settings) -> None:
+    import torch
+
     from worker.tasks import _twin_training
+    from worker.train import CHECKPOINT_VERSION
 
     first = submit(parse_spec(SPEC), settings=settings, send=Recorder())
     other_eval = {**SPEC, "name": "longer", "eval": {"lengths": [16, 32, 64]}}
@@ -364,26 +405,33 @@ def test_a_run_waits_only_for_a_twin_whose_model_it_can_adopt(settings: Settings
     folder = settings.artifacts_dir / "runs"
     folder.mkdir(parents=True)
     url = settings.database
+    with transaction(url) as session:
+        train_hash = session.get(Run, older).train_hash
 
     def waits(run_id: int, node: str) -> int | None:
         with transaction(url) as session:
             run = session.get(Run, run_id)
             session.expunge(run)
-        return _twin_training(url, run, node, folder)
+        return _twin_training(url, run, node, folder, steps=4)
+
+    def checkpoint(run_id: int, step: int) -> None:
+        state = {"version": CHECKPOINT_VERSION, "fingerprint": train_hash, "step": step}
+        torch.save(state, folder / f"{run_id}.pt")
 
     assert waits(newer, "n1") is None  # the twin is only queued
     older_lease = store.claim(url, older, "n2:7")[0]
     assert waits(newer, "n1") is None  # on another node, no checkpoint here: can't read it
-    (folder / f"{older}.pt").write_bytes(b"checkpoint")
+    checkpoint(older, 2)
     assert waits(newer, "n1") == older  # its checkpoint is in this artifacts folder
+    checkpoint(older, 4)
+    assert waits(newer, "n1") is None  # its training is over: adopt it now, no wait
     (folder / f"{older}.pt").unlink()
     assert waits(newer, "n2") == older  # on this node, and the older run
-    # Two twins that started together on one node: only the newer waits, until the other
-    # has trained a step (then it is past its own check, and either may wait for it).
+    # Two twins that start together on one node: only the newer waits, whatever the
+    # older has trained in an earlier attempt, so they never wait for each other.
     newer_lease = store.claim(url, newer, "n2:8")[0]
+    store.record_progress(url, newer, newer_lease, Point(3, 2.5, 1e-3, 100.0, 1.0))
     assert waits(older, "n2") is None
-    store.record_progress(url, newer, newer_lease, Point(5, 2.5, 1e-3, 100.0, 1.0))
-    assert waits(older, "n2") == newer
     assert store.release(url, newer, newer_lease) == "queued"
     (folder / f"{newer}.pt").write_bytes(b"checkpoint")
     assert waits(newer, "n2") is None  # a checkpoint of its own: it resumes that
@@ -393,8 +441,24 @@ def test_a_run_waits_only_for_a_twin_whose_model_it_can_adopt(settings: Settings
     assert waits(newer, "n2") is None  # --force: trains afresh
     with transaction(url) as session:
         session.get(Run, newer).provenance = None
+    assert store.queued_twins(url, train_hash, older) == [newer]  # woken when it ends
     store.finish(url, older, older_lease, "done", checkpoint_uri=(folder / "x.pt").as_uri())
     assert waits(newer, "n2") is None  # a finished twin: adopted (or trained) now, no wait
+
+
+def test_fine_tuning_records_are_kept_as_they_come(settings: Settings) -> None:
+    # Stored when each fine-tuned model is ready, so an attempt that dies later keeps
+    # them; merged under provenance.finetune; only by the lease holder.
+    run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder()).queued[0]
+    url = settings.database
+    lease = store.claim(url, run_id, "w")[0]
+    store.note_provenance(url, run_id, lease, "finetune", "yarn:4+ft9", {"steps": 9})
+    merged = store.note_provenance(url, run_id, lease, "finetune", "pi:4+ft9", {"steps": 9})
+    assert merged == {"finetune": {"yarn:4+ft9": {"steps": 9}, "pi:4+ft9": {"steps": 9}}}
+    with transaction(url) as session:
+        assert session.get(Run, run_id).provenance == merged
+    with pytest.raises(store.LeaseLost):
+        store.note_provenance(url, run_id, "stolen", "finetune", "x", {})
 
 
 def test_evaluations_are_idempotent_upserts(settings: Settings) -> None:

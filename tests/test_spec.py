@@ -107,7 +107,10 @@ def test_cross_field_limits() -> None:
     ("spec", "message"),
     [
         ({**BASE, "trian": {}}, "trian: unknown key (allowed: name, task, model, train"),
-        (with_value("train.stepz", 3), "train.stepz: unknown key (allowed: length, min_length, steps"),
+        (
+            with_value("train.stepz", 3),
+            "train.stepz: unknown key (allowed: length, min_length, steps",
+        ),
         ({**BASE, "encodings": ["ropee"]}, "unknown encoding 'ropee' (available: nope"),
         ({**BASE, "encodings": [{"name": "rope", "base": 1}]}, "'base' must be float >= 2, got 1"),
         ({**BASE, "encodings": ["rope", "rope"]}, "listed twice: ['rope']"),
@@ -463,21 +466,21 @@ def test_fine_tuned_variants_parse_label_and_derive_their_training() -> None:
     yarn = spec.finetune_spec(spec.eval.variants[1])
     # factor x the training length, a tenth of the peak rate held after the warmup,
     # the study's batch and schedule otherwise, no validation.
-    assert (yarn.steps, yarn.length, yarn.batch_size) == (200, 128, spec.train.batch_size)
+    # The training's tokens per step by default: 16 x 32 = 4 x 128.
+    assert (yarn.steps, yarn.length, yarn.batch_size) == (200, 128, 4)
     assert yarn.lr == pytest.approx(spec.train.lr / 10) and yarn.min_lr_ratio == 1.0
     assert yarn.warmup == spec.train.warmup and yarn.val_every == 0
     assert spec.finetune_spec(spec.eval.variants[2]).length == 96
     assert spec.finetune_spec(spec.eval.variants[3]).lr == 1e-3
     # Fine-tuning tokens over the runs it applies to: one rotary encoding, one seed.
-    per_step = spec.train.batch_size
-    assert spec.finetune_tokens() == per_step * (200 * 128 + 50 * 96 + 10 * 128 + 30 * 256)
+    assert spec.finetune_tokens() == 200 * 512 + 50 * 5 * 96 + 10 * 512 + 30 * 512
     # Without a scaling: fine-tuned at the given length, for every encoding.
     direct = parse_spec(
         {**with_value("eval.variants", ["none+ft20@64"]), "encodings": ["rope", "alibi"]}
     )
     assert [v.label for v in direct.eval.variants] == ["none", "none+ft20@64"]
     assert direct.finetune_spec(direct.eval.variants[1]).length == 64
-    assert direct.finetune_tokens() == 2 * 20 * direct.train.batch_size * 64
+    assert direct.finetune_tokens() == 2 * 20 * 8 * 64
     # The variant is part of what a run measures: its config hash, not its train hash.
     plain = parse_spec(with_value("eval.variants", ["yarn:4"]))
     tuned = parse_spec(with_value("eval.variants", ["yarn:4", "yarn:4+ft200"]))
@@ -496,6 +499,7 @@ def test_fine_tuned_variants_parse_label_and_derive_their_training() -> None:
         (["yarn:4+fx10"], "after '+' comes the fine-tuning, ftSTEPS or ftSTEPS@LENGTH"),
         (["yarn:4+ft"], "after '+' comes the fine-tuning"),
         (["yarn:4+ft10@x"], "after '+' comes the fine-tuning"),
+        (["yarn:4+ft10@"], "after '+' comes the fine-tuning"),
         (["yarn:4+ft0"], "finetune.steps = 0: must be greater than or equal to 1"),
         (
             [{"method": "pi", "factor": 2, "finetune": {"steps": 5, "length": 4}}],
@@ -511,3 +515,14 @@ def test_fine_tuned_variants_parse_label_and_derive_their_training() -> None:
 )
 def test_fine_tuned_variants_are_refused_with_a_reason(variants: list, message: str) -> None:
     assert message in rejected(with_value("eval.variants", variants))
+
+
+def test_fine_tuning_is_bounded_in_total_and_by_the_task() -> None:
+    # Each variant alone fits; together they read more than one run may.
+    big = {"steps": 100_000, "length": 16384, "batch_size": 40}
+    variants = [{"method": "pi", "factor": f, "finetune": big} for f in (2, 3, 4)]
+    assert "training and fine-tuning read" in rejected(with_value("eval.variants", variants))
+    # A fine-tuning shorter than the task's examples is refused before anything trains.
+    passkey = {**with_value("eval.variants", ["none+ft2@16"]), "task": "passkey"}
+    passkey["train"] = {"length": 128}
+    assert "task 'passkey' needs sequences of at least" in rejected(passkey)

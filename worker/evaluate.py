@@ -35,7 +35,7 @@ from worker.memory import (
     reset_peak_resident,
 )
 from worker.model import Transformer
-from worker.train import RunCancelled
+from worker.train import RunCancelled, TrainingDiverged
 
 NONE = VariantSpec()
 
@@ -298,6 +298,14 @@ def evaluation_plan(spec: EvalSpec, scalable: bool) -> list[tuple[VariantSpec, s
     ]
 
 
+def _drop(tuned: dict[str, Transformer | str], device: torch.device) -> None:
+    """Forget the fine-tuned copy, and give its memory back to the device."""
+    if tuned:
+        tuned.clear()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 def evaluate(
     model: Transformer,
     task: Task,
@@ -320,7 +328,7 @@ def evaluate(
     model.to(device)
     model.eval()
     rows = []
-    tuned: dict[str, Transformer | PositionOutOfRange] = {}
+    tuned: dict[str, Transformer | str] = {}  # the fine-tuned copy, or why there is none
     for variant, protocol, length in evaluation_plan(spec, scalable):
         if skip and (variant.label, protocol, length) in skip:
             continue
@@ -331,15 +339,20 @@ def evaluate(
             if model_for is None:
                 raise ValueError(f"variant {variant.label!r} evaluates a fine-tuned model")
             if variant.label not in tuned:
-                tuned.clear()  # the plan is variant by variant: one fine-tuned copy at a time
+                _drop(tuned, device)  # the plan is variant by variant: one copy at a time
                 try:
                     tuned[variant.label] = model_for(variant).to(device).eval()
                 except PositionOutOfRange as err:  # a learned table shorter than the tuning
-                    tuned[variant.label] = err
+                    tuned[variant.label] = f"not applicable: cannot fine-tune: {err}"
+                except (TrainingDiverged, torch.OutOfMemoryError, MemoryError) as err:
+                    # The run's other results stand; this variant records why it has none.
+                    reason = str(err).splitlines()[0]
+                    tuned[variant.label] = f"not applicable: fine-tuning failed: {reason}"
             evaluated = tuned[variant.label]
-        if isinstance(evaluated, PositionOutOfRange):
-            reason = f"not applicable: cannot fine-tune: {evaluated}"
-            row = Evaluation(variant.label, protocol, length, not_applicable=reason)
+        elif tuned:
+            _drop(tuned, device)
+        if isinstance(evaluated, str):
+            row = Evaluation(variant.label, protocol, length, not_applicable=evaluated)
         else:
             row = evaluate_length(
                 evaluated,

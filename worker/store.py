@@ -126,37 +126,64 @@ def record_progress(url: str, run_id: int, lease: str, point: Point) -> bool:
     return with_retry(attempt)
 
 
-def trained_models(url: str, train_hash: str, run_id: int) -> list[tuple[int, str, str | None]]:
-    """(run id, checkpoint URI, data fingerprint) of finished runs, newest first, that
-    trained the model this run would train (same train hash): a study that only
-    evaluates differently."""
+def trained_models(
+    url: str, train_hash: str, run_id: int
+) -> list[tuple[int, str | None, str | None, str]]:
+    """(run id, checkpoint URI, data fingerprint, status) of the other runs that train the
+    model this run would train (same train hash: a study that only evaluates
+    differently): finished ones first, newest first, then the others (one may have
+    finished training and still be evaluating). The URI and the fingerprint are known
+    once a run has finished; until then its checkpoint is its artifacts file."""
     with transaction(url) as session:
         rows = session.execute(
-            select(Run.id, Run.checkpoint_uri, Run.provenance)
-            .where(
-                Run.train_hash == train_hash,
-                Run.status == "done",
-                Run.checkpoint_uri.is_not(None),
-                Run.id != run_id,
-            )
-            .order_by(Run.finished_at.desc())
+            select(Run.id, Run.checkpoint_uri, Run.provenance, Run.status)
+            .where(Run.train_hash == train_hash, Run.id != run_id)
+            .order_by((Run.status == "done").desc(), Run.finished_at.desc(), Run.id)
         )
         return [
-            (donor, uri, (provenance or {}).get("data") if isinstance(provenance, dict) else None)
-            for donor, uri, provenance in rows
+            (donor, uri, provenance.get("data") if isinstance(provenance, dict) else None, status)
+            for donor, uri, provenance, status in rows
         ]
 
 
-def training_twins(url: str, train_hash: str, run_id: int) -> list[tuple[int, str | None, int]]:
-    """(run id, worker, step) of the other runs with this train hash that are running now:
-    a study that only evaluates differently, submitted while the first one trains."""
+def queued_twins(url: str, train_hash: str, run_id: int) -> list[int]:
+    """The queued runs with this train hash (runs waiting for this one's training)."""
+    with transaction(url) as session:
+        return list(
+            session.scalars(
+                select(Run.id).where(
+                    Run.train_hash == train_hash, Run.status == "queued", Run.id != run_id
+                )
+            )
+        )
+
+
+def training_twins(url: str, train_hash: str, run_id: int) -> list[tuple[int, str | None]]:
+    """(run id, worker) of the other runs with this train hash that are running now: a
+    study that only evaluates differently, submitted while the first one trains."""
     with transaction(url) as session:
         rows = session.execute(
-            select(Run.id, Run.worker, Run.step)
+            select(Run.id, Run.worker)
             .where(Run.train_hash == train_hash, Run.status == "running", Run.id != run_id)
             .order_by(Run.id)
         )
-        return [(twin, worker, step) for twin, worker, step in rows]
+        return [(twin, worker) for twin, worker in rows]
+
+
+def note_provenance(url: str, run_id: int, lease: str, key: str, name: str, value: dict) -> dict:
+    """Store ``provenance[key][name] = value`` now (a fine-tuned variant's record), so an
+    attempt that dies later keeps it; returns the run's provenance after the change."""
+
+    def attempt() -> dict:
+        with transaction(url) as session:
+            _hold(session, run_id, lease)
+            stored = session.scalar(select(Run.provenance).where(Run.id == run_id))
+            provenance = dict(stored) if isinstance(stored, dict) else {}
+            provenance[key] = {**provenance.get(key, {}), name: value}
+            session.execute(update(Run).where(Run.id == run_id).values(provenance=provenance))
+            return provenance
+
+    return with_retry(attempt)
 
 
 def adopt_training(url: str, run_id: int, lease: str, donor_id: int) -> dict | None:

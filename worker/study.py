@@ -156,6 +156,16 @@ def prepared_task(spec: StudySpec) -> Task:
     return task
 
 
+def finetune_checkpoint(checkpoint: Path | None, variant: VariantSpec) -> Path | None:
+    """Where a fine-tuned variant's checkpoint lives: next to its run's, named by a hash
+    of the variant's label (``<run>.pt.ft-<hash>``); removed once its points are stored."""
+    if checkpoint is None or variant.finetune is None:
+        return None
+    return checkpoint.with_name(
+        f"{checkpoint.name}.ft-{hashlib.sha256(variant.label.encode()).hexdigest()[:12]}"
+    )
+
+
 def run_one(
     spec: StudySpec,
     run: RunSpec,
@@ -168,9 +178,13 @@ def run_one(
     may_write: Callable[[], bool] | None = None,
     skip_evaluations: set[tuple[str, str, int]] | None = None,
     task: Task | None = None,
+    on_trained: Callable[[], None] | None = None,
+    on_finetuned: Callable[[str, dict[str, Any]], None] | None = None,
 ) -> RunResult:
     """Train one (encoding, seed) of ``spec`` and evaluate it at every planned point;
-    ``task`` is the study's task already prepared (built and loaded here otherwise)."""
+    ``task`` is the study's task already prepared (built and loaded here otherwise);
+    ``on_trained`` is called when the trained model's final checkpoint is written, and
+    ``on_finetuned(label, record)`` when a fine-tuned variant's model is ready."""
     device = device or resolve_device()
     task = task or prepared_task(spec)
     config = ModelConfig(**spec.model.dims())
@@ -189,6 +203,7 @@ def run_one(
         device=device,
         checkpoint=checkpoint,
         fingerprint=run.train_hash,
+        data=task.fingerprint,
         on_progress=on_progress,
         should_stop=should_stop,
         may_write=may_write,
@@ -202,6 +217,8 @@ def run_one(
             seed=run.seed,
         ),
     )
+    if on_trained is not None:
+        on_trained()
     tunings: dict[str, dict[str, Any]] = {}
 
     def finetuned(variant: VariantSpec) -> Transformer:
@@ -210,8 +227,6 @@ def run_one(
         tuning = spec.finetune_spec(variant)
         model.encoding.check_length(tuning.length)  # a learned table: not applicable
         tuned = copy.deepcopy(model)
-        digest = hashlib.sha256(variant.label.encode()).hexdigest()[:12]
-        path = checkpoint.with_name(f"{checkpoint.name}.ft-{digest}") if checkpoint else None
         scaling = (
             contextlib.nullcontext()  # 'none+ft...': fine-tuned at the length, unscaled
             if variant.method == "none"
@@ -219,27 +234,33 @@ def run_one(
                 variant.method, float(variant.factor), spec.train.length, **variant.params
             )
         )
-        with scaling:
-            result = train(
-                tuned,
-                task,
-                tuning,
-                seed=run.seed,
-                device=device,
-                checkpoint=path,
-                fingerprint=f"{run.train_hash}+{variant.label}",
-                should_stop=should_stop,
-                may_write=may_write,
-            )
+        try:
+            with scaling:
+                result = train(
+                    tuned,
+                    task,
+                    tuning,
+                    seed=run.seed,
+                    device=device,
+                    checkpoint=finetune_checkpoint(checkpoint, variant),
+                    fingerprint=f"{run.train_hash}+{variant.label}",
+                    should_stop=should_stop,
+                    may_write=may_write,
+                )
+        except RunCancelled as err:
+            raise RunCancelled(f"{err} (fine-tuning {variant.label})") from None
         tunings[variant.label] = {
             "steps": tuning.steps,
             "length": tuning.length,
             "lr": tuning.lr,
             "batch_size": tuning.batch_size,
             "final_loss": result.final_loss,
-            "seconds": result.seconds,
+            # Over every attempt (a resumed fine-tuning's own time is only the rest).
+            "seconds": result.curve[-1].elapsed if result.curve else result.seconds,
             "resumed_from": result.resumed_from,
         }
+        if on_finetuned is not None:
+            on_finetuned(variant.label, tunings[variant.label])
         return tuned
 
     rows = evaluate(
@@ -255,6 +276,10 @@ def run_one(
         should_stop=should_stop,
         model_for=finetuned,
     )
+    for variant in spec.eval.variants:  # every point is stored: the copies are done with
+        path = finetune_checkpoint(checkpoint, variant)
+        if variant.finetune is not None and path is not None:
+            path.unlink(missing_ok=True)
     order = None
     if should_stop is not None and should_stop():
         raise RunCancelled("cancelled after evaluation, before the order probe")

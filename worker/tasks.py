@@ -43,20 +43,23 @@ def train_run(self, run_id: int) -> str:
         return "not claimed: the run is not queued (done, cancelled, or another worker has it)"
     lease, spec_json, run = claimed
     _listen_for_shutdown()  # again here: whatever the pool type reset at fork
-    twin = _twin_training(url, run, node, settings.artifacts_dir / "runs")
+    spec = parse_spec(spec_json)
+    twin = _twin_training(url, run, node, settings.artifacts_dir / "runs", spec.train.steps)
     if twin is not None:
         return _wait_for_twin(url, run_id, lease, twin, settings.stale_after_seconds / 2)
     watchdog = {"hang_seconds": settings.hang_seconds, "on_hang": _hung, "hard_deadline": True}
     with store.Heartbeat(url, run_id, lease, settings.heartbeat_seconds, **watchdog) as beat:
         try:
-            outcome = _train_and_evaluate(url, run_id, lease, parse_spec(spec_json), run, beat)
+            outcome = _train_and_evaluate(url, run_id, lease, spec, run, beat)
         except store.LeaseLost:
             return "lease lost: another worker owns the run now"
         except Exception as err:  # anything else is a failure the user must be able to read
             reason = _reason(err)
             log.exception("run %s failed", run_id)
             store.finish(url, run_id, lease, "failed", reason=reason)
-            return f"failed: {reason}"
+            outcome = f"failed: {reason}"
+    if not outcome.startswith("released"):
+        _wake_twins(url, run)  # finished or failed: a waiting twin adopts or trains now
     return outcome
 
 
@@ -78,6 +81,8 @@ def _train_and_evaluate(url: str, run_id: int, lease: str, spec, run, beat) -> s
         trained = (run.train_hash, spec.train.steps, task.fingerprint)
         adopted = _adopt(url, run_id, lease, *trained, checkpoint) or {}
     cancel = {"asked": False}
+    # The run's provenance as stored: fine-tuned variants' records of earlier attempts.
+    noted: dict = dict(run.provenance) if isinstance(run.provenance, dict) else {}
 
     def on_progress(point) -> None:
         cancel["asked"] = store.record_progress(url, run_id, lease, point)
@@ -97,6 +102,10 @@ def _train_and_evaluate(url: str, run_id: int, lease: str, spec, run, beat) -> s
             may_write=lambda: not beat.lost,
             skip_evaluations=store.stored_evaluations(url, run_id),
             task=task,
+            on_trained=lambda: _wake_twins(url, run),  # they adopt the model now
+            on_finetuned=lambda label, record: noted.update(
+                store.note_provenance(url, run_id, lease, "finetune", label, record)
+            ),
         )
     except RunCancelled as err:
         if beat.lost:
@@ -118,6 +127,8 @@ def _train_and_evaluate(url: str, run_id: int, lease: str, spec, run, beat) -> s
     store.record_summaries(url, run_id, lease, summaries)
     provenance = {**result.provenance, "resumed_from_step": result.train.resumed_from}
     provenance.update({k: adopted[k] for k in ("trained_by_run", "training") if k in adopted})
+    if noted.get("finetune"):  # every attempt's fine-tunings, not only this one's
+        provenance["finetune"] = {**noted["finetune"], **provenance.get("finetune", {})}
     store.finish(
         url, run_id, lease, "done", provenance=provenance, checkpoint_uri=checkpoint.as_uri()
     )
@@ -127,14 +138,15 @@ def _train_and_evaluate(url: str, run_id: int, lease: str, spec, run, beat) -> s
 def _adopt(
     url: str, run_id: int, lease: str, train_hash: str, steps: int, data: str, checkpoint
 ) -> dict | None:
-    """Use the trained model of a finished run with the same train hash (a study that
-    only evaluates differently): its final checkpoint becomes this run's (a hard link,
-    or a copy across file systems), so training resumes at its last step and only the
-    evaluation runs. A checkpoint is taken only when it is final, stamped with this
-    train hash, and trained on the same data (``data``: the task's fingerprint; an
-    edited text: corpus under the same path has another). Returns the provenance
-    marker (``store.adopt_training``), or None when no finished run's checkpoint is on
-    this machine."""
+    """Use the trained model of another run with the same train hash (a study that only
+    evaluates differently): its final checkpoint becomes this run's (a hard link, or a
+    copy across file systems), so training resumes at its last step and only the
+    evaluation runs. The donor may have finished, or still be evaluating (or have
+    failed there): a checkpoint is taken only when it is final, stamped with this train
+    hash, and trained on the same data (``data``: the task's fingerprint, compared with
+    the donor's stored one or the checkpoint's stamp; an edited text: corpus under the
+    same path has another). Returns the provenance marker (``store.adopt_training``),
+    or None when no such checkpoint is on this machine."""
     import shutil
     import uuid
     from pathlib import Path
@@ -142,12 +154,14 @@ def _adopt(
 
     from worker import store
 
-    for donor, uri, donor_data in store.trained_models(url, train_hash, run_id):
-        if donor_data != data:
+    for donor, uri, donor_data, _ in store.trained_models(url, train_hash, run_id):
+        if donor_data is not None and donor_data != data:
             continue
-        source = Path(unquote(urlparse(uri).path))
-        if not _final_checkpoint(source, train_hash, steps):
-            continue  # on another machine, partial, or of another configuration
+        source = Path(unquote(urlparse(uri).path)) if uri else checkpoint.with_name(f"{donor}.pt")
+        # The data by the donor's stored fingerprint, or (not finished yet) by its stamp.
+        stamp = data if donor_data is None else None
+        if not _final_checkpoint(source, train_hash, steps, stamp):
+            continue  # on another machine, partial, of another configuration or data
         checkpoint.parent.mkdir(parents=True, exist_ok=True)
         temporary = checkpoint.with_name(f"{checkpoint.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
@@ -172,15 +186,15 @@ def _adopt(
     return None
 
 
-def _twin_training(url: str, run, node: str, folder) -> int | None:
+def _twin_training(url: str, run, node: str, folder, steps: int) -> int | None:
     """The run that is training this run's model right now (same train hash: a study that
     only evaluates differently, submitted while the first trains), when this run should
     wait for it and adopt its model rather than train the same weights a second time;
     else None. Only a run that has no checkpoint of its own, no adopted model and no
     finished donor waits, and only for a twin whose checkpoint it will be able to read:
     one whose checkpoint is already in this machine's artifacts folder, or one on this
-    node that has trained a step (two twins that start together on one node: the later
-    id waits)."""
+    node, when that twin is the older run (so two twins never wait for each other).
+    A twin whose training is over (its checkpoint is final) is adopted at once."""
     from worker import store
 
     provenance = run.provenance if isinstance(run.provenance, dict) else {}
@@ -189,20 +203,25 @@ def _twin_training(url: str, run, node: str, folder) -> int | None:
         or (folder / f"{run.id}.pt").exists()
         or provenance.get("train_afresh")
         or provenance.get("trained_by_run")
-        or store.trained_models(url, run.train_hash, run.id)
+        or any(s == "done" for *_, s in store.trained_models(url, run.train_hash, run.id))
     ):
         return None
-    for twin, worker, step in store.training_twins(url, run.train_hash, run.id):
+    for twin, worker in store.training_twins(url, run.train_hash, run.id):
+        path = folder / f"{twin}.pt"
+        if path.exists() and _final_checkpoint(path, run.train_hash, steps):
+            return None  # trained, evaluating: adopt it now
         same_node = (worker or "").rpartition(":")[0] == node
-        if (folder / f"{twin}.pt").exists() or (same_node and (step > 0 or twin < run.id)):
+        if path.exists() or (same_node and twin < run.id):
             return twin
     return None
 
 
 def _wait_for_twin(url: str, run_id: int, lease: str, twin: int, seconds: float) -> str:
-    """Give the run back to the queue, to be delivered again in ``seconds``: by then its
-    twin may have finished (the run adopts its model), or stopped (the run trains)."""
+    """Give the run back to the queue, to be delivered again in about ``seconds`` (and at
+    once when the twin's training ends: ``_wake_twins``): by then its twin may have
+    finished training (the run adopts its model), or stopped (the run trains)."""
     import functools
+    import random
 
     from jobs.service import celery_send, enqueue
     from worker import store
@@ -212,12 +231,33 @@ def _wait_for_twin(url: str, run_id: int, lease: str, twin: int, seconds: float)
         return "lease lost: another worker owns the run now"
     if outcome == "cancelled":
         return "cancelled"
+    seconds *= random.uniform(0.8, 1.2)  # twins released together come back apart
     enqueue([run_id], send=functools.partial(celery_send, countdown=seconds))
     log.info("run %s waits for run %s, which trains the same model", run_id, twin)
-    return f"waiting: run {twin} trains the same model; queued again in {seconds:g} s"
+    return f"waiting: run {twin} trains the same model; queued again in {seconds:.0f} s"
 
 
-def _final_checkpoint(path, train_hash: str, steps: int) -> bool:
+def _wake_twins(url: str, run) -> None:
+    """Send the queued runs that share this run's train hash again, now: its training is
+    over (they adopt the model) or the run has ended (they adopt it or train). A
+    duplicate message is harmless; a failure to send is the reconciler's to retry."""
+    from jobs.service import enqueue
+    from worker import store
+
+    if run.train_hash is None:
+        return
+    try:
+        waiting = store.queued_twins(url, run.train_hash, run.id)
+        if waiting:
+            enqueue(waiting)
+    except Exception as err:  # never fail the run for it: they come back on their own
+        log.warning("could not wake the runs waiting for run %s: %s", run.id, err)
+
+
+def _final_checkpoint(path, train_hash: str, steps: int, data: str | None = None) -> bool:
+    """Whether ``path`` holds the final checkpoint of this train hash; with ``data``, also
+    trained on that data by its stamp (a checkpoint written before checkpoints carried
+    one passes on the donor's stored fingerprint alone: ``data`` None)."""
     import torch
 
     from worker.train import checkpoint_problem
@@ -225,6 +265,8 @@ def _final_checkpoint(path, train_hash: str, steps: int) -> bool:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # missing, unreadable, not a checkpoint
+        return False
+    if data is not None and state.get("data") != data:
         return False
     return checkpoint_problem(state, train_hash) is None and int(state.get("step", -1)) == steps
 

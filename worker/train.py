@@ -179,13 +179,15 @@ def train(
     may_write: Callable[[], bool] | None = None,
     stop_after: int | None = None,
     validate: Callable[[], float] | None = None,
+    data: str | None = None,
 ) -> TrainResult:
     """Train ``model`` for ``spec.steps`` steps (or until ``stop_after``, for tests).
 
     The data order depends on ``seed`` alone, so every encoding sees the same batches.
     ``fingerprint`` (the run's train hash) stamps the checkpoint; ``may_write`` says
     whether this process still owns the run (a worker that lost its lease must not
-    overwrite the new owner's checkpoint). ``validate`` (the held-out loss of the
+    overwrite the new owner's checkpoint); ``data`` (the task's fingerprint) stamps it
+    too, so another run can tell what it was trained on. ``validate`` (the held-out loss of the
     weights now, ``worker.evaluate.validation_loss``) runs every ``spec.val_every``
     steps and at the last one; its value joins that step's report.
     """
@@ -205,7 +207,8 @@ def train(
         if device.type == "cuda" and "cuda_rng" in state:
             torch.cuda.set_rng_state(state["cuda_rng"].cpu(), device)
         step = int(state["step"])
-        curve = [TrainPoint(**p) for p in state["curve"]]
+        known = set(TrainPoint.__dataclass_fields__)  # a later version may add fields
+        curve = [TrainPoint(**{k: v for k, v in p.items() if k in known}) for p in state["curve"]]
         elapsed_before, interval = float(state["elapsed"]), state["interval"]
     resumed_from = step
 
@@ -213,6 +216,7 @@ def train(
         snap = {
             "version": CHECKPOINT_VERSION,
             "fingerprint": fingerprint,
+            "data": data,
             "step": step,
             # The interval in progress, so a resumed run reports the same curve.
             "interval": {"loss_sum": float(loss_sum.item()), "steps": interval_steps},
