@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Annotated, NoReturn
 
@@ -333,6 +334,52 @@ def delete(
     typer.echo(
         f"deleted study {study} ({deleted.name}): {deleted.runs} runs, "
         f"{deleted.evaluations} evaluations, {deleted.checkpoints} checkpoint files"
+    )
+
+
+@app.command()
+def export(
+    study: Annotated[int, typer.Argument(show_default=False, help="The study's id.")],
+    to: Annotated[str, typer.Option("--to", help="Where: mlflow.")] = "mlflow",
+    tracking_uri: Annotated[
+        str | None,
+        typer.Option(
+            "--tracking-uri",
+            envvar="MLFLOW_TRACKING_URI",
+            help="The MLflow tracking server (http://host:5000) or store; default: "
+            "MLFLOW_TRACKING_URI.",
+        ),
+    ] = None,
+    experiment: Annotated[
+        str | None,
+        typer.Option("--experiment", help="MLflow experiment (default: the study's name)."),
+    ] = None,
+    replace: Annotated[
+        bool, typer.Option("--replace", help="Write runs already exported again.")
+    ] = False,
+) -> None:
+    """Export a study's finished runs to MLflow: parameters, tags, the training curves,
+    the extrapolation curves (evaluation length as the step) and the summaries."""
+    from jobs.export import ExportError, to_mlflow
+
+    _check_id(study, "the study id")
+    if to != "mlflow":
+        fail(f"--to must be mlflow, got {to!r}", code=2)
+    if not tracking_uri:
+        fail("give --tracking-uri (e.g. http://localhost:5000) or set MLFLOW_TRACKING_URI", 2)
+    try:
+        done = to_mlflow(
+            _database(), study, tracking_uri=tracking_uri, experiment=experiment, replace=replace
+        )
+    except ExportError as err:
+        fail(str(err), code=2)
+    except Exception as err:  # the tracking server refused or is unreachable
+        where = re.sub(r"//[^/@]*@", "//", tracking_uri)  # no credentials in the message
+        fail(f"MLflow at {where}: {_first_line(err)}", code=1)
+    typer.echo(
+        f"study {study} -> MLflow experiment {done.experiment!r} ({done.experiment_id}): "
+        f"{len(done.written)} runs written, {len(done.skipped)} already there"
+        + (f", {len(done.unfinished)} not finished (not exported)" if done.unfinished else "")
     )
 
 

@@ -1,0 +1,193 @@
+"""Export a study to MLflow, for teams that track every experiment there.
+
+One MLflow run per finished posbench run, in an experiment named after the study:
+
+- params: the task, model, training and evaluation settings, the encoding and its
+  resolved parameters, the seed (everything the config hash covers);
+- tags: ``posbench.*`` ids and hashes, the encoding label, and the provenance (code
+  commit, library versions, device, data fingerprint);
+- metrics: the training curve (``train/loss``, ``train/val_loss``, ``train/lr``,
+  ``train/tokens_per_second`` by step); each extrapolation curve as
+  ``eval/<metric>/<variant>/<protocol>`` with the *evaluation length as the step*, so
+  MLflow's metric chart is the curve; every summary as ``summary/<name>/<variant>/
+  <protocol>``.
+
+MLflow keys allow letters, digits and ``_ - . / space``; other characters of a
+variant's label (``yarn:4+ft200``) become ``_``, and the exact labels are listed in the
+``posbench.variants`` tag. Exporting again skips runs already in the experiment (by the
+``posbench.run_id`` tag and config hash); ``replace`` deletes and writes them anew.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import select
+
+from db.engine import transaction
+from db.models import Evaluation, Run, RunSummary, Study, TrainPoint
+
+CURVE_METRICS = ("loss", "perplexity", "bits_per_byte", "accuracy", "token_accuracy")
+TRAIN_METRICS = ("loss", "val_loss", "lr", "tokens_per_second")
+BATCH = 900  # MLflow accepts at most 1000 metrics in one log_batch call
+_UNSAFE = re.compile(r"[^A-Za-z0-9_\-. /]")
+
+
+class ExportError(ValueError):
+    """The export cannot be made as asked (unknown study, no MLflow client, ...)."""
+
+
+@dataclass
+class Exported:
+    experiment: str
+    experiment_id: str
+    written: list[int] = field(default_factory=list)  # posbench run ids
+    skipped: list[int] = field(default_factory=list)  # already in the experiment
+    unfinished: list[int] = field(default_factory=list)  # not done: nothing to export
+
+
+def key(*parts: str) -> str:
+    """An MLflow metric or param key from posbench names (unsafe characters -> ``_``)."""
+    return "/".join(_UNSAFE.sub("_", part) for part in parts)
+
+
+def flatten(prefix: str, value: Any) -> dict[str, str]:
+    """``{"train": {"lr": 0.002}}`` -> ``{"train.lr": "0.002"}``; lists as JSON."""
+    if isinstance(value, dict):
+        out: dict[str, str] = {}
+        for name, inner in value.items():
+            out.update(flatten(f"{prefix}.{name}" if prefix else str(name), inner))
+        return out
+    if isinstance(value, list | tuple):
+        return {prefix: json.dumps(value, default=str)}
+    return {prefix: str(value)}
+
+
+def _client(tracking_uri: str):
+    try:
+        from mlflow.tracking import MlflowClient
+    except ImportError:
+        raise ExportError(
+            "exporting to MLflow needs its client: pip install 'posbench[mlflow]' (mlflow-skinny)"
+        ) from None
+    return MlflowClient(tracking_uri=tracking_uri)
+
+
+def _millis(moment) -> int:
+    return int(moment.timestamp() * 1000)
+
+
+def run_params(spec: dict[str, Any], run: Run) -> dict[str, str]:
+    """What the run measured with: the study's settings less the lists of encodings and
+    seeds, plus this run's encoding (resolved parameters) and seed."""
+    settings = {k: v for k, v in spec.items() if k not in ("name", "encodings", "seeds")}
+    params = flatten("", settings)
+    params.update(flatten("encoding", {"name": run.encoding, **(run.params or {})}))
+    params["seed"] = str(run.seed)
+    return {key(name): value[:6000] for name, value in params.items()}
+
+
+def run_tags(study: Study, run: Run, variants: Iterable[str]) -> dict[str, str]:
+    provenance = run.provenance if isinstance(run.provenance, dict) else {}
+    tags = {
+        "posbench.study_id": str(study.id),
+        "posbench.study": study.name,
+        "posbench.run_id": str(run.id),
+        "posbench.label": run.label,
+        "posbench.config_hash": run.config_hash,
+        "posbench.train_hash": run.train_hash or "",
+        "posbench.variants": json.dumps(sorted(variants)),
+        "mlflow.source.name": "posbench",
+    }
+    for name in ("git_commit", "posbench_version", "torch_version", "device_name", "data"):
+        if provenance.get(name) is not None:
+            tags[f"posbench.{name}"] = str(provenance[name])
+    if "trained_by_run" in provenance:
+        tags["posbench.trained_by_run"] = str(provenance["trained_by_run"])
+    return tags
+
+
+def run_metrics(session, run: Run, stamp: int) -> list[tuple[str, float, int, int]]:
+    """(key, value, timestamp ms, step) of every number stored for ``run``."""
+    metrics = []
+    for point in session.scalars(select(TrainPoint).where(TrainPoint.run_id == run.id)):
+        for name in TRAIN_METRICS:
+            value = getattr(point, name)
+            if value is not None and math.isfinite(value):
+                metrics.append((key("train", name), float(value), stamp, point.step))
+    for row in session.scalars(select(Evaluation).where(Evaluation.run_id == run.id)):
+        for name in CURVE_METRICS:
+            value = getattr(row, name)
+            if value is not None and math.isfinite(value):
+                metric = key("eval", name, row.variant, row.protocol)
+                metrics.append((metric, float(value), stamp, row.eval_length))
+    for summary in session.scalars(select(RunSummary).where(RunSummary.run_id == run.id)):
+        if summary.value is not None and math.isfinite(summary.value):
+            metric = key("summary", summary.name, summary.variant, summary.protocol)
+            metrics.append((metric, float(summary.value), stamp, 0))
+    return metrics
+
+
+def to_mlflow(
+    url: str,
+    study_id: int,
+    *,
+    tracking_uri: str,
+    experiment: str | None = None,
+    replace: bool = False,
+) -> Exported:
+    """Write study ``study_id``'s finished runs to the MLflow tracking server (or store)
+    at ``tracking_uri``, in ``experiment`` (default: the study's name)."""
+    client = _client(tracking_uri)  # first: a clear message when MLflow is missing
+    from mlflow.entities import Metric, Param
+
+    with transaction(url) as session:
+        study = session.get(Study, study_id)
+        if study is None:
+            raise ExportError(f"no study with id {study_id}")
+        name = experiment or study.name
+        found = client.get_experiment_by_name(name)
+        experiment_id = (
+            found.experiment_id
+            if found is not None
+            else client.create_experiment(name, tags={"posbench.study_id": str(study.id)})
+        )
+        result = Exported(name, experiment_id)
+        for run in session.scalars(select(Run).where(Run.study_id == study_id).order_by(Run.id)):
+            if run.status != "done":
+                result.unfinished.append(run.id)
+                continue
+            earlier = client.search_runs(
+                [experiment_id], filter_string=f"tags.`posbench.run_id` = '{run.id}'"
+            )
+            earlier = [r for r in earlier if r.data.tags.get("posbench.study_id") == str(study.id)]
+            if earlier and not replace:
+                result.skipped.append(run.id)
+                continue
+            for old in earlier:
+                client.delete_run(old.info.run_id)
+            stamp = _millis(run.finished_at or run.created_at)
+            variants = set(
+                session.scalars(select(Evaluation.variant).where(Evaluation.run_id == run.id))
+            )
+            created = client.create_run(
+                experiment_id,
+                start_time=_millis(run.started_at or run.created_at),
+                tags=run_tags(study, run, variants),
+                run_name=f"{run.label} seed {run.seed}",
+            )
+            mlflow_id = created.info.run_id
+            params = [Param(k, v) for k, v in run_params(study.spec, run).items()]
+            for start in range(0, len(params), 90):  # at most 100 params a call
+                client.log_batch(mlflow_id, params=params[start : start + 90])
+            metrics = [Metric(*m) for m in run_metrics(session, run, stamp)]
+            for start in range(0, len(metrics), BATCH):
+                client.log_batch(mlflow_id, metrics=metrics[start : start + BATCH])
+            client.set_terminated(mlflow_id, status="FINISHED", end_time=stamp)
+            result.written.append(run.id)
+    return result

@@ -1,0 +1,113 @@
+"""Export to MLflow: a study's runs, read back through MLflow's own client."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import isolated_env, posbench_cli
+from dashboard_seed import LENGTHS, seed_study
+from mlflow.tracking import MlflowClient  # a dev dependency: no skip
+
+from db import queries
+from db.migrate import upgrade
+from jobs.export import key
+from jobs.settings import Settings
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    config = Settings(home=tmp_path / "home")
+    upgrade(config.database)
+    return config
+
+
+@pytest.fixture
+def tracking(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    # MLflow's file store (kept for local use, opted into by this variable): the client
+    # calls are the ones a tracking server receives.
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    return (tmp_path / "mlruns").as_uri()
+
+
+def export(settings: Settings, tracking: str, *args: str):
+    env = isolated_env(settings.home, MLFLOW_ALLOW_FILE_STORE="true")
+    return posbench_cli("export", *args, "--tracking-uri", tracking, env=env)
+
+
+def test_a_study_exports_its_finished_runs_once(settings: Settings, tracking: str) -> None:
+    study = seed_study(settings)
+    done = export(settings, tracking, str(study))
+    assert done.returncode == 0, done.stderr
+    assert "4 runs written, 0 already there, 2 not finished (not exported)" in done.stdout
+    client = MlflowClient(tracking_uri=tracking)
+    experiment = client.get_experiment_by_name("seeded")
+    runs = client.search_runs([experiment.experiment_id])
+    assert sorted(r.info.run_name for r in runs) == [
+        "alibi seed 0",
+        "alibi seed 1",
+        "rope seed 0",
+        "rope seed 1",
+    ]
+    stored = queries.runs(settings.database, study_id=study).set_index("id")
+    rope = next(r for r in runs if r.info.run_name == "rope seed 1")
+    run_id = int(rope.data.tags["posbench.run_id"])
+    assert stored.loc[run_id, "label"] == "rope" and stored.loc[run_id, "seed"] == 1
+    assert rope.data.tags["posbench.config_hash"] == stored.loc[run_id, "config_hash"]
+    assert rope.info.status == "FINISHED"
+    # Parameters: the settings the run measured with, its encoding resolved.
+    params = rope.data.params
+    assert (params["encoding.name"], params["encoding.base"], params["seed"]) == (
+        "rope",
+        "10000.0",
+        "1",
+    )
+    assert params["train.length"] == "32" and params["model.d_model"] == "64"
+    assert params["eval.lengths"] == "[32, 64, 128]"
+    # The extrapolation curve, evaluation length as the step, equal to the database's.
+    curve = client.get_metric_history(rope.info.run_id, "eval/perplexity/none/nonoverlapping")
+    points = queries.curves(settings.database, study_ids=[study])
+    mine = points[points["run_id"] == run_id].set_index("eval_length")["perplexity"]
+    assert sorted(m.step for m in curve) == LENGTHS
+    assert {m.step: m.value for m in curve} == pytest.approx(mine.to_dict())
+    # The training curve by step, with the validation loss where it was measured.
+    loss = client.get_metric_history(rope.info.run_id, "train/loss")
+    assert sorted((m.step, m.value) for m in loss) == [(20, pytest.approx(3.2)), (40, 2.5)]
+    val = client.get_metric_history(rope.info.run_id, "train/val_loss")
+    assert [(m.step, m.value) for m in val] == [(40, pytest.approx(2.7))]
+    assert "summary/ratio_4x/none/nonoverlapping" in rope.data.metrics
+    # Again: nothing is duplicated; --replace writes them anew.
+    again = export(settings, tracking, str(study))
+    assert "0 runs written, 4 already there" in again.stdout
+    assert len(client.search_runs([experiment.experiment_id])) == 4
+    replaced = export(settings, tracking, str(study), "--replace")
+    assert "4 runs written, 0 already there" in replaced.stdout
+    assert len(client.search_runs([experiment.experiment_id])) == 4
+
+
+def test_export_refuses_what_it_cannot_do(settings: Settings, tracking: str) -> None:
+    missing = export(settings, tracking, "99")
+    assert missing.returncode == 2 and "no study with id 99" in missing.stderr
+    wrong = export(settings, tracking, "1", "--to", "wandb")
+    assert wrong.returncode == 2 and "--to must be mlflow, got 'wandb'" in wrong.stderr
+    nowhere = posbench_cli("export", "1", env=isolated_env(settings.home))
+    assert nowhere.returncode == 2
+    assert "give --tracking-uri (e.g. http://localhost:5000) or set MLFLOW_TRACKING_URI" in (
+        nowhere.stderr
+    )
+
+
+def test_keys_keep_only_what_mlflow_accepts() -> None:
+    assert key("eval", "perplexity", "yarn:4+ft200@512(lr=0.0002, batch=8)", "sliding") == (
+        "eval/perplexity/yarn_4_ft200_512_lr_0.0002_ batch_8_/sliding"
+    )
+
+
+def test_without_the_mlflow_client_the_message_says_what_to_install(monkeypatch) -> None:
+    import sys
+
+    from jobs.export import ExportError, _client
+
+    monkeypatch.setitem(sys.modules, "mlflow.tracking", None)  # as if not installed
+    with pytest.raises(ExportError, match=r"pip install 'posbench\[mlflow\]'"):
+        _client("http://localhost:5000")
