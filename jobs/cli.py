@@ -337,6 +337,31 @@ def delete(
     )
 
 
+@app.command("import")
+def import_(
+    results_file: Annotated[
+        Path, typer.Argument(show_default=False, help="results.json written by posbench run.")
+    ],
+    force: Annotated[
+        bool, typer.Option("--force", help="Import results already in the database again.")
+    ] = False,
+) -> None:
+    """Store the results of `posbench run` as a finished study: the dashboard compares
+    it, `posbench results` and SQL query it, and later submits reuse its runs."""
+    from jobs.imports import ImportProblem, import_results
+    from jobs.settings import get_settings
+
+    url = _database()
+    try:
+        done = import_results(results_file, settings=get_settings(), force=force)
+    except ImportProblem as err:
+        fail(str(err), code=2)
+    typer.echo(
+        f"imported study {done.study_id} ({done.name}): {done.runs} runs, "
+        f"{done.evaluations} evaluations (database {_redact(url)})"
+    )
+
+
 @app.command()
 def export(
     study: Annotated[int, typer.Argument(show_default=False, help="The study's id.")],

@@ -1,0 +1,210 @@
+"""Import the ``results.json`` of ``posbench run`` into the results database.
+
+A study run on a laptop or a lone GPU box, without the service, joins the others: the
+dashboard compares it, ``posbench results`` and SQL query it, and a later submit reuses
+its runs by config hash like any finished run. The file is checked whole before
+anything is written (its spec is validated as a submitted one; every run must be one of
+that spec's runs, by the config hash this version computes), and the study is written in
+one transaction: all of it or nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from sqlalchemy import select
+
+from db.engine import transaction
+from db.models import Evaluation, PositionBin, Run, RunSummary, Study, TrainPoint, utcnow
+from jobs.settings import Settings, get_settings
+from jobs.spec import SpecError, parse_spec
+
+
+class ImportProblem(ValueError):
+    """The file cannot be imported: what is wrong with it, and nothing was written."""
+
+
+class _Loose(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class _Point(_Loose):
+    step: int = Field(ge=0)
+    loss: float
+    lr: float
+    tokens_per_second: float
+    elapsed: float
+    val_loss: float | None = None
+
+
+class _Train(_Loose):
+    steps: int = Field(ge=0)
+    curve: list[_Point] = Field(default_factory=list)
+
+
+class _Bin(_Loose):
+    start: int
+    end: int
+    loss: float
+    tokens: int
+
+
+class _Evaluation(_Loose):
+    variant: str = Field(max_length=40)
+    protocol: str
+    length: int = Field(ge=1)
+    factor: float | None = None
+    loss: float | None = None
+    perplexity: float | None = None
+    bits_per_byte: float | None = None
+    accuracy: float | None = None
+    token_accuracy: float | None = None
+    tokens: int = 0
+    tokens_per_second: float | None = None
+    peak_memory_bytes: int | None = None
+    not_applicable: str | None = None
+    groups: dict[str, float] | None = None
+    position_bins: list[_Bin] = Field(default_factory=list)
+
+
+class _Summary(_Loose):
+    variant: str = Field(max_length=40)
+    protocol: str
+    name: str = Field(max_length=40)
+    value: float | None
+
+
+class _Run(_Loose):
+    label: str
+    seed: int
+    config_hash: str
+    train: _Train
+    evaluations: list[_Evaluation]
+    summaries: list[_Summary] = Field(default_factory=list)
+    provenance: dict[str, Any] = Field(default_factory=dict)
+
+
+class _Results(_Loose):
+    spec: dict[str, Any]
+    runs: list[_Run] = Field(min_length=1)
+
+
+@dataclass
+class Imported:
+    study_id: int
+    name: str
+    runs: int
+    evaluations: int
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except OSError as err:
+        raise ImportProblem(f"{path}: cannot be read ({err.strerror or err})") from None
+    except ValueError as err:
+        raise ImportProblem(f"{path}: not JSON ({err})") from None
+
+
+def _where(error: dict[str, Any]) -> str:
+    return ".".join(str(part) for part in error["loc"]) or "the file"
+
+
+def import_results(path: Path, *, settings: Settings | None = None, force: bool = False):
+    """Store ``posbench run``'s ``results.json`` at ``path`` as a finished study; refused
+    (ImportProblem, nothing written) when a run's results are already in the database
+    (by config hash), unless ``force``."""
+    settings = settings or get_settings()
+    try:
+        results = _Results.model_validate(_read(path))
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise ImportProblem(f"{path}: {_where(first)}: {first['msg']}") from None
+    try:
+        spec = parse_spec(results.spec)
+    except SpecError as err:
+        raise ImportProblem(f"{path}: its spec: {err}") from None
+    planned = {run.config_hash: run for run in spec.runs()}
+    seen = set()
+    for index, run in enumerate(results.runs):
+        if run.config_hash not in planned:
+            raise ImportProblem(
+                f"{path}: runs[{index}] ({run.label}, seed {run.seed}) is not a run of its "
+                "spec as this posbench version hashes it (written by another results "
+                "version, or edited)"
+            )
+        if run.config_hash in seen:
+            raise ImportProblem(f"{path}: runs[{index}] ({run.label}) appears twice")
+        seen.add(run.config_hash)
+        keys = {
+            "train.curve": [p.step for p in run.train.curve],
+            "evaluations": [(e.variant, e.protocol, e.length) for e in run.evaluations],
+            "summaries": [(s.variant, s.protocol, s.name) for s in run.summaries],
+        }
+        for part, values in keys.items():
+            twice = sorted({v for v in values if values.count(v) > 1}, key=str)
+            if twice:
+                raise ImportProblem(f"{path}: runs[{index}].{part}: {twice[0]} appears twice")
+    with transaction(settings.database) as session:
+        if not force:
+            there = session.execute(
+                select(Run.id, Run.study_id)
+                .where(Run.config_hash.in_(seen), Run.status == "done")
+                .order_by(Run.id)
+            ).first()
+            if there is not None:
+                raise ImportProblem(
+                    f"{path}: its results are already stored (run {there.id} of study "
+                    f"{there.study_id} has the same config hash); --force imports them again"
+                )
+        study = Study(
+            name=spec.name,
+            task=spec.task.name,
+            metric=spec.task.metric,
+            train_length=spec.train.length,
+            spec=spec.model_dump(mode="json"),
+        )
+        session.add(study)
+        session.flush()
+        now = utcnow()
+        evaluations = 0
+        for run in results.runs:
+            planned_run = planned[run.config_hash]
+            last = run.train.curve[-1] if run.train.curve else None
+            row = Run(
+                study_id=study.id,
+                encoding=planned_run.encoding.name,
+                label=planned_run.encoding.label,
+                params=planned_run.encoding.resolved_params,
+                seed=planned_run.seed,
+                config_hash=planned_run.config_hash,
+                train_hash=planned_run.train_hash,
+                total_steps=spec.train.steps,
+                step=run.train.steps,
+                latest_loss=last.loss if last else None,
+                tokens_per_second=last.tokens_per_second if last else None,
+                status="done",
+                started_at=now,
+                finished_at=now,
+                provenance={**run.provenance, "imported_from": str(path)},
+            )
+            session.add(row)
+            session.flush()
+            session.add_all(TrainPoint(run_id=row.id, **p.model_dump()) for p in run.train.curve)
+            for evaluation in run.evaluations:
+                values = evaluation.model_dump(exclude={"position_bins", "length"})
+                stored = Evaluation(run_id=row.id, eval_length=evaluation.length, **values)
+                session.add(stored)
+                session.flush()
+                session.add_all(
+                    PositionBin(evaluation_id=stored.id, **b.model_dump())
+                    for b in evaluation.position_bins
+                )
+                evaluations += 1
+            session.add_all(RunSummary(run_id=row.id, **s.model_dump()) for s in run.summaries)
+        study_id = study.id
+    return Imported(study_id, spec.name, len(results.runs), evaluations)

@@ -1,0 +1,132 @@
+"""posbench import: a study run with `posbench run` joins the results database."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import isolated_env, posbench_cli
+
+from db import queries
+from db.migrate import upgrade
+from jobs.service import submit
+from jobs.settings import Settings
+from jobs.spec import parse_spec
+from worker.study import run_study
+
+SPEC = {
+    "name": "laptop",
+    "model": "tiny",
+    "train": {"length": 16, "steps": 6, "batch_size": 2, "val_every": 3},
+    "encodings": ["rope", "alibi"],
+    "eval": {"lengths": [16, 32], "tokens": 256, "variants": ["yarn:2"]},
+}
+
+
+@pytest.fixture(scope="module")
+def payload() -> dict:
+    return run_study(parse_spec(SPEC)).to_dict()
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    config = Settings(home=tmp_path / "home")
+    upgrade(config.database)
+    return config
+
+
+def posbench(settings: Settings, *args: str):
+    return posbench_cli(*args, env=isolated_env(settings.home, COLUMNS="200"))
+
+
+def write(tmp_path: Path, payload: dict, name: str = "results.json") -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(payload))
+    return path
+
+
+def test_a_local_study_is_imported_whole_and_reused(
+    settings: Settings, payload: dict, tmp_path: Path
+) -> None:
+    path = write(tmp_path, payload)
+    done = posbench(settings, "import", str(path))
+    assert done.returncode == 0, done.stderr
+    assert "imported study 1 (laptop): 2 runs, 6 evaluations" in done.stdout
+    runs = queries.runs(settings.database, study_id=1)
+    assert list(runs["label"]) == ["rope", "alibi"] and set(runs["status"]) == {"done"}
+    assert all(p["imported_from"] == str(path) for p in runs["provenance"])
+    # The numbers are the file's, point for point.
+    curves = queries.curves(settings.database, study_ids=[1]).set_index(
+        ["label", "variant", "eval_length"]
+    )
+    for run in payload["runs"]:
+        for row in run["evaluations"]:
+            stored = curves.loc[(run["label"], row["variant"], row["length"])]
+            assert stored["perplexity"] == pytest.approx(row["perplexity"])
+    points = queries.train_points(settings.database, runs["id"].tolist())
+    assert sorted(points["step"].unique()) == [
+        p["step"] for p in payload["runs"][0]["train"]["curve"]
+    ]
+    assert points["val_loss"].notna().sum() == 2 * 2  # steps 3 and 6, two runs
+    summaries = queries.run_summaries(settings.database, [1])
+    assert len(summaries) == sum(len(r["summaries"]) for r in payload["runs"])
+    shown = posbench(settings, "results", "--study", "1")
+    assert shown.returncode == 0 and "yarn:2" in shown.stdout
+    # A later submit of the same study reuses the imported runs, trains nothing.
+    again = submit(parse_spec(SPEC), settings=settings, send=lambda run_id: None)
+    assert again.queued == [] and len(again.reused) == 2
+    # Importing it twice is refused; --force stores a second copy.
+    twice = posbench(settings, "import", str(path))
+    assert twice.returncode == 2
+    assert "its results are already stored (run 1 of study 1 has the same config hash)" in (
+        twice.stderr
+    )
+    forced = posbench(settings, "import", str(path), "--force")
+    assert forced.returncode == 0 and "imported study 3" in forced.stdout
+
+
+def _edited(payload: dict, change) -> dict:
+    copy = json.loads(json.dumps(payload))
+    change(copy)
+    return copy
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda p: p.pop("runs"), "runs: Field required"),
+        (lambda p: p.update(runs=[]), "runs: List should have at least 1 item"),
+        (
+            lambda p: p["spec"]["train"].update(length=4),
+            "its spec: train.length = 4: must be greater than or equal to 8",
+        ),
+        (
+            lambda p: p["runs"][1].update(config_hash="0" * 24),
+            "runs[1] (alibi, seed 0) is not a run of its spec as this posbench version hashes",
+        ),
+        (lambda p: p["runs"].append(p["runs"][0]), "runs[2] (rope) appears twice"),
+        (
+            lambda p: p["runs"][0]["evaluations"].append(p["runs"][0]["evaluations"][0]),
+            "runs[0].evaluations: ('none', 'nonoverlapping', 16) appears twice",
+        ),
+        (
+            lambda p: p["runs"][0]["train"]["curve"][0].update(loss="low"),
+            "runs.0.train.curve.0.loss: Input should be a valid number",
+        ),
+    ],
+)
+def test_a_broken_file_is_refused_and_nothing_is_written(
+    settings: Settings, payload: dict, tmp_path: Path, change, message: str
+) -> None:
+    done = posbench(settings, "import", str(write(tmp_path, _edited(payload, change))))
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert queries.studies(settings.database).empty
+
+
+def test_a_missing_or_unreadable_file_says_so(settings: Settings, tmp_path: Path) -> None:
+    missing = posbench(settings, "import", str(tmp_path / "nope.json"))
+    assert missing.returncode == 2 and "nope.json: cannot be read" in missing.stderr
+    (tmp_path / "bad.json").write_text("{not json")
+    bad = posbench(settings, "import", str(tmp_path / "bad.json"))
+    assert bad.returncode == 2 and "bad.json: not JSON" in bad.stderr
