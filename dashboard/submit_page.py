@@ -138,6 +138,7 @@ def form(base: dict[str, Any], prefix: str) -> tuple[dict[str, Any], list[str]]:
         st.subheader("Training")
         a, b, c = st.columns(3)
         spec["train"] = {
+            **train,  # what the form does not show (a preset's checkpoint cadence) stays
             "length": int(
                 a.number_input(
                     "Train length", 8, 16384, train.get("length", 128), key=key("length")
@@ -161,6 +162,30 @@ def form(base: dict[str, Any], prefix: str) -> tuple[dict[str, Any], list[str]]:
                 "Warmup fraction", 0.0, 0.5, float(train.get("warmup", 0.05)), key=key("warmup")
             )
         )
+        a, b = st.columns(2)
+        spec["train"]["val_every"] = int(
+            a.number_input(
+                "Validate every (steps; 0: never)",
+                0,
+                200_000,
+                int(train.get("val_every", 100)),
+                key=key("val_every"),
+                help="the held-out loss at the training length, drawn with the training loss",
+            )
+        )
+        shortest = b.number_input(
+            "Shortest training length (optional)",
+            8,
+            16384,
+            train.get("min_length"),
+            key=key("min_length"),
+            placeholder="every step at the train length",
+            help="each step draws its length from [this, train length]: training on every "
+            "length up to the train length (length-generalisation studies)",
+        )
+        spec["train"].pop("min_length", None)
+        if shortest is not None:
+            spec["train"]["min_length"] = int(shortest)
         seeds = st.text_input(
             "Seeds",
             ", ".join(str(s) for s in base.get("seeds", [0])),

@@ -114,6 +114,12 @@ def test_presets_fill_the_form(settings) -> None:
     yaml_view = app.code[0].value
     assert "corpus: hf:wikitext:wikitext-103-raw-v1" in yaml_view
     assert "init_threshold" not in yaml_view  # left to its derived default
+    assert "checkpoint_every: 1000" in yaml_view  # the preset's, not shown on the form
+    assert "min_length" not in yaml_view
+    app.number_input(key="paper:min_length").set_value(64).run()
+    assert "min_length: 64" in app.code[0].value and not app.error
+    app.number_input(key="paper:min_length").set_value(4096).run()
+    assert any("train.min_length = 4096 exceeds train.length = 512" in e.value for e in app.error)
 
 
 def test_encoding_parameters_come_from_the_registry(settings) -> None:
