@@ -385,6 +385,8 @@ def export(
 ) -> None:
     """Export a study's finished runs to MLflow: parameters, tags, the training curves,
     the extrapolation curves (evaluation length as the step) and the summaries."""
+    from sqlalchemy.exc import SQLAlchemyError
+
     from jobs.export import ExportError, to_mlflow
 
     _check_id(study, "the study id")
@@ -392,15 +394,19 @@ def export(
         fail(f"--to must be mlflow, got {to!r}", code=2)
     if not tracking_uri:
         fail("give --tracking-uri (e.g. http://localhost:5000) or set MLFLOW_TRACKING_URI", 2)
+    url = _database()
     try:
         done = to_mlflow(
-            _database(), study, tracking_uri=tracking_uri, experiment=experiment, replace=replace
+            url, study, tracking_uri=tracking_uri, experiment=experiment, replace=replace
         )
     except ExportError as err:
         fail(str(err), code=2)
+    except SQLAlchemyError as err:
+        fail(f"the database {_redact(url)}: {_first_line(err)}", code=1)
     except Exception as err:  # the tracking server refused or is unreachable
-        where = re.sub(r"//[^/@]*@", "//", tracking_uri)  # no credentials in the message
-        fail(f"MLflow at {where}: {_first_line(err)}", code=1)
+        # No credentials in the message: MLflow's own repeats the whole URL.
+        message = re.sub(r"//[^/@\s]*@", "//", f"MLflow at {tracking_uri}: {_first_line(err)}")
+        fail(message, code=1)
     typer.echo(
         f"study {study} -> MLflow experiment {done.experiment!r} ({done.experiment_id}): "
         f"{len(done.written)} runs written, {len(done.skipped)} already there"

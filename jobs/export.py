@@ -20,6 +20,7 @@ variant's label (``yarn:4+ft200``) become ``_``, and the exact labels are listed
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import math
 import re
@@ -79,6 +80,8 @@ def _client(tracking_uri: str):
 
 
 def _millis(moment) -> int:
+    if moment.tzinfo is None:  # SQLite hands back naive datetimes: they are UTC
+        moment = moment.replace(tzinfo=dt.timezone.utc)
     return int(moment.timestamp() * 1000)
 
 
@@ -109,17 +112,21 @@ def run_tags(study: Study, run: Run, variants: Iterable[str]) -> dict[str, str]:
             tags[f"posbench.{name}"] = str(provenance[name])
     if "trained_by_run" in provenance:
         tags["posbench.trained_by_run"] = str(provenance["trained_by_run"])
+    if run.reused_from_run_id is not None:  # the same results as that run's
+        tags["posbench.reused_from_run"] = str(run.reused_from_run_id)
     return tags
 
 
-def run_metrics(session, run: Run, stamp: int) -> list[tuple[str, float, int, int]]:
-    """(key, value, timestamp ms, step) of every number stored for ``run``."""
+def run_metrics(session, run: Run, start: int, stamp: int) -> list[tuple[str, float, int, int]]:
+    """(key, value, timestamp ms, step) of every number stored for ``run``: training
+    points at the run's start plus their elapsed time, the rest at ``stamp``."""
     metrics = []
     for point in session.scalars(select(TrainPoint).where(TrainPoint.run_id == run.id)):
+        at = start + int(point.elapsed * 1000)
         for name in TRAIN_METRICS:
             value = getattr(point, name)
             if value is not None and math.isfinite(value):
-                metrics.append((key("train", name), float(value), stamp, point.step))
+                metrics.append((key("train", name), float(value), at, point.step))
     for row in session.scalars(select(Evaluation).where(Evaluation.run_id == run.id)):
         for name in CURVE_METRICS:
             value = getattr(row, name)
@@ -133,6 +140,37 @@ def run_metrics(session, run: Run, stamp: int) -> list[tuple[str, float, int, in
     return metrics
 
 
+@dataclass
+class _RunExport:
+    """What one run's export sends, read in one short transaction."""
+
+    run_id: int
+    name: str
+    start: int
+    end: int
+    tags: dict[str, str]
+    params: dict[str, str]
+    metrics: list[tuple[str, float, int, int]]
+
+
+def _read_run(url: str, study_id: int, run_id: int) -> _RunExport:
+    with transaction(url) as session:
+        study = session.get(Study, study_id)
+        run = session.get(Run, run_id)
+        start = _millis(run.started_at or run.created_at)
+        end = _millis(run.finished_at or run.created_at)
+        variants = session.scalars(select(Evaluation.variant).where(Evaluation.run_id == run_id))
+        return _RunExport(
+            run_id=run_id,
+            name=f"{run.label} seed {run.seed}",
+            start=start,
+            end=end,
+            tags=run_tags(study, run, set(variants)),
+            params=run_params(study.spec, run),
+            metrics=run_metrics(session, run, start, end),
+        )
+
+
 def to_mlflow(
     url: str,
     study_id: int,
@@ -142,7 +180,9 @@ def to_mlflow(
     replace: bool = False,
 ) -> Exported:
     """Write study ``study_id``'s finished runs to the MLflow tracking server (or store)
-    at ``tracking_uri``, in ``experiment`` (default: the study's name)."""
+    at ``tracking_uri``, in ``experiment`` (default: the study's name). The database is
+    read in short transactions, none held across a call to MLflow (a slow server must
+    not hold up the workers' writes)."""
     client = _client(tracking_uri)  # first: a clear message when MLflow is missing
     from mlflow.entities import Metric, Param
 
@@ -151,43 +191,49 @@ def to_mlflow(
         if study is None:
             raise ExportError(f"no study with id {study_id}")
         name = experiment or study.name
-        found = client.get_experiment_by_name(name)
-        experiment_id = (
-            found.experiment_id
-            if found is not None
-            else client.create_experiment(name, tags={"posbench.study_id": str(study.id)})
+        runs = session.execute(
+            select(Run.id, Run.status).where(Run.study_id == study_id).order_by(Run.id)
+        ).all()
+    found = client.get_experiment_by_name(name)
+    if found is not None and found.lifecycle_stage != "active":
+        raise ExportError(
+            f"the MLflow experiment {name!r} is deleted: restore it in MLflow, or give "
+            "another name with --experiment"
         )
-        result = Exported(name, experiment_id)
-        for run in session.scalars(select(Run).where(Run.study_id == study_id).order_by(Run.id)):
-            if run.status != "done":
-                result.unfinished.append(run.id)
-                continue
-            earlier = client.search_runs(
-                [experiment_id], filter_string=f"tags.`posbench.run_id` = '{run.id}'"
+    experiment_id = (
+        found.experiment_id
+        if found is not None
+        else client.create_experiment(name, tags={"posbench.study_id": str(study_id)})
+    )
+    result = Exported(name, experiment_id)
+    for run_id, status in runs:
+        if status != "done":
+            result.unfinished.append(run_id)
+            continue
+        earlier = [
+            r
+            for r in client.search_runs(
+                [experiment_id], filter_string=f"tags.`posbench.run_id` = '{run_id}'"
             )
-            earlier = [r for r in earlier if r.data.tags.get("posbench.study_id") == str(study.id)]
-            if earlier and not replace:
-                result.skipped.append(run.id)
-                continue
-            for old in earlier:
-                client.delete_run(old.info.run_id)
-            stamp = _millis(run.finished_at or run.created_at)
-            variants = set(
-                session.scalars(select(Evaluation.variant).where(Evaluation.run_id == run.id))
-            )
-            created = client.create_run(
-                experiment_id,
-                start_time=_millis(run.started_at or run.created_at),
-                tags=run_tags(study, run, variants),
-                run_name=f"{run.label} seed {run.seed}",
-            )
-            mlflow_id = created.info.run_id
-            params = [Param(k, v) for k, v in run_params(study.spec, run).items()]
-            for start in range(0, len(params), 90):  # at most 100 params a call
-                client.log_batch(mlflow_id, params=params[start : start + 90])
-            metrics = [Metric(*m) for m in run_metrics(session, run, stamp)]
-            for start in range(0, len(metrics), BATCH):
-                client.log_batch(mlflow_id, metrics=metrics[start : start + BATCH])
-            client.set_terminated(mlflow_id, status="FINISHED", end_time=stamp)
-            result.written.append(run.id)
+            if r.data.tags.get("posbench.study_id") == str(study_id)
+        ]
+        # A run whose export was cut short (not FINISHED) is written again.
+        if not replace and any(r.info.status == "FINISHED" for r in earlier):
+            result.skipped.append(run_id)
+            continue
+        for old in earlier:
+            client.delete_run(old.info.run_id)
+        export = _read_run(url, study_id, run_id)
+        created = client.create_run(
+            experiment_id, start_time=export.start, tags=export.tags, run_name=export.name
+        )
+        mlflow_id = created.info.run_id
+        params = [Param(k, v) for k, v in export.params.items()]
+        for start in range(0, len(params), 90):  # at most 100 params a call
+            client.log_batch(mlflow_id, params=params[start : start + 90])
+        metrics = [Metric(*m) for m in export.metrics]
+        for start in range(0, len(metrics), BATCH):
+            client.log_batch(mlflow_id, metrics=metrics[start : start + BATCH])
+        client.set_terminated(mlflow_id, status="FINISHED", end_time=export.end)
+        result.written.append(run_id)
     return result

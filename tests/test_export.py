@@ -111,3 +111,50 @@ def test_without_the_mlflow_client_the_message_says_what_to_install(monkeypatch)
     monkeypatch.setitem(sys.modules, "mlflow.tracking", None)  # as if not installed
     with pytest.raises(ExportError, match=r"pip install 'posbench\[mlflow\]'"):
         _client("http://localhost:5000")
+
+
+def test_a_cut_short_export_is_written_again(
+    settings: Settings, tracking: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from jobs import export as exporter
+
+    study = seed_study(settings)
+    client = MlflowClient(tracking_uri=tracking)
+    real = MlflowClient.set_terminated
+    calls = {"n": 0}
+
+    def dies_on_the_second(self, run_id, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise ConnectionError("the server went away")
+        return real(self, run_id, *args, **kwargs)
+
+    monkeypatch.setattr(MlflowClient, "set_terminated", dies_on_the_second)
+    with pytest.raises(ConnectionError):
+        exporter.to_mlflow(settings.database, study, tracking_uri=tracking)
+    monkeypatch.setattr(MlflowClient, "set_terminated", real)
+    again = exporter.to_mlflow(settings.database, study, tracking_uri=tracking)
+    # The finished one is kept; the one left RUNNING is deleted and written whole.
+    assert (len(again.skipped), len(again.written)) == (1, 3)
+    experiment = client.get_experiment_by_name("seeded")
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == 4 and {r.info.status for r in runs} == {"FINISHED"}
+    assert all(r.data.metrics and r.data.params for r in runs)
+
+
+def test_a_deleted_experiment_or_an_unreachable_server_is_named(
+    settings: Settings, tracking: str
+) -> None:
+    study = seed_study(settings)
+    client = MlflowClient(tracking_uri=tracking)
+    client.delete_experiment(client.create_experiment("seeded"))
+    deleted = export(settings, tracking, str(study))
+    assert deleted.returncode == 2
+    assert "the MLflow experiment 'seeded' is deleted: restore it in MLflow" in deleted.stderr
+    env = isolated_env(
+        settings.home, MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT="3"
+    )
+    secret = "http://alice:s3cret@127.0.0.1:9"  # nothing listens on port 9
+    down = posbench_cli("export", str(study), "--tracking-uri", secret, env=env)
+    assert down.returncode == 1 and "error: MLflow at http://127.0.0.1:9" in down.stderr
+    assert "s3cret" not in down.stderr and "alice" not in down.stderr

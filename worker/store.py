@@ -146,6 +146,15 @@ def trained_models(
         ]
 
 
+def finished_provenance(url: str, run_id: int) -> dict | None:
+    """The provenance of run ``run_id`` when it has finished (done), else None."""
+    with transaction(url) as session:
+        row = session.execute(
+            select(Run.provenance).where(Run.id == run_id, Run.status == "done")
+        ).first()
+        return row.provenance if row is not None else None
+
+
 def queued_twins(url: str, train_hash: str, run_id: int) -> list[int]:
     """The queued runs with this train hash (runs waiting for this one's training)."""
     with transaction(url) as session:
@@ -198,7 +207,11 @@ def adopt_training(url: str, run_id: int, lease: str, donor_id: int) -> dict | N
             donor = session.get(Run, donor_id)
             if donor is None:
                 return None
-            marker = {"trained_by_run": donor_id, "training": donor.provenance}
+            finished = donor.status == "done"
+            marker = {
+                "trained_by_run": donor_id,
+                "training": donor.provenance if finished else None,
+            }
             points = session.scalars(select(TrainPoint).where(TrainPoint.run_id == donor_id))
             for point in points:
                 upsert(
@@ -208,6 +221,9 @@ def adopt_training(url: str, run_id: int, lease: str, donor_id: int) -> dict | N
                     keys=("run_id", "step"),
                     returning=None,
                 )
+            # Merged: notes an earlier attempt stored (its fine-tunings) stay.
+            stored = session.scalar(select(Run.provenance).where(Run.id == run_id))
+            kept = stored if isinstance(stored, dict) else {}
             session.execute(
                 update(Run)
                 .where(Run.id == run_id)
@@ -215,7 +231,7 @@ def adopt_training(url: str, run_id: int, lease: str, donor_id: int) -> dict | N
                     step=donor.step,
                     latest_loss=donor.latest_loss,
                     tokens_per_second=donor.tokens_per_second,
-                    provenance=marker,
+                    provenance={**kept, **marker},
                 )
             )
             return marker

@@ -127,6 +127,9 @@ def _train_and_evaluate(url: str, run_id: int, lease: str, spec, run, beat) -> s
     store.record_summaries(url, run_id, lease, summaries)
     provenance = {**result.provenance, "resumed_from_step": result.train.resumed_from}
     provenance.update({k: adopted[k] for k in ("trained_by_run", "training") if k in adopted})
+    if "trained_by_run" in adopted and not adopted.get("training"):
+        # Adopted from a twin still evaluating: its provenance, if it has finished since.
+        provenance["training"] = store.finished_provenance(url, adopted["trained_by_run"])
     if noted.get("finetune"):  # every attempt's fine-tunings, not only this one's
         provenance["finetune"] = {**noted["finetune"], **provenance.get("finetune", {})}
     store.finish(
@@ -203,7 +206,10 @@ def _twin_training(url: str, run, node: str, folder, steps: int) -> int | None:
         or (folder / f"{run.id}.pt").exists()
         or provenance.get("train_afresh")
         or provenance.get("trained_by_run")
-        or any(s == "done" for *_, s in store.trained_models(url, run.train_hash, run.id))
+        or any(
+            uri and status == "done"
+            for _, uri, _, status in store.trained_models(url, run.train_hash, run.id)
+        )
     ):
         return None
     for twin, worker in store.training_twins(url, run.train_hash, run.id):
