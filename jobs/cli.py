@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Annotated, NoReturn
@@ -395,6 +396,9 @@ def export(
     if not tracking_uri:
         fail("give --tracking-uri (e.g. http://localhost:5000) or set MLFLOW_TRACKING_URI", 2)
     url = _database()
+    # An unreachable server answers in seconds, not after MLflow's minutes of retries.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
     try:
         done = to_mlflow(
             url, study, tracking_uri=tracking_uri, experiment=experiment, replace=replace

@@ -12,10 +12,12 @@ One MLflow run per finished posbench run, in an experiment named after the study
   MLflow's metric chart is the curve; every summary as ``summary/<name>/<variant>/
   <protocol>``.
 
-MLflow keys allow letters, digits and ``_ - . / space``; other characters of a
-variant's label (``yarn:4+ft200``) become ``_``, and the exact labels are listed in the
-``posbench.variants`` tag. Exporting again skips runs already in the experiment (by the
-``posbench.run_id`` tag and config hash); ``replace`` deletes and writes them anew.
+MLflow keys allow letters, digits and ``_ - . /``; other characters of a variant's
+label (``yarn:4+ft200``) become ``_``, and the exact labels are listed in the
+``posbench.variants`` tag. Each run carries the study's spec as the artifact
+``posbench_spec.json``. Exporting again skips runs already in the experiment (the same
+``posbench.study_id``, ``posbench.run_id`` and ``posbench.config_hash``); ``replace``
+deletes and writes them anew.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from db.models import Evaluation, Run, RunSummary, Study, TrainPoint
 CURVE_METRICS = ("loss", "perplexity", "bits_per_byte", "accuracy", "token_accuracy")
 TRAIN_METRICS = ("loss", "val_loss", "lr", "tokens_per_second")
 BATCH = 900  # MLflow accepts at most 1000 metrics in one log_batch call
-_UNSAFE = re.compile(r"[^A-Za-z0-9_\-. /]")
+_UNSAFE = re.compile(r"[^A-Za-z0-9_\-./]")
 
 
 class ExportError(ValueError):
@@ -114,6 +116,8 @@ def run_tags(study: Study, run: Run, variants: Iterable[str]) -> dict[str, str]:
         tags["posbench.trained_by_run"] = str(provenance["trained_by_run"])
     if run.reused_from_run_id is not None:  # the same results as that run's
         tags["posbench.reused_from_run"] = str(run.reused_from_run_id)
+    if provenance.get("finetune"):  # each fine-tuned variant's recipe, loss and time
+        tags["posbench.finetune"] = json.dumps(provenance["finetune"])[:5000]
     return tags
 
 
@@ -151,6 +155,7 @@ class _RunExport:
     tags: dict[str, str]
     params: dict[str, str]
     metrics: list[tuple[str, float, int, int]]
+    spec: dict[str, Any]
 
 
 def _read_run(url: str, study_id: int, run_id: int) -> _RunExport:
@@ -168,6 +173,7 @@ def _read_run(url: str, study_id: int, run_id: int) -> _RunExport:
             tags=run_tags(study, run, set(variants)),
             params=run_params(study.spec, run),
             metrics=run_metrics(session, run, start, end),
+            spec=study.spec,
         )
 
 
@@ -192,9 +198,11 @@ def to_mlflow(
             raise ExportError(f"no study with id {study_id}")
         name = experiment or study.name
         runs = session.execute(
-            select(Run.id, Run.status).where(Run.study_id == study_id).order_by(Run.id)
+            select(Run.id, Run.status, Run.config_hash)
+            .where(Run.study_id == study_id)
+            .order_by(Run.id)
         ).all()
-    found = client.get_experiment_by_name(name)
+    found = client.get_experiment_by_name(name)  # also the check that the server answers
     if found is not None and found.lifecycle_stage != "active":
         raise ExportError(
             f"the MLflow experiment {name!r} is deleted: restore it in MLflow, or give "
@@ -206,15 +214,16 @@ def to_mlflow(
         else client.create_experiment(name, tags={"posbench.study_id": str(study_id)})
     )
     result = Exported(name, experiment_id)
-    for run_id, status in runs:
+    for run_id, status, config_hash in runs:
         if status != "done":
             result.unfinished.append(run_id)
             continue
+        # The same run: ids alone are not enough (another database, or ids handed out
+        # again after a delete), the configuration must be the same too.
+        same = f"tags.`posbench.run_id` = '{run_id}' and tags.`posbench.config_hash` = "
         earlier = [
             r
-            for r in client.search_runs(
-                [experiment_id], filter_string=f"tags.`posbench.run_id` = '{run_id}'"
-            )
+            for r in client.search_runs([experiment_id], filter_string=f"{same}'{config_hash}'")
             if r.data.tags.get("posbench.study_id") == str(study_id)
         ]
         # A run whose export was cut short (not FINISHED) is written again.
@@ -234,6 +243,7 @@ def to_mlflow(
         metrics = [Metric(*m) for m in export.metrics]
         for start in range(0, len(metrics), BATCH):
             client.log_batch(mlflow_id, metrics=metrics[start : start + BATCH])
+        client.log_dict(mlflow_id, export.spec, "posbench_spec.json")  # the study as run
         client.set_terminated(mlflow_id, status="FINISHED", end_time=export.end)
         result.written.append(run_id)
     return result

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,9 @@ from dashboard_seed import LENGTHS, seed_study
 from mlflow.tracking import MlflowClient  # a dev dependency: no skip
 
 from db import queries
+from db.engine import transaction
 from db.migrate import upgrade
+from db.models import Run
 from jobs.export import key
 from jobs.settings import Settings
 
@@ -83,6 +86,15 @@ def test_a_study_exports_its_finished_runs_once(settings: Settings, tracking: st
     replaced = export(settings, tracking, str(study), "--replace")
     assert "4 runs written, 0 already there" in replaced.stdout
     assert len(client.search_runs([experiment.experiment_id])) == 4
+    spec = client.download_artifacts(rope.info.run_id, "posbench_spec.json", str(settings.home))
+    assert json.loads(Path(spec).read_text())["name"] == "seeded"
+    # The same ids with another configuration (another database, or ids handed out again
+    # after a delete) is another run: written, and the old one left alone.
+    with transaction(settings.database) as session:
+        session.get(Run, run_id).config_hash = "f" * 24
+    other = export(settings, tracking, str(study))
+    assert "1 runs written, 3 already there" in other.stdout
+    assert len(client.search_runs([experiment.experiment_id])) == 5
 
 
 def test_export_refuses_what_it_cannot_do(settings: Settings, tracking: str) -> None:
@@ -99,7 +111,7 @@ def test_export_refuses_what_it_cannot_do(settings: Settings, tracking: str) -> 
 
 def test_keys_keep_only_what_mlflow_accepts() -> None:
     assert key("eval", "perplexity", "yarn:4+ft200@512(lr=0.0002, batch=8)", "sliding") == (
-        "eval/perplexity/yarn_4_ft200_512_lr_0.0002_ batch_8_/sliding"
+        "eval/perplexity/yarn_4_ft200_512_lr_0.0002__batch_8_/sliding"
     )
 
 
