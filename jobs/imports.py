@@ -10,6 +10,7 @@ one transaction: all of it or nothing.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,13 +115,51 @@ def _where(error: dict[str, Any]) -> str:
     return ".".join(str(part) for part in error["loc"]) or "the file"
 
 
+def _check_complete(path: Path, index: int, run: _Run, spec, planned) -> None:
+    """A run is stored as done only when it is whole: trained for the spec's steps, and
+    evaluated at exactly the points its spec plans for it."""
+    from worker.encodings import REGISTRY
+    from worker.evaluate import evaluation_plan
+
+    where = f"{path}: runs[{index}] ({run.label}, seed {run.seed})"
+    if run.train.steps != spec.train.steps or not run.train.curve:
+        raise ImportProblem(
+            f"{where} trained {run.train.steps} of {spec.train.steps} steps"
+            + ("" if run.train.curve else ", with no training curve")
+        )
+    scalable = REGISTRY[planned.encoding.name].scalable
+    plan = {(v.label, p, n) for v, p, n in evaluation_plan(spec.eval, scalable)}
+    stored = {(e.variant, e.protocol, e.length) for e in run.evaluations}
+    if stored - plan:
+        raise ImportProblem(f"{where}: evaluation {sorted(stored - plan)[0]} is not in its plan")
+    if plan - stored:
+        raise ImportProblem(f"{where}: evaluation {sorted(plan - stored)[0]} is missing")
+
+
+def _summaries(spec, run: _Run) -> list:
+    """The run's curve summaries computed from its points here (not taken from the file,
+    so they always match the curve), and the order probe's as the file has them."""
+    from jobs.analysis import ANY_PROTOCOL, summarize_points
+
+    metric = spec.task.metric
+    points = ((e.variant, e.protocol, e.length, getattr(e, metric)) for e in run.evaluations)
+    probe = {s.name: s.value for s in run.summaries if s.protocol == ANY_PROTOCOL}
+    return summarize_points(
+        points, train_length=spec.train.length, metric=metric, extra=probe or None
+    )
+
+
 def import_results(path: Path, *, settings: Settings | None = None, force: bool = False):
     """Store ``posbench run``'s ``results.json`` at ``path`` as a finished study; refused
     (ImportProblem, nothing written) when a run's results are already in the database
     (by config hash), unless ``force``."""
     settings = settings or get_settings()
+    path = path.expanduser().resolve()
+    data = _read(path)
+    if not isinstance(data, dict):
+        raise ImportProblem(f"{path}: not the results.json of posbench run (a JSON object)")
     try:
-        results = _Results.model_validate(_read(path))
+        results = _Results.model_validate(data)
     except ValidationError as err:
         first = err.errors()[0]
         raise ImportProblem(f"{path}: {_where(first)}: {first['msg']}") from None
@@ -130,6 +169,7 @@ def import_results(path: Path, *, settings: Settings | None = None, force: bool 
         raise ImportProblem(f"{path}: its spec: {err}") from None
     planned = {run.config_hash: run for run in spec.runs()}
     seen = set()
+    summaries = {}
     for index, run in enumerate(results.runs):
         if run.config_hash not in planned:
             raise ImportProblem(
@@ -149,6 +189,14 @@ def import_results(path: Path, *, settings: Settings | None = None, force: bool 
             twice = sorted({v for v in values if values.count(v) > 1}, key=str)
             if twice:
                 raise ImportProblem(f"{path}: runs[{index}].{part}: {twice[0]} appears twice")
+        _check_complete(path, index, run, spec, planned[run.config_hash])
+        summaries[run.config_hash] = _summaries(spec, run)
+    missing = [r for h, r in planned.items() if h not in seen]
+    if missing:
+        names = ", ".join(f"{r.encoding.label} seed {r.seed}" for r in missing)
+        raise ImportProblem(
+            f"{path}: its spec has {len(planned)} runs, the file {len(seen)}; missing: {names}"
+        )
     with transaction(settings.database) as session:
         if not force:
             there = session.execute(
@@ -174,7 +222,7 @@ def import_results(path: Path, *, settings: Settings | None = None, force: bool 
         evaluations = 0
         for run in results.runs:
             planned_run = planned[run.config_hash]
-            last = run.train.curve[-1] if run.train.curve else None
+            last = run.train.curve[-1]
             row = Run(
                 study_id=study.id,
                 encoding=planned_run.encoding.name,
@@ -185,10 +233,11 @@ def import_results(path: Path, *, settings: Settings | None = None, force: bool 
                 train_hash=planned_run.train_hash,
                 total_steps=spec.train.steps,
                 step=run.train.steps,
-                latest_loss=last.loss if last else None,
-                tokens_per_second=last.tokens_per_second if last else None,
+                latest_loss=last.loss,
+                tokens_per_second=last.tokens_per_second,
                 status="done",
-                started_at=now,
+                # The file keeps durations, not times: it finished now, after training.
+                started_at=now - dt.timedelta(seconds=max(0.0, last.elapsed)),
                 finished_at=now,
                 provenance={**run.provenance, "imported_from": str(path)},
             )
@@ -205,6 +254,9 @@ def import_results(path: Path, *, settings: Settings | None = None, force: bool 
                     for b in evaluation.position_bins
                 )
                 evaluations += 1
-            session.add_all(RunSummary(run_id=row.id, **s.model_dump()) for s in run.summaries)
+            session.add_all(
+                RunSummary(run_id=row.id, **summary._asdict())
+                for summary in summaries[run.config_hash]
+            )
         study_id = study.id
     return Imported(study_id, spec.name, len(results.runs), evaluations)

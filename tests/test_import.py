@@ -114,6 +114,19 @@ def _edited(payload: dict, change) -> dict:
             lambda p: p["runs"][0]["train"]["curve"][0].update(loss="low"),
             "runs.0.train.curve.0.loss: Input should be a valid number",
         ),
+        (lambda p: p["runs"].pop(1), "its spec has 2 runs, the file 1; missing: alibi seed 0"),
+        (
+            lambda p: p["runs"][0]["train"].update(steps=3),
+            "runs[0] (rope, seed 0) trained 3 of 6 steps",
+        ),
+        (
+            lambda p: p["runs"][0]["evaluations"].pop(),
+            "runs[0] (rope, seed 0): evaluation ('yarn:2', 'nonoverlapping', 32) is missing",
+        ),
+        (
+            lambda p: p["runs"][1]["evaluations"][0].update(variant="yarn:2"),
+            "runs[1] (alibi, seed 0): evaluation ('yarn:2', 'nonoverlapping', 16) is not in",
+        ),
     ],
 )
 def test_a_broken_file_is_refused_and_nothing_is_written(
@@ -124,7 +137,31 @@ def test_a_broken_file_is_refused_and_nothing_is_written(
     assert queries.studies(settings.database).empty
 
 
+def test_summaries_are_computed_from_the_imported_points(
+    settings: Settings, payload: dict, tmp_path: Path
+) -> None:
+    def tamper(p: dict) -> None:
+        for summary in p["runs"][0]["summaries"]:
+            if summary["name"] == "ratio_2x":
+                summary["value"] = 99.0
+
+    done = posbench(settings, "import", str(write(tmp_path, _edited(payload, tamper))))
+    assert done.returncode == 0, done.stderr
+    stored = queries.run_summaries(settings.database, [1])
+    ratio = stored[(stored["summary"] == "ratio_2x") & (stored["variant"] == "none")]
+    rope = payload["runs"][0]
+    by_length = {
+        e["length"]: e["perplexity"] for e in rope["evaluations"] if e["variant"] == "none"
+    }
+    assert ratio[ratio["label"] == "rope"]["value"].iloc[0] == pytest.approx(
+        by_length[32] / by_length[16]
+    )
+
+
 def test_a_missing_or_unreadable_file_says_so(settings: Settings, tmp_path: Path) -> None:
+    (tmp_path / "list.json").write_text("[1, 2]")
+    listed = posbench(settings, "import", str(tmp_path / "list.json"))
+    assert listed.returncode == 2 and "not the results.json of posbench run" in listed.stderr
     missing = posbench(settings, "import", str(tmp_path / "nope.json"))
     assert missing.returncode == 2 and "nope.json: cannot be read" in missing.stderr
     (tmp_path / "bad.json").write_text("{not json")
