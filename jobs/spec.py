@@ -271,9 +271,9 @@ def _format_param(value: Any) -> str:
 
 class FinetuneSpec(_Strict):
     """Fine-tune the trained model under the variant's scaling before evaluating it: the
-    recipe of the PI and YaRN papers (a few hundred steps at the longer length). The
-    schedule is the training's (AdamW, weight decay, clipping, warmup fraction), at a
-    constant learning rate after the warmup."""
+    recipe of the PI and YaRN papers (a few hundred steps at the longer length, AdamW
+    with betas 0.9 / 0.95, no weight decay, 20 steps of linear warmup, then a constant
+    learning rate), on training windows of its own (not the first ones training read)."""
 
     steps: int = Field(ge=1, le=MAX_STEPS)
     length: int | None = Field(
@@ -287,6 +287,8 @@ class FinetuneSpec(_Strict):
         description="default: the training's tokens per step, train.batch_size x "
         "train.length / length (at least 1)",
     )
+    weight_decay: float = Field(0.0, ge=0, le=1.0, description="the papers': none")
+    warmup_steps: int = Field(20, ge=0, le=MAX_STEPS, description="linear warmup (at most half)")
 
     @model_validator(mode="before")
     @classmethod
@@ -299,6 +301,8 @@ class FinetuneSpec(_Strict):
         name = f"ft{self.steps}" + (f"@{self.length}" if self.length is not None else "")
         extras = [f"lr={self.lr:g}"] if self.lr is not None else []
         extras += [f"batch={self.batch_size}"] if self.batch_size is not None else []
+        extras += [f"wd={self.weight_decay:g}"] if self.weight_decay else []
+        extras += [f"warmup={self.warmup_steps}"] if self.warmup_steps != 20 else []
         return name + (f"({', '.join(extras)})" if extras else "")
 
 
@@ -564,6 +568,12 @@ class StudySpec(_Strict):
         for variant, tuning in zip(
             [v for v in self.eval.variants if v.finetune is not None], tuned, strict=True
         ):
+            if tuning.length < self.train.length:
+                problems.append(
+                    f"eval.variants: {variant.label!r} fine-tunes at {tuning.length} tokens, "
+                    f"shorter than train.length = {self.train.length}: fine-tuning extends "
+                    "the context"
+                )
             if tuning.length > MAX_TRAIN_LENGTH:
                 problems.append(
                     f"eval.variants: {variant.label!r} fine-tunes at {tuning.length} tokens; "
@@ -635,11 +645,12 @@ class StudySpec(_Strict):
         return self
 
     def finetune_spec(self, variant: VariantSpec) -> TrainSpec:
-        """The training settings of ``variant``'s fine-tuning: the study's, for
-        ``finetune.steps`` steps at ``finetune.length`` (default: factor x the training
-        length) with the training's tokens per step (``finetune.batch_size`` otherwise)
-        and a constant ``finetune.lr`` after the warmup (default: a tenth of the
-        training's peak), with no validation."""
+        """The training settings of ``variant``'s fine-tuning: the study's (optimizer,
+        clipping, micro-batches), for ``finetune.steps`` steps at ``finetune.length``
+        (default: factor x the training length) with the training's tokens per step
+        (``finetune.batch_size`` otherwise), ``finetune.warmup_steps`` of warmup then a
+        constant ``finetune.lr`` (default: a tenth of the training's peak), the
+        fine-tuning's weight decay, and no validation."""
         tuning = variant.finetune
         if tuning is None:
             raise ValueError(f"variant {variant.label!r} is not fine-tuned")
@@ -650,6 +661,8 @@ class StudySpec(_Strict):
                 "length": length,
                 "lr": tuning.lr if tuning.lr is not None else self.train.lr / 10,
                 "min_lr_ratio": 1.0,
+                "warmup": min(0.5, tuning.warmup_steps / tuning.steps),
+                "weight_decay": tuning.weight_decay,
                 # Default: the training's tokens per step (memory grows with the length).
                 "batch_size": tuning.batch_size
                 or max(1, round(self.train.batch_size * self.train.length / length)),

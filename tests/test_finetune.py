@@ -49,6 +49,7 @@ def test_a_fine_tuned_variant_trains_a_copy_under_its_scaling(task) -> None:
     record = tuned.provenance["finetune"]["yarn:4+ft20"]
     assert (record["steps"], record["length"], record["resumed_from"]) == (20, 128, 0)
     assert record["lr"] == pytest.approx(spec.train.lr / 10)
+    assert [step for step, _ in record["curve"]] == [10, 20]  # its loss curve, every report
     at_128 = {row.variant: row.loss for row in tuned.evaluations if row.length == 128}
     assert at_128["yarn:4+ft20"] < at_128["yarn:4"]
     assert "finetune" not in plain.provenance

@@ -469,7 +469,17 @@ def test_fine_tuned_variants_parse_label_and_derive_their_training() -> None:
     # The training's tokens per step by default: 16 x 32 = 4 x 128.
     assert (yarn.steps, yarn.length, yarn.batch_size) == (200, 128, 4)
     assert yarn.lr == pytest.approx(spec.train.lr / 10) and yarn.min_lr_ratio == 1.0
-    assert yarn.warmup == spec.train.warmup and yarn.val_every == 0
+    # The papers' recipe: 20 warmup steps, no weight decay (wd / warmup may be given).
+    assert yarn.warmup == 20 / 200 and yarn.weight_decay == 0.0 and yarn.val_every == 0
+    custom = parse_spec(
+        with_value(
+            "eval.variants",
+            [{"method": "pi", "factor": 4, "finetune": {"steps": 8, "weight_decay": 0.1}}],
+        )
+    )
+    (_, pi) = custom.eval.variants
+    assert pi.label == "pi:4+ft8(wd=0.1)"
+    assert custom.finetune_spec(pi).warmup == 0.5 and custom.finetune_spec(pi).weight_decay == 0.1
     assert spec.finetune_spec(spec.eval.variants[2]).length == 96
     assert spec.finetune_spec(spec.eval.variants[3]).lr == 1e-3
     # Fine-tuning tokens over the runs it applies to: one rotary encoding, one seed.
@@ -507,8 +517,10 @@ def test_fine_tuned_variants_parse_label_and_derive_their_training() -> None:
         ),
         (
             [{"method": "pi", "factor": 2, "finetune": {"steps": 5, "warmup": 0}}],
-            "finetune.warmup: unknown key (allowed: steps, length, lr, batch_size)",
+            "finetune.warmup: unknown key (allowed: steps, length, lr, batch_size, "
+            "weight_decay, warmup_steps)",
         ),
+        (["pi:2+ft5@16"], "fine-tunes at 16 tokens, shorter than train.length = 32"),
         (["yarn:1024+ft10"], "fine-tunes at 32768 tokens; at most 16384"),
         (["yarn:4+ft200", "yarn:4.0+ft200"], "listed twice: yarn:4+ft200"),
     ],

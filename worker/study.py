@@ -13,6 +13,7 @@ import os
 import platform
 import subprocess
 import sys
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -240,7 +241,8 @@ def run_one(
                     tuned,
                     task,
                     tuning,
-                    seed=run.seed,
+                    # Windows of its own: not the first ones the training read.
+                    seed=zlib.crc32(f"{run.seed}/finetune/{variant.label}".encode()),
                     device=device,
                     checkpoint=finetune_checkpoint(checkpoint, variant),
                     fingerprint=f"{run.train_hash}+{variant.label}",
@@ -258,6 +260,8 @@ def run_one(
             # Over every attempt (a resumed fine-tuning's own time is only the rest).
             "seconds": result.curve[-1].elapsed if result.curve else result.seconds,
             "resumed_from": result.resumed_from,
+            # The fine-tuning's loss curve: did it converge in its steps?
+            "curve": [[point.step, point.loss] for point in result.curve],
         }
         if on_finetuned is not None:
             on_finetuned(variant.label, tunings[variant.label])
