@@ -208,8 +208,8 @@ class TrainSpec(_Strict):
     def _lengths(self) -> TrainSpec:
         if self.min_length is not None and self.min_length > self.length:
             raise ValueError(
-                f"train.min_length = {self.min_length} exceeds train.length = {self.length}; "
-                "steps draw their length from [min_length, length]"
+                f"min_length = {self.min_length} exceeds length = {self.length}; steps draw "
+                "their length from [min_length, length]"
             )
         return self
 
@@ -589,15 +589,15 @@ class StudySpec(_Strict):
         task = TASKS[self.task.name]
         longest_read = max(self.train.length, *self.eval.lengths, *(t.length for t in tuned))
         problems += length_problems(self.task.name, self.task.params, longest_read)
-        shortest = min(
-            self.train.min_length or self.train.length,
-            *self.eval.lengths,
-            *(t.length for t in tuned),
-        )
+        lengths = [("train.length", self.train.length), ("eval.lengths", min(self.eval.lengths))]
+        if self.train.min_length is not None:
+            lengths.append(("train.min_length", self.train.min_length))
+        lengths += [("finetune.length", t.length) for t in tuned]
+        field, shortest = min(lengths, key=lambda pair: pair[1])
         if shortest < task.min_length:
             problems.append(
                 f"task {task.name!r} needs sequences of at least {task.min_length} bytes; "
-                f"got length {shortest}"
+                f"{field} is {shortest}"
             )
         if "sliding" in self.eval.protocols:
             if task.metric != "perplexity":

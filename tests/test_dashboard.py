@@ -119,7 +119,7 @@ def test_presets_fill_the_form(settings) -> None:
     app.number_input(key="paper:min_length").set_value(64).run()
     assert "min_length: 64" in app.code[0].value and not app.error
     app.number_input(key="paper:min_length").set_value(4096).run()
-    assert any("train.min_length = 4096 exceeds train.length = 512" in e.value for e in app.error)
+    assert any("train: min_length = 4096 exceeds length = 512" in e.value for e in app.error)
 
 
 def test_encoding_parameters_come_from_the_registry(settings) -> None:

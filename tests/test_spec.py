@@ -123,7 +123,7 @@ def test_cross_field_limits() -> None:
         ),
         (
             {**BASE, "task": "passkey"},
-            "task 'passkey' needs sequences of at least 128 bytes; got length 32",
+            "task 'passkey' needs sequences of at least 128 bytes; train.length is 32",
         ),
         (with_value("eval.protocols", ["sliding"]), "eval.stride is required"),
         (
@@ -435,12 +435,14 @@ def test_training_lengths_may_be_drawn_per_step() -> None:
     fixed = parse_spec(with_value("train", {"length": 64}))
     assert spec.runs()[0].train_hash != fixed.runs()[0].train_hash  # another model
     message = rejected(with_value("train", {"length": 64, "min_length": 128}))
-    assert "train.min_length = 128 exceeds train.length = 64" in message
+    assert "train: min_length = 128 exceeds length = 64" in message
     assert "train.min_length = 4: must be greater than or equal to 8" in rejected(
         with_value("train", {"length": 64, "min_length": 4})
     )
     passkey = {**with_value("train", {"length": 128, "min_length": 16}), "task": "passkey"}
-    assert "task 'passkey' needs sequences of at least" in rejected(passkey)
+    assert "task 'passkey' needs sequences of at least 128 bytes; train.min_length is 16" in (
+        rejected(passkey)
+    )
 
 
 def test_fine_tuned_variants_parse_label_and_derive_their_training() -> None:

@@ -322,12 +322,13 @@ def test_validation_off_and_off_cadence_steps(task) -> None:
 
 def test_validation_loss_is_the_evaluation_loss_at_the_training_length(task) -> None:
     # The same held-out targets as the final evaluation at the training length when the
-    # budgets match, so the last validation point and the 1x evaluation agree.
+    # budgets match (and the study's longest length is given: the stretches are laid
+    # out by it), so the last validation point and the 1x evaluation agree.
     from jobs.spec import EvalSpec
     from worker.evaluate import NONE, evaluate_length
 
     model = build_model("tiny", "rope", train_length=32, seed=2).eval()
-    eval_spec = EvalSpec(lengths=[32], tokens=512)
+    eval_spec = EvalSpec(lengths=[32, 128], tokens=512)
     row = evaluate_length(
         model,
         task,
@@ -340,9 +341,24 @@ def test_validation_loss_is_the_evaluation_loss_at_the_training_length(task) -> 
         seed=3,
     )
     model.train()
-    value = _validator(model, task, 32, tokens=512)()
+    from worker.evaluate import validation_loss
+
+    def validate(longest: int | None) -> float:
+        return validation_loss(
+            model,
+            task,
+            length=32,
+            tokens=512,
+            batch_tokens=4096,
+            device=CPU,
+            seed=3,
+            longest=longest,
+        )
+
+    value = validate(128)
     assert value == pytest.approx(row.loss, rel=1e-6)
-    assert model.training and _validator(model, task, 32, tokens=512)() == value
+    assert model.training and validate(128) == value
+    assert validate(None) != value  # stretches laid out by 32: other targets
 
 
 def test_a_resumed_run_reports_the_same_validation_curve(task, tmp_path: Path) -> None:

@@ -190,10 +190,13 @@ def validation_loss(
     batch_tokens: int,
     device: torch.device,
     seed: int = 0,
+    longest: int | None = None,
 ) -> float:
     """Mean loss of the model (in training: its weights now) on ``tokens`` held-out
     targets at ``length``, the same targets at every call (synthetic tasks: the first
-    ``tokens // length`` evaluation examples). The model's mode and the random
+    ``tokens // length`` evaluation examples); with ``longest`` (the study's longest
+    evaluation length) the stretches the evaluation scores, so the last validation and
+    the evaluation at this length agree when their budgets do. The model's mode and the random
     generators training draws from are left as they were, so validating changes no
     later step."""
     training = model.training
@@ -206,7 +209,7 @@ def validation_loss(
             batch_size=batch_size,
             tokens=tokens,
             examples=max(1, tokens // length),
-            longest=length,
+            longest=longest or length,
         )
         with _seeded(f"{seed}/validation/{length}", device):
             # no_grad, not inference_mode: tensors the model keeps (cached tables) must

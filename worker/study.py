@@ -216,6 +216,7 @@ def run_one(
             batch_tokens=spec.eval.batch_tokens,
             device=device,
             seed=run.seed,
+            longest=max(spec.eval.lengths),
         ),
     )
     if on_trained is not None:
