@@ -144,7 +144,7 @@ class Evaluation(Base):
 
     id: Mapped[int] = mapped_column(primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
-    variant: Mapped[str] = mapped_column(String(40))
+    variant: Mapped[str] = mapped_column(String(120))
     protocol: Mapped[str] = mapped_column(String(20))
     eval_length: Mapped[int]
     factor: Mapped[float | None]
@@ -183,7 +183,7 @@ class RunSummary(Base):
 
     id: Mapped[int] = mapped_column(primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
-    variant: Mapped[str] = mapped_column(String(40))
+    variant: Mapped[str] = mapped_column(String(120))
     protocol: Mapped[str] = mapped_column(String(20))
     name: Mapped[str] = mapped_column(String(40))
     # NULL: defined for this run's curve but not computable (e.g. 32x was not evaluated).

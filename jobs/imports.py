@@ -22,7 +22,7 @@ from sqlalchemy import select
 from db.engine import transaction
 from db.models import Evaluation, PositionBin, Run, RunSummary, Study, TrainPoint, utcnow
 from jobs.settings import Settings, get_settings
-from jobs.spec import SpecError, parse_spec
+from jobs.spec import MAX_VARIANT_LABEL, SpecError, parse_spec
 
 
 class ImportProblem(ValueError):
@@ -55,7 +55,7 @@ class _Bin(_Loose):
 
 
 class _Evaluation(_Loose):
-    variant: str = Field(max_length=40)
+    variant: str = Field(max_length=MAX_VARIANT_LABEL)
     protocol: str
     length: int = Field(ge=1)
     factor: float | None = None
@@ -73,7 +73,7 @@ class _Evaluation(_Loose):
 
 
 class _Summary(_Loose):
-    variant: str = Field(max_length=40)
+    variant: str = Field(max_length=MAX_VARIANT_LABEL)
     protocol: str
     name: str = Field(max_length=40)
     value: float | None

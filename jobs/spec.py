@@ -50,7 +50,7 @@ from worker.encodings.registry import (
 # threshold is a quarter of the training length (it was 512 at every length), and a
 # HuggingFace corpus is read from its `text` column with line rows joined as one stream.
 RESULTS_VERSION = 3
-MAX_VARIANT_LABEL = 40  # evaluations.variant is VARCHAR(40)
+MAX_VARIANT_LABEL = 120  # evaluations.variant is VARCHAR(120) (migration 0007)
 
 # Bounds. Generous for a GPU cluster, small enough that one study cannot hog it.
 MAX_RUNS = 64

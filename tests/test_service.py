@@ -63,7 +63,7 @@ def count(settings: Settings, model: type) -> int:
 
 
 def test_migrations_create_the_schema(settings: Settings) -> None:
-    assert current(settings.database) == "0006"
+    assert current(settings.database) == "0007"
     upgrade(settings.database)  # idempotent
 
 

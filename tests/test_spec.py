@@ -223,9 +223,25 @@ def test_cross_field_limits() -> None:
         (
             with_value(
                 "eval.variants",
-                [{"method": "yarn", "factor": 1.23456789, "alpha": 0.123456789, "beta": 31.1234}],
+                [
+                    {
+                        "method": "yarn",
+                        "factor": 1.23456789,
+                        "alpha": 0.123456789,
+                        "beta": 31.1234,
+                        "temperature": False,
+                        "finetune": {
+                            "steps": 199_999,
+                            "length": 16384,
+                            "lr": 0.000123456789,
+                            "batch_size": 1000,
+                            "weight_decay": 0.123456,
+                            "warmup_steps": 12345,
+                        },
+                    }
+                ],
             ),
-            "is longer than 40 characters",
+            "is longer than 120 characters",
         ),
         ({**BASE, "name": "  "}, "name: must not be blank"),
         ({**BASE, "name": "a\nb"}, "name: must be printable text"),
@@ -529,6 +545,17 @@ def test_fine_tuned_variants_parse_label_and_derive_their_training() -> None:
 )
 def test_fine_tuned_variants_are_refused_with_a_reason(variants: list, message: str) -> None:
     assert message in rejected(with_value("eval.variants", variants))
+
+
+def test_the_papers_fine_tuning_settings_fit_in_a_label() -> None:
+    paper = {
+        "method": "yarn",
+        "factor": 4,
+        "temperature": False,
+        "finetune": {"steps": 400, "length": 128, "lr": 2e-5},
+    }
+    (_, yarn) = parse_spec(with_value("eval.variants", [paper])).eval.variants
+    assert yarn.label == "yarn:4(temperature=false)+ft400@128(lr=2e-05)"
 
 
 def test_fine_tuning_is_bounded_in_total_and_by_the_task() -> None:
