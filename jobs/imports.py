@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +20,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sqlalchemy import select
 
 from db.engine import transaction
-from db.models import Evaluation, PositionBin, Run, RunSummary, Study, TrainPoint, utcnow
+from db.models import Evaluation, PositionBin, Run, RunSummary, TrainPoint, utcnow
+from jobs.service import new_run, new_study
 from jobs.settings import Settings, get_settings
 from jobs.spec import MAX_VARIANT_LABEL, SpecError, parse_spec
+from worker.evaluate import Evaluation as Row
+from worker.train import TrainPoint as Point
 
 
 class ImportProblem(ValueError):
@@ -33,43 +36,9 @@ class _Loose(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class _Point(_Loose):
-    step: int = Field(ge=0)
-    loss: float
-    lr: float
-    tokens_per_second: float
-    elapsed: float
-    val_loss: float | None = None
-
-
 class _Train(_Loose):
     steps: int = Field(ge=0)
-    curve: list[_Point] = Field(default_factory=list)
-
-
-class _Bin(_Loose):
-    start: int
-    end: int
-    loss: float
-    tokens: int
-
-
-class _Evaluation(_Loose):
-    variant: str = Field(max_length=MAX_VARIANT_LABEL)
-    protocol: str
-    length: int = Field(ge=1)
-    factor: float | None = None
-    loss: float | None = None
-    perplexity: float | None = None
-    bits_per_byte: float | None = None
-    accuracy: float | None = None
-    token_accuracy: float | None = None
-    tokens: int = 0
-    tokens_per_second: float | None = None
-    peak_memory_bytes: int | None = None
-    not_applicable: str | None = None
-    groups: dict[str, float] | None = None
-    position_bins: list[_Bin] = Field(default_factory=list)
+    curve: list[Point] = Field(default_factory=list)  # the worker's own records
 
 
 class _Summary(_Loose):
@@ -84,7 +53,7 @@ class _Run(_Loose):
     seed: int
     config_hash: str
     train: _Train
-    evaluations: list[_Evaluation]
+    evaluations: list[Row]
     summaries: list[_Summary] = Field(default_factory=list)
     provenance: dict[str, Any] = Field(default_factory=dict)
 
@@ -180,6 +149,12 @@ def import_results(path: Path, *, settings: Settings | None = None, force: bool 
         if run.config_hash in seen:
             raise ImportProblem(f"{path}: runs[{index}] ({run.label}) appears twice")
         seen.add(run.config_hash)
+        long = [e.variant for e in run.evaluations if len(e.variant) > MAX_VARIANT_LABEL]
+        if long:
+            raise ImportProblem(
+                f"{path}: runs[{index}]: variant {long[0]!r} is longer than "
+                f"{MAX_VARIANT_LABEL} characters"
+            )
         keys = {
             "train.curve": [p.step for p in run.train.curve],
             "evaluations": [(e.variant, e.protocol, e.length) for e in run.evaluations],
@@ -209,29 +184,17 @@ def import_results(path: Path, *, settings: Settings | None = None, force: bool 
                     f"{path}: its results are already stored (run {there.id} of study "
                     f"{there.study_id} has the same config hash); --force imports them again"
                 )
-        study = Study(
-            name=spec.name,
-            task=spec.task.name,
-            metric=spec.task.metric,
-            train_length=spec.train.length,
-            spec=spec.model_dump(mode="json"),
-        )
+        study = new_study(spec)
         session.add(study)
         session.flush()
         now = utcnow()
         evaluations = 0
         for run in results.runs:
-            planned_run = planned[run.config_hash]
             last = run.train.curve[-1]
-            row = Run(
-                study_id=study.id,
-                encoding=planned_run.encoding.name,
-                label=planned_run.encoding.label,
-                params=planned_run.encoding.resolved_params,
-                seed=planned_run.seed,
-                config_hash=planned_run.config_hash,
-                train_hash=planned_run.train_hash,
-                total_steps=spec.train.steps,
+            row = new_run(
+                study,
+                spec,
+                planned[run.config_hash],
                 step=run.train.steps,
                 latest_loss=last.loss,
                 tokens_per_second=last.tokens_per_second,
@@ -243,16 +206,15 @@ def import_results(path: Path, *, settings: Settings | None = None, force: bool 
             )
             session.add(row)
             session.flush()
-            session.add_all(TrainPoint(run_id=row.id, **p.model_dump()) for p in run.train.curve)
+            session.add_all(TrainPoint(run_id=row.id, **asdict(p)) for p in run.train.curve)
             for evaluation in run.evaluations:
-                values = evaluation.model_dump(exclude={"position_bins", "length"})
+                values = asdict(evaluation)
+                bins = values.pop("position_bins")
+                values.pop("length")
                 stored = Evaluation(run_id=row.id, eval_length=evaluation.length, **values)
                 session.add(stored)
                 session.flush()
-                session.add_all(
-                    PositionBin(evaluation_id=stored.id, **b.model_dump())
-                    for b in evaluation.position_bins
-                )
+                session.add_all(PositionBin(evaluation_id=stored.id, **b) for b in bins)
                 evaluations += 1
             session.add_all(
                 RunSummary(run_id=row.id, **summary._asdict())

@@ -30,7 +30,7 @@ from db.models import (
 )
 from jobs.celery_app import TRAIN_RUN
 from jobs.settings import Settings, get_settings
-from jobs.spec import StudySpec
+from jobs.spec import RunSpec, StudySpec
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,32 @@ def _copy_results(session: Session, source: Run, target: Run) -> None:
             session.add(_copied(b, evaluation_id=copy.id))
 
 
+def new_study(spec: StudySpec) -> Study:
+    """The row of a study, as submitted (or imported)."""
+    return Study(
+        name=spec.name,
+        task=spec.task.name,
+        metric=spec.task.metric,
+        train_length=spec.train.length,
+        spec=spec.model_dump(mode="json"),
+    )
+
+
+def new_run(study: Study, spec: StudySpec, run_spec: RunSpec, **values: object) -> Run:
+    """The row of one of ``study``'s runs (``values``: its status and what else is known)."""
+    return Run(
+        study_id=study.id,
+        encoding=run_spec.encoding.name,
+        label=run_spec.encoding.label,
+        params=run_spec.encoding.resolved_params,
+        seed=run_spec.seed,
+        config_hash=run_spec.config_hash,
+        train_hash=run_spec.train_hash,
+        total_steps=spec.train.steps,
+        **values,
+    )
+
+
 def submit(
     spec: StudySpec,
     *,
@@ -117,25 +143,14 @@ def submit(
     settings = settings or get_settings()
     queued, reused = [], []
     with transaction(settings.database) as session:
-        study = Study(
-            name=spec.name,
-            task=spec.task.name,
-            metric=spec.task.metric,
-            train_length=spec.train.length,
-            spec=spec.model_dump(mode="json"),
-        )
+        study = new_study(spec)
         session.add(study)
         session.flush()
         for run_spec in spec.runs():
-            run = Run(
-                study_id=study.id,
-                encoding=run_spec.encoding.name,
-                label=run_spec.encoding.label,
-                params=run_spec.encoding.resolved_params,
-                seed=run_spec.seed,
-                config_hash=run_spec.config_hash,
-                train_hash=run_spec.train_hash,
-                total_steps=spec.train.steps,
+            run = new_run(
+                study,
+                spec,
+                run_spec,
                 status="queued",
                 # --force trains afresh (adopts no trained model); the model it trains
                 # can serve later studies. The worker replaces this at the finish.
