@@ -170,7 +170,7 @@ class TrainSpec(_Strict):
     length: int = Field(128, ge=8, le=MAX_TRAIN_LENGTH, description="training sequence length")
     min_length: int | None = Field(
         None,
-        ge=8,
+        ge=2,
         le=MAX_TRAIN_LENGTH,
         description="each step's sequence length drawn uniformly from [min_length, length] "
         "(training on every length up to length, as in the randomized-positions and NoPE "

@@ -452,8 +452,8 @@ def test_training_lengths_may_be_drawn_per_step() -> None:
     assert spec.runs()[0].train_hash != fixed.runs()[0].train_hash  # another model
     message = rejected(with_value("train", {"length": 64, "min_length": 128}))
     assert "train: min_length = 128 exceeds length = 64" in message
-    assert "train.min_length = 4: must be greater than or equal to 8" in rejected(
-        with_value("train", {"length": 64, "min_length": 4})
+    assert "train.min_length = 1: must be greater than or equal to 2" in rejected(
+        with_value("train", {"length": 64, "min_length": 1})
     )
     passkey = {**with_value("train", {"length": 128, "min_length": 16}), "task": "passkey"}
     assert "task 'passkey' needs sequences of at least 128 bytes; train.min_length is 16" in (
