@@ -9,6 +9,7 @@ import streamlit as st
 
 from dashboard.common import database, query_ints, schema_ready, set_query
 from db import queries
+from jobs import analysis
 
 REFRESH_SECONDS = 2
 
@@ -35,6 +36,7 @@ def runs_view(study_id: int, tokens_per_step: int) -> tuple[pd.DataFrame, pd.Dat
             "tokens/s": pd.to_numeric(runs["tokens_per_second"]).round(0),
             "ETA": [eta(row, tokens_per_step) for _, row in runs.iterrows()],
             "attempts": runs["attempts"],
+            "note": analysis.run_notes(runs),
             "failure": runs["failure_reason"].fillna(""),
         }
     )

@@ -489,6 +489,17 @@ TRAINING_COLUMNS = [
 ]
 
 
+def run_notes(runs: pd.DataFrame) -> list[str]:
+    """Per run (``db.queries.runs``), what it is doing that its status does not say: a
+    queued run waiting for the run that trains the same model (``worker.tasks``)."""
+    notes = []
+    for status, provenance in zip(runs["status"], runs["provenance"], strict=True):
+        twin = provenance.get("waiting_for") if isinstance(provenance, Mapping) else None
+        waiting = status == "queued" and twin is not None
+        notes.append(f"waiting for run {twin}, which trains the same model" if waiting else "")
+    return notes
+
+
 def training_curves(points: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
     """Every stored training point (``db.queries.train_points``) with its run's line
     (``with_lines`` of the trained model; ``runs`` needs id, study_id, label, seed)."""

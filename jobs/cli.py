@@ -248,7 +248,10 @@ def status(
     else:
         if queries.studies(url, [study]).empty:
             fail(f"no study with id {study}", code=2)
+        from jobs.analysis import run_notes
+
         frame = queries.runs(url, study_id=study)
+        frame["note"] = run_notes(frame)
         shown = [
             "id",
             "label",
@@ -258,6 +261,7 @@ def status(
             "total_steps",
             "latest_loss",
             "attempts",
+            "note",
             "failure_reason",
         ]
     if as_json:

@@ -432,7 +432,13 @@ def test_a_run_waits_only_for_a_twin_whose_model_it_can_adopt(settings: Settings
     newer_lease = store.claim(url, newer, "n2:8")[0]
     store.record_progress(url, newer, newer_lease, Point(3, 2.5, 1e-3, 100.0, 1.0))
     assert waits(older, "n2") is None
-    assert store.release(url, newer, newer_lease) == "queued"
+    assert store.release(url, newer, newer_lease, waiting_for=older) == "queued"
+    # Said where people look: the Queue page's and `posbench status`'s note.
+    from db import queries
+    from jobs.analysis import run_notes
+
+    notes = run_notes(queries.runs(url, run_ids=[older, newer]))  # by run id
+    assert notes == ["", f"waiting for run {older}, which trains the same model"]
     (folder / f"{newer}.pt").write_bytes(b"checkpoint")
     assert waits(newer, "n2") is None  # a checkpoint of its own: it resumes that
     (folder / f"{newer}.pt").unlink()

@@ -321,13 +321,15 @@ def finish(
     return _guarded(url, run_id, lease, values)
 
 
-def release(url: str, run_id: int, lease: str) -> str | None:
+def release(url: str, run_id: int, lease: str, waiting_for: int | None = None) -> str | None:
     """Hand a running run back: its worker is shutting down (``docker stop``, Ctrl-C)
     and saved a checkpoint. Returns ``"queued"``: back in the queue, unsent
     (``enqueued_at`` unset) for the caller to send (``jobs.service.enqueue``; if that
     send is lost, the reconciler sends it), the claim given back not counted against
     the worker-death budget; ``"cancelled"``: a cancel was asked that the run had not
-    yet seen, so it ends cancelled instead; None: the lease is no longer ours."""
+    yet seen, so it ends cancelled instead; None: the lease is no longer ours. With
+    ``waiting_for`` (a twin's run id), the run notes in its provenance that it waits for
+    that run (the Queue page and ``posbench status`` say so)."""
 
     def attempt() -> str | None:
         with transaction(url) as session:
@@ -343,11 +345,13 @@ def release(url: str, run_id: int, lease: str) -> str | None:
                 )
             ).rowcount:
                 return "cancelled"
-            if session.execute(
-                update(Run)
-                .where(*mine)
-                .values(status="queued", lease=None, enqueued_at=None, attempts=Run.attempts - 1)
-            ).rowcount:
+            values = {"status": "queued", "lease": None, "enqueued_at": None}
+            if waiting_for is not None:
+                stored = session.scalar(select(Run.provenance).where(Run.id == run_id))
+                kept = stored if isinstance(stored, dict) else {}
+                values["provenance"] = {**kept, "waiting_for": waiting_for}
+            released = update(Run).where(*mine).values(attempts=Run.attempts - 1, **values)
+            if session.execute(released).rowcount:
                 return "queued"
             return None
 

@@ -232,7 +232,7 @@ def _wait_for_twin(url: str, run_id: int, lease: str, twin: int, seconds: float)
     from jobs.service import celery_send, enqueue
     from worker import store
 
-    outcome = store.release(url, run_id, lease)
+    outcome = store.release(url, run_id, lease, waiting_for=twin)
     if outcome is None:
         return "lease lost: another worker owns the run now"
     if outcome == "cancelled":

@@ -232,6 +232,7 @@ def test_a_study_submitted_while_its_twin_trains_waits_and_trains_nothing(
     assert waited.provenance["trained_by_run"] == trained.id
     assert waited.provenance["resumed_from_step"] == 600  # no step trained again
     assert waited.attempts == 1  # waiting spends no attempt
+    assert "waiting_for" not in waited.provenance  # a note while it waited, gone at the end
     assert [k[3] for k in evaluation_keys(cluster) if k[0] == waited.id] == [32, 64, 128]
 
 
