@@ -491,12 +491,17 @@ TRAINING_COLUMNS = [
 
 def run_notes(runs: pd.DataFrame) -> list[str]:
     """Per run (``db.queries.runs``), what it is doing that its status does not say: a
-    queued run waiting for the run that trains the same model (``worker.tasks``)."""
+    queued run waiting for the run that trains the same model, a running one
+    fine-tuning a variant after its training (``worker.tasks``)."""
     notes = []
     for status, provenance in zip(runs["status"], runs["provenance"], strict=True):
-        twin = provenance.get("waiting_for") if isinstance(provenance, Mapping) else None
-        waiting = status == "queued" and twin is not None
-        notes.append(f"waiting for run {twin}, which trains the same model" if waiting else "")
+        noted = provenance if isinstance(provenance, Mapping) else {}
+        if status == "queued" and noted.get("waiting_for") is not None:
+            notes.append(f"waiting for run {noted['waiting_for']}, which trains the same model")
+        elif status == "running" and noted.get("phase"):
+            notes.append(str(noted["phase"]))
+        else:
+            notes.append("")
     return notes
 
 

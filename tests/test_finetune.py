@@ -38,7 +38,15 @@ def losses(result, variant: str) -> list[float]:
 def test_a_fine_tuned_variant_trains_a_copy_under_its_scaling(task) -> None:
     spec = study(["yarn:4", "yarn:4+ft20"])
     (run,) = spec.runs()
-    tuned = run_one(spec, run, device=CPU, task=task)
+    reports = []
+    tuned = run_one(
+        spec,
+        run,
+        device=CPU,
+        task=task,
+        on_finetune_progress=lambda label, point, steps: reports.append((label, point.step, steps)),
+    )
+    assert reports == [("yarn:4+ft20", 10, 20), ("yarn:4+ft20", 20, 20)]  # the run's note
     plain_spec = study(["yarn:4"])
     plain = run_one(plain_spec, plain_spec.runs()[0], device=CPU, task=task)
     # The trained model and its inference-time scaling are untouched by the fine-tuning

@@ -465,6 +465,18 @@ def test_fine_tuning_records_are_kept_as_they_come(settings: Settings) -> None:
         assert session.get(Run, run_id).provenance == merged
     with pytest.raises(store.LeaseLost):
         store.note_provenance(url, run_id, "stolen", "finetune", "x", {})
+    # While it fine-tunes, the run's note says where it is; cleared when it is done.
+    from db import queries
+    from jobs.analysis import run_notes
+
+    store.note_phase(url, run_id, lease, "fine-tuning pi:4+ft9: step 5 of 9, loss 2.100")
+    assert run_notes(queries.runs(url, run_ids=[run_id])) == [
+        "fine-tuning pi:4+ft9: step 5 of 9, loss 2.100"
+    ]
+    store.note_phase(url, run_id, lease, None)
+    assert run_notes(queries.runs(url, run_ids=[run_id])) == [""]
+    with transaction(url) as session:
+        assert session.get(Run, run_id).provenance["finetune"] == merged["finetune"]
 
 
 def test_evaluations_are_idempotent_upserts(settings: Settings) -> None:

@@ -179,20 +179,34 @@ def training_twins(url: str, train_hash: str, run_id: int) -> list[tuple[int, st
         return [(twin, worker) for twin, worker in rows]
 
 
-def note_provenance(url: str, run_id: int, lease: str, key: str, name: str, value: dict) -> dict:
-    """Store ``provenance[key][name] = value`` now (a fine-tuned variant's record), so an
-    attempt that dies later keeps it; returns the run's provenance after the change."""
+def _change_provenance(url: str, run_id: int, lease: str, change) -> dict:
+    """Apply ``change`` (a function of the provenance dict) to the stored provenance, by
+    the lease holder; returns the provenance after the change."""
 
     def attempt() -> dict:
         with transaction(url) as session:
             _hold(session, run_id, lease)
             stored = session.scalar(select(Run.provenance).where(Run.id == run_id))
             provenance = dict(stored) if isinstance(stored, dict) else {}
-            provenance[key] = {**provenance.get(key, {}), name: value}
+            change(provenance)
             session.execute(update(Run).where(Run.id == run_id).values(provenance=provenance))
             return provenance
 
     return with_retry(attempt)
+
+
+def note_provenance(url: str, run_id: int, lease: str, key: str, name: str, value: dict) -> dict:
+    """Store ``provenance[key][name] = value`` now (a fine-tuned variant's record), so an
+    attempt that dies later keeps it; returns the run's provenance after the change."""
+    return _change_provenance(
+        url, run_id, lease, lambda p: p.update({key: {**p.get(key, {}), name: value}})
+    )
+
+
+def note_phase(url: str, run_id: int, lease: str, phase: str | None) -> None:
+    """What the running run is doing that its step does not show (fine-tuning a variant,
+    after training); None clears it. The finish replaces the provenance, and it."""
+    _change_provenance(url, run_id, lease, lambda p: p.update(phase=phase))
 
 
 def adopt_training(url: str, run_id: int, lease: str, donor_id: int) -> dict | None:

@@ -181,11 +181,13 @@ def run_one(
     task: Task | None = None,
     on_trained: Callable[[], None] | None = None,
     on_finetuned: Callable[[str, dict[str, Any]], None] | None = None,
+    on_finetune_progress: Callable[[str, TrainPoint, int], None] | None = None,
 ) -> RunResult:
     """Train one (encoding, seed) of ``spec`` and evaluate it at every planned point;
     ``task`` is the study's task already prepared (built and loaded here otherwise);
     ``on_trained`` is called when the trained model's final checkpoint is written, and
-    ``on_finetuned(label, record)`` when a fine-tuned variant's model is ready."""
+    ``on_finetuned(label, record)`` when a fine-tuned variant's model is ready, and
+    ``on_finetune_progress(label, point, steps)`` at each of its progress reports."""
     device = device or resolve_device()
     task = task or prepared_task(spec)
     config = ModelConfig(**spec.model.dims())
@@ -249,6 +251,9 @@ def run_one(
                     fingerprint=f"{run.train_hash}+{variant.label}",
                     should_stop=should_stop,
                     may_write=may_write,
+                    on_progress=None
+                    if on_finetune_progress is None
+                    else lambda point: on_finetune_progress(variant.label, point, tuning.steps),
                 )
         except RunCancelled as err:
             raise RunCancelled(f"{err} (fine-tuning {variant.label})") from None

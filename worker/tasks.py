@@ -103,8 +103,15 @@ def _train_and_evaluate(url: str, run_id: int, lease: str, spec, run, beat) -> s
             skip_evaluations=store.stored_evaluations(url, run_id),
             task=task,
             on_trained=lambda: _wake_twins(url, run),  # they adopt the model now
-            on_finetuned=lambda label, record: noted.update(
-                store.note_provenance(url, run_id, lease, "finetune", label, record)
+            on_finetuned=lambda label, record: (
+                noted.update(store.note_provenance(url, run_id, lease, "finetune", label, record)),
+                store.note_phase(url, run_id, lease, None),  # evaluating it now, as usual
+            ),
+            on_finetune_progress=lambda label, point, steps: store.note_phase(
+                url,
+                run_id,
+                lease,
+                f"fine-tuning {label}: step {point.step} of {steps}, loss {point.loss:.3f}",
             ),
         )
     except RunCancelled as err:

@@ -83,6 +83,7 @@ def test_submit_train_evaluate_query(cluster_factory, database_url: str) -> None
     assert keys == sorted(planned)
     assert rope.provenance["finetune"]["pi:2+ft10"]["length"] == 64
     assert "finetune" not in alibi.provenance
+    assert "phase" not in rope.provenance  # the note while it fine-tuned, gone at the end
     folder = cluster.settings.artifacts_dir / "runs"
     assert (folder / f"{rope.id}.pt").exists() and not list(folder.glob(f"{rope.id}.pt.ft-*"))
     curves = queries.curves(database_url, study_ids=[submitted.study_id])
