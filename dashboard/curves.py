@@ -143,7 +143,7 @@ def training_figure(curves: pd.DataFrame, colors: dict[str, str]) -> go.Figure:
                 "<br>seeds %{customdata[0]}<extra></extra>",
             )
         )
-        validated = group.dropna(subset=["val_loss"]) if "val_loss" in group else group[:0]
+        validated = group.dropna(subset=["val_loss"])
         if len(validated):
             val = validated.groupby("step")["val_loss"].agg(["mean", "count"])
             figure.add_trace(

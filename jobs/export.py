@@ -121,9 +121,12 @@ def run_tags(study: Study, run: Run, variants: Iterable[str]) -> dict[str, str]:
     return tags
 
 
-def run_metrics(session, run: Run, start: int, stamp: int) -> list[tuple[str, float, int, int]]:
-    """(key, value, timestamp ms, step) of every number stored for ``run``: training
-    points at the run's start plus their elapsed time, the rest at ``stamp``."""
+def run_metrics(
+    session, run: Run, evaluations: Iterable[Evaluation], start: int, stamp: int
+) -> list[tuple[str, float, int, int]]:
+    """(key, value, timestamp ms, step) of every number stored for ``run`` (its
+    ``evaluations`` given): training points at the run's start plus their elapsed time,
+    the rest at ``stamp``."""
     metrics = []
     for point in session.scalars(select(TrainPoint).where(TrainPoint.run_id == run.id)):
         at = start + int(point.elapsed * 1000)
@@ -131,7 +134,7 @@ def run_metrics(session, run: Run, start: int, stamp: int) -> list[tuple[str, fl
             value = getattr(point, name)
             if value is not None and math.isfinite(value):
                 metrics.append((key("train", name), float(value), at, point.step))
-    for row in session.scalars(select(Evaluation).where(Evaluation.run_id == run.id)):
+    for row in evaluations:
         for name in CURVE_METRICS:
             value = getattr(row, name)
             if value is not None and math.isfinite(value):
@@ -164,15 +167,15 @@ def _read_run(url: str, study_id: int, run_id: int) -> _RunExport:
         run = session.get(Run, run_id)
         start = _millis(run.started_at or run.created_at)
         end = _millis(run.finished_at or run.created_at)
-        variants = session.scalars(select(Evaluation.variant).where(Evaluation.run_id == run_id))
+        evaluations = session.scalars(select(Evaluation).where(Evaluation.run_id == run_id)).all()
         return _RunExport(
             run_id=run_id,
             name=f"{run.label} seed {run.seed}",
             start=start,
             end=end,
-            tags=run_tags(study, run, set(variants)),
+            tags=run_tags(study, run, {row.variant for row in evaluations}),
             params=run_params(study.spec, run),
-            metrics=run_metrics(session, run, start, end),
+            metrics=run_metrics(session, run, evaluations, start, end),
             spec=study.spec,
         )
 

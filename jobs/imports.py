@@ -24,7 +24,9 @@ from db.models import Evaluation, PositionBin, Run, RunSummary, TrainPoint, utcn
 from jobs.service import new_run, new_study
 from jobs.settings import Settings, get_settings
 from jobs.spec import MAX_VARIANT_LABEL, SpecError, parse_spec
+from worker.encodings import REGISTRY
 from worker.evaluate import Evaluation as Row
+from worker.evaluate import evaluation_plan
 from worker.train import TrainPoint as Point
 
 
@@ -87,9 +89,6 @@ def _where(error: dict[str, Any]) -> str:
 def _check_complete(path: Path, index: int, run: _Run, spec, planned) -> None:
     """A run is stored as done only when it is whole: trained for the spec's steps, and
     evaluated at exactly the points its spec plans for it."""
-    from worker.encodings import REGISTRY
-    from worker.evaluate import evaluation_plan
-
     where = f"{path}: runs[{index}] ({run.label}, seed {run.seed})"
     if run.train.steps != spec.train.steps or not run.train.curve:
         raise ImportProblem(

@@ -564,10 +564,8 @@ class StudySpec(_Strict):
                 "per run; "
                 f"at most {MAX_TRAIN_TOKENS:,}"
             )
-        tuned = [self.finetune_spec(v) for v in self.eval.variants if v.finetune is not None]
-        for variant, tuning in zip(
-            [v for v in self.eval.variants if v.finetune is not None], tuned, strict=True
-        ):
+        tuned = [tuning for _, tuning in self.finetunings()]
+        for variant, tuning in self.finetunings():
             if tuning.length < self.train.length:
                 problems.append(
                     f"eval.variants: {variant.label!r} fine-tunes at {tuning.length} tokens, "
@@ -671,16 +669,18 @@ class StudySpec(_Strict):
             }
         )
 
+    def finetunings(self) -> list[tuple[VariantSpec, TrainSpec]]:
+        """Each fine-tuned variant with the training settings of its fine-tuning."""
+        return [(v, self.finetune_spec(v)) for v in self.eval.variants if v.finetune is not None]
+
     def finetune_tokens(self) -> int:
         """Tokens the fine-tuned variants read, over every run they apply to (rotary)."""
         scalable = sum(REGISTRY[e.name].scalable for e in self.encodings)
         total = 0
-        for variant in self.eval.variants:
-            if variant.finetune is not None:
-                # Without a scaling, every encoding is fine-tuned; with one, rotary ones.
-                encodings = len(self.encodings) if variant.method == "none" else scalable
-                tuning = self.finetune_spec(variant)
-                total += encodings * len(self.seeds) * tuning.steps * tuning.tokens_per_step
+        for variant, tuning in self.finetunings():
+            # Without a scaling, every encoding is fine-tuned; with one, rotary ones.
+            encodings = len(self.encodings) if variant.method == "none" else scalable
+            total += encodings * len(self.seeds) * tuning.steps * tuning.tokens_per_step
         return total
 
     # -- runs ---------------------------------------------------------------------------------

@@ -196,9 +196,9 @@ def validation_loss(
     targets at ``length``, the same targets at every call (synthetic tasks: the first
     ``tokens // length`` evaluation examples); with ``longest`` (the study's longest
     evaluation length) the stretches the evaluation scores, so the last validation and
-    the evaluation at this length agree when their budgets do. The model's mode and the random
-    generators training draws from are left as they were, so validating changes no
-    later step."""
+    the evaluation at this length agree when their budgets do. The model's mode and the
+    random generators training draws from are left as they were, so validating changes
+    no later step."""
     training = model.training
     model.eval()
 

@@ -179,6 +179,13 @@ def training_twins(url: str, train_hash: str, run_id: int) -> list[tuple[int, st
         return [(twin, worker) for twin, worker in rows]
 
 
+def _stored_provenance(session, run_id: int) -> dict:
+    """A copy of the run's provenance as stored ({} when it has none), to change and
+    write back in the same transaction."""
+    stored = session.scalar(select(Run.provenance).where(Run.id == run_id))
+    return dict(stored) if isinstance(stored, dict) else {}
+
+
 def _change_provenance(url: str, run_id: int, lease: str, change) -> dict:
     """Apply ``change`` (a function of the provenance dict) to the stored provenance, by
     the lease holder; returns the provenance after the change."""
@@ -186,8 +193,7 @@ def _change_provenance(url: str, run_id: int, lease: str, change) -> dict:
     def attempt() -> dict:
         with transaction(url) as session:
             _hold(session, run_id, lease)
-            stored = session.scalar(select(Run.provenance).where(Run.id == run_id))
-            provenance = dict(stored) if isinstance(stored, dict) else {}
+            provenance = _stored_provenance(session, run_id)
             change(provenance)
             session.execute(update(Run).where(Run.id == run_id).values(provenance=provenance))
             return provenance
@@ -236,8 +242,7 @@ def adopt_training(url: str, run_id: int, lease: str, donor_id: int) -> dict | N
                     returning=None,
                 )
             # Merged: notes an earlier attempt stored (its fine-tunings) stay.
-            stored = session.scalar(select(Run.provenance).where(Run.id == run_id))
-            kept = stored if isinstance(stored, dict) else {}
+            kept = _stored_provenance(session, run_id)
             session.execute(
                 update(Run)
                 .where(Run.id == run_id)
@@ -361,8 +366,7 @@ def release(url: str, run_id: int, lease: str, waiting_for: int | None = None) -
                 return "cancelled"
             values = {"status": "queued", "lease": None, "enqueued_at": None}
             if waiting_for is not None:
-                stored = session.scalar(select(Run.provenance).where(Run.id == run_id))
-                kept = stored if isinstance(stored, dict) else {}
+                kept = _stored_provenance(session, run_id)
                 values["provenance"] = {**kept, "waiting_for": waiting_for}
             released = update(Run).where(*mine).values(attempts=Run.attempts - 1, **values)
             if session.execute(released).rowcount:

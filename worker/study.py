@@ -287,8 +287,8 @@ def run_one(
         model_for=finetuned,
     )
     for variant in spec.eval.variants:  # every point is stored: the copies are done with
-        path = finetune_checkpoint(checkpoint, variant)
-        if variant.finetune is not None and path is not None:
+        path = finetune_checkpoint(checkpoint, variant)  # None: not fine-tuned
+        if path is not None:
             path.unlink(missing_ok=True)
     order = None
     if should_stop is not None and should_stop():

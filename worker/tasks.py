@@ -75,14 +75,15 @@ def _train_and_evaluate(url: str, run_id: int, lease: str, spec, run, beat) -> s
     run_spec = matching_run(spec, run)
     checkpoint = settings.artifacts_dir / "runs" / f"{run_id}.pt"
     task = prepared_task(spec)  # first: a trained model is adopted only on the same data
+    # The run's provenance as stored: a model an earlier attempt adopted, fine-tuned
+    # variants' records of earlier attempts.
+    noted: dict = dict(run.provenance) if isinstance(run.provenance, dict) else {}
     # A model trained by another run: adopted now, or by an earlier attempt of this one.
-    adopted = run.provenance if isinstance(run.provenance, dict) else {}
+    adopted = dict(noted)
     if run.train_hash is not None and not checkpoint.exists() and not adopted.get("train_afresh"):
         trained = (run.train_hash, spec.train.steps, task.fingerprint)
         adopted = _adopt(url, run_id, lease, *trained, checkpoint) or {}
     cancel = {"asked": False}
-    # The run's provenance as stored: fine-tuned variants' records of earlier attempts.
-    noted: dict = dict(run.provenance) if isinstance(run.provenance, dict) else {}
 
     def on_progress(point) -> None:
         cancel["asked"] = store.record_progress(url, run_id, lease, point)
