@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from db.engine import transaction
 from db.models import Evaluation, PositionBin, Run, RunSummary, TrainPoint, utcnow
 from jobs.service import new_run, new_study
 from jobs.settings import Settings, get_settings
-from jobs.spec import MAX_VARIANT_LABEL, SpecError, parse_spec
+from jobs.spec import MAX_STEPS, MAX_VARIANT_LABEL, SpecError, parse_spec
 from worker.encodings import REGISTRY
 from worker.evaluate import Evaluation as Row
 from worker.evaluate import evaluation_plan
@@ -35,15 +36,20 @@ class ImportProblem(ValueError):
 
 
 class _Loose(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # JSON as posbench run writes it: no strings for numbers, no NaN or infinities.
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class _Train(_Loose):
-    steps: int = Field(ge=0)
+    steps: int = Field(ge=0, le=MAX_STEPS)
     curve: list[Point] = Field(default_factory=list)  # the worker's own records
 
 
 class _Summary(_Loose):
+    # A ratio over an accuracy of 0 is infinite: the file's curve summaries are not
+    # used anyway (computed here), and the probe's are checked finite below.
+    model_config = ConfigDict(allow_inf_nan=True)
+
     variant: str = Field(max_length=MAX_VARIANT_LABEL)
     protocol: str
     name: str = Field(max_length=40)
@@ -73,13 +79,21 @@ class Imported:
     evaluations: int
 
 
-def _read(path: Path) -> dict[str, Any]:
+# The order probe's summaries are the only ones taken from the file (the curves' are
+# computed here from the points).
+PROBE_SUMMARIES = ("order_ordered_loss", "order_shuffled_loss", "order_sensitivity")
+MAX_COUNT = 1 << 53  # tokens, bytes: exact in a float, far past any real run
+MAX_SECONDS = 10 * 365 * 86400
+MAX_PROVENANCE_BYTES = 1 << 20
+
+
+def _read(path: Path) -> str:
     try:
-        return json.loads(path.read_text())
+        return path.read_text()
     except OSError as err:
         raise ImportProblem(f"{path}: cannot be read ({err.strerror or err})") from None
-    except ValueError as err:
-        raise ImportProblem(f"{path}: not JSON ({err})") from None
+    except UnicodeDecodeError:
+        raise ImportProblem(f"{path}: not JSON (not UTF-8 text)") from None
 
 
 def _where(error: dict[str, Any]) -> str:
@@ -104,6 +118,82 @@ def _check_complete(path: Path, index: int, run: _Run, spec, planned) -> None:
         raise ImportProblem(f"{where}: evaluation {sorted(plan - stored)[0]} is missing")
 
 
+def _bad(value: float | int | None, low: float, high: float = math.inf) -> bool:
+    return value is not None and not low <= value <= high
+
+
+def _check_values(where: str, run: _Run, spec) -> None:
+    """Every number is one a run can have measured: in range, consistent with the
+    others (perplexity is exp(loss)), and of the study's metric; a file edited by hand
+    or written by something else is refused here, not stored and averaged."""
+    for i, point in enumerate(run.train.curve):
+        at = f"{where}.train.curve[{i}]"
+        if not 1 <= point.step <= run.train.steps:
+            raise ImportProblem(f"{at}.step: {point.step} is not within 1..{run.train.steps}")
+        if i and point.step <= run.train.curve[i - 1].step:
+            raise ImportProblem(f"{at}.step: the curve's steps must increase")
+        for name in ("loss", "lr", "tokens_per_second", "val_loss"):
+            if _bad(getattr(point, name), 0):
+                raise ImportProblem(f"{at}.{name}: must be at least 0")
+        if _bad(point.elapsed, 0, MAX_SECONDS):
+            raise ImportProblem(f"{at}.elapsed: must be 0..{MAX_SECONDS} seconds")
+    metric = spec.task.metric
+    other = ("accuracy", "token_accuracy") if metric == "perplexity" else ("perplexity",)
+    for i, row in enumerate(run.evaluations):
+        at = f"{where}.evaluations[{i}] ({row.variant}, {row.protocol}, {row.length})"
+        scores = ("loss", "perplexity", "bits_per_byte", "accuracy", "token_accuracy")
+        if row.not_applicable is not None:
+            given = [name for name in scores if getattr(row, name) is not None]
+            if given:
+                raise ImportProblem(f"{at}: not applicable, yet has a {given[0]}")
+            continue
+        if getattr(row, metric) is None or row.loss is None:
+            raise ImportProblem(f"{at}: has no {metric if row.loss is not None else 'loss'}")
+        given = [name for name in other if getattr(row, name) is not None]
+        if given:
+            raise ImportProblem(f"{at}: {given[0]} is not a metric of task {spec.task.name}")
+        if _bad(row.loss, 0) or _bad(row.perplexity, 1) or _bad(row.bits_per_byte, 0):
+            raise ImportProblem(f"{at}: loss and bits_per_byte must be >= 0, perplexity >= 1")
+        if row.perplexity is not None and not math.isclose(
+            math.log(row.perplexity), row.loss, rel_tol=1e-6, abs_tol=1e-9
+        ):
+            raise ImportProblem(f"{at}: perplexity is not exp(loss)")
+        if _bad(row.accuracy, 0, 1) or _bad(row.token_accuracy, 0, 1):
+            raise ImportProblem(f"{at}: accuracies must be within 0..1")
+        if any(_bad(value, 0, 1) for value in row.groups.values()):
+            raise ImportProblem(f"{at}: group accuracies must be within 0..1")
+        if _bad(row.tokens, 0, MAX_COUNT) or _bad(row.peak_memory_bytes, 0, MAX_COUNT):
+            raise ImportProblem(f"{at}: tokens and peak_memory_bytes must be 0..2^53")
+        if _bad(row.tokens_per_second, 0) or _bad(row.factor, 1e-9):
+            raise ImportProblem(f"{at}: tokens_per_second must be >= 0, factor > 0")
+        starts = [b.start for b in row.position_bins]
+        if len(set(starts)) != len(starts):
+            raise ImportProblem(f"{at}: two position bins start at the same position")
+        for b in row.position_bins:
+            if not 0 <= b.start < b.end <= row.length or _bad(b.loss, 0):
+                raise ImportProblem(
+                    f"{at}: position bin [{b.start}, {b.end}) must lie within 0..{row.length} "
+                    "with a loss >= 0"
+                )
+            if _bad(b.tokens, 0, MAX_COUNT):
+                raise ImportProblem(f"{at}: position bin tokens must be 0..2^53")
+    from jobs.analysis import ANY_PROTOCOL
+
+    for i, summary in enumerate(run.summaries):
+        at = f"{where}.summaries[{i}]"
+        if summary.protocol != ANY_PROTOCOL:
+            continue  # the curves' summaries are computed here, not read
+        if summary.name not in PROBE_SUMMARIES:
+            raise ImportProblem(
+                f"{at}: {summary.name!r} is not one of the order probe's "
+                f"{', '.join(PROBE_SUMMARIES)}"
+            )
+        if summary.value is not None and not math.isfinite(summary.value):
+            raise ImportProblem(f"{at}: {summary.name} must be a finite number")
+    if len(json.dumps(run.provenance, default=str)) > MAX_PROVENANCE_BYTES:
+        raise ImportProblem(f"{where}.provenance: larger than 1 MiB")
+
+
 def _summaries(spec, run: _Run) -> list:
     """The run's curve summaries computed from its points here (not taken from the file,
     so they always match the curve), and the order probe's as the file has them."""
@@ -123,13 +213,17 @@ def import_results(path: Path, *, settings: Settings | None = None, force: bool 
     (by config hash), unless ``force``."""
     settings = settings or get_settings()
     path = path.expanduser().resolve()
-    data = _read(path)
-    if not isinstance(data, dict):
-        raise ImportProblem(f"{path}: not the results.json of posbench run (a JSON object)")
+    text = _read(path)
     try:
-        results = _Results.model_validate(data)
+        results = _Results.model_validate_json(text)
     except ValidationError as err:
         first = err.errors()[0]
+        if first["type"] == "json_invalid":
+            raise ImportProblem(f"{path}: not JSON ({first['msg']})") from None
+        if first["type"] == "model_type":
+            raise ImportProblem(
+                f"{path}: not the results.json of posbench run (a JSON object)"
+            ) from None
         raise ImportProblem(f"{path}: {_where(first)}: {first['msg']}") from None
     try:
         spec = parse_spec(results.spec)
@@ -164,6 +258,7 @@ def import_results(path: Path, *, settings: Settings | None = None, force: bool 
             if twice:
                 raise ImportProblem(f"{path}: runs[{index}].{part}: {twice[0]} appears twice")
         _check_complete(path, index, run, spec, planned[run.config_hash])
+        _check_values(f"{path}: runs[{index}]", run, spec)
         summaries[run.config_hash] = _summaries(spec, run)
     missing = [r for h, r in planned.items() if h not in seen]
     if missing:

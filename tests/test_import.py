@@ -10,6 +10,7 @@ from conftest import isolated_env, posbench_cli
 
 from db import queries
 from db.migrate import upgrade
+from jobs.imports import ImportProblem, import_results
 from jobs.service import submit
 from jobs.settings import Settings
 from jobs.spec import parse_spec
@@ -135,6 +136,77 @@ def test_a_broken_file_is_refused_and_nothing_is_written(
     done = posbench(settings, "import", str(write(tmp_path, _edited(payload, change))))
     assert done.returncode == 2 and message in done.stderr, done.stderr
     assert queries.studies(settings.database).empty
+
+
+def _first(p: dict, variant: str = "none") -> dict:
+    return next(e for e in p["runs"][0]["evaluations"] if e["variant"] == variant)
+
+
+def _summary(p: dict, **values) -> None:
+    summaries = p["runs"][0]["summaries"]
+    probe = next((s for s in summaries if s["name"] == "order_sensitivity"), None)
+    if probe is None:
+        probe = {"variant": "none", "protocol": "any", "name": "order_sensitivity"}
+        summaries.append(probe)
+    probe.update(values)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda p: _first(p).update(perplexity=None), "has no perplexity"),
+        (lambda p: _first(p).update(loss=None), "has no loss"),
+        (
+            lambda p: _first(p).update(perplexity=float("inf")),
+            "perplexity: Input should be a finite",
+        ),
+        (lambda p: _first(p).update(loss=float("nan")), "loss: Input should be a finite number"),
+        (lambda p: _first(p).update(perplexity=0.5), "perplexity >= 1"),
+        (lambda p: _first(p).update(perplexity=_first(p)["perplexity"] * 2), "is not exp(loss)"),
+        (lambda p: _first(p).update(accuracy=2.0), "accuracy is not a metric of task lm"),
+        (lambda p: _first(p).update(tokens=-1), "tokens and peak_memory_bytes must be 0..2^53"),
+        (lambda p: _first(p).update(tokens=2**70), "tokens and peak_memory_bytes must be 0..2^53"),
+        (lambda p: _first(p).update(tokens="256"), "tokens: Input should be a valid integer"),
+        (lambda p: _first(p).update(not_applicable="no table"), "not applicable, yet has a loss"),
+        (
+            lambda p: _first(p)["position_bins"].append(_first(p)["position_bins"][0]),
+            "two position bins start at the same position",
+        ),
+        (
+            lambda p: _first(p)["position_bins"][0].update(end=10**6),
+            "position bin [0, 1000000) must lie within 0..16",
+        ),
+        (lambda p: p["runs"][0]["train"]["curve"][0].update(step=-5), "step: -5 is not within"),
+        (
+            lambda p: p["runs"][0]["train"]["curve"][-1].update(elapsed=1e20),
+            "elapsed: must be 0..315360000 seconds",
+        ),
+        (lambda p: p["runs"][0]["train"].update(steps="6"), "steps: Input should be a valid int"),
+        (lambda p: _summary(p, name="bogus"), "'bogus' is not one of the order probe's"),
+        (lambda p: _summary(p, value=float("inf")), "order_sensitivity must be a finite number"),
+    ],
+)
+def test_a_number_no_run_could_have_measured_is_refused(
+    settings: Settings, payload: dict, tmp_path: Path, change, message: str
+) -> None:
+    path = write(tmp_path, _edited(payload, change))
+    with pytest.raises(ImportProblem) as refused:
+        import_results(path, settings=settings)
+    assert message in str(refused.value)
+    assert queries.studies(settings.database).empty
+
+
+def test_a_file_nested_too_deep_or_with_huge_numbers_is_refused(
+    settings: Settings, tmp_path: Path
+) -> None:
+    deep = tmp_path / "deep.json"
+    deep.write_text('{"spec": {"a": ' + "[" * 100_000 + "]" * 100_000 + "}}")
+    with pytest.raises(ImportProblem, match=r"deep\.json: not JSON"):
+        import_results(deep, settings=settings)
+    huge = tmp_path / "huge.json"
+    huge.write_text('{"spec": {}, "runs": [' + "9" * 5000 + "]}")
+    with pytest.raises(ImportProblem, match=r"huge\.json: not JSON"):
+        import_results(huge, settings=settings)
 
 
 def test_summaries_are_computed_from_the_imported_points(
