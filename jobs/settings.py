@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -29,6 +30,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 BROKER_SCHEMES = ("redis", "rediss", "redis+socket")
 DATABASE_BACKENDS = ("sqlite", "postgresql")
 DEVICE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
+HOUR, DAY, WEEK = 3600, 86_400, 7 * 86_400
 
 
 class Settings(BaseSettings):
@@ -41,17 +43,19 @@ class Settings(BaseSettings):
     artifacts: str | None = Field(None, description="where checkpoints are written")
     cache_dir: Path | None = Field(None, description="prepared corpora")
     device: str | None = Field(None, description="torch device of workers")
-    heartbeat_seconds: float = Field(10.0, gt=0)
-    stale_after_seconds: float = Field(120.0, gt=0)
-    reconcile_seconds: float = Field(30.0, gt=0)
-    max_attempts: int = Field(3, ge=1, description="a run whose worker died this often fails")
+    heartbeat_seconds: float = Field(10.0, gt=0, le=HOUR)
+    stale_after_seconds: float = Field(120.0, gt=0, le=WEEK)
+    reconcile_seconds: float = Field(30.0, gt=0, le=DAY)
+    max_attempts: int = Field(
+        3, ge=1, le=100, description="a run whose worker died this often fails"
+    )
     hang_seconds: float = Field(
-        3600.0, ge=0, description="a run without progress this long is hung (0: never)"
+        3600.0, ge=0, le=30 * DAY, description="a run without progress this long is hung (0: never)"
     )
     pin_gpus: bool = Field(False, description="pin each pool process to its own GPU")
     # Longer than the longest allowed run, so Redis never redelivers a message
     # whose run is still training; the reconciler handles dead workers sooner.
-    visibility_timeout: int = Field(172_800, gt=0)
+    visibility_timeout: int = Field(172_800, ge=HOUR, le=30 * DAY)
     dashboard_password: SecretStr | None = None
 
     @field_validator("database_url")
@@ -63,13 +67,19 @@ class Settings(BaseSettings):
         from sqlalchemy.exc import ArgumentError
 
         try:
-            backend = make_url(url).get_backend_name()
-        except ArgumentError:
-            backend = None
+            parsed = make_url(url)
+            backend = parsed.get_backend_name()
+        except (ArgumentError, ValueError):  # ValueError: a port that is not a number
+            parsed = backend = None
         if backend not in DATABASE_BACKENDS and backend != "postgres":
             raise ValueError(
                 "must be an SQLAlchemy URL of SQLite or PostgreSQL, e.g. sqlite:///posbench.db "
                 "or postgresql://user:password@host/posbench"
+            )
+        if backend == "sqlite" and parsed.database in (None, "", ":memory:"):
+            raise ValueError(
+                "must name a database file: an in-memory SQLite database is private to one "
+                "process, and the service's processes share the results"
             )
         return url
 
@@ -82,6 +92,13 @@ class Settings(BaseSettings):
                 f"must be a Redis URL ({', '.join(s + '://' for s in BROKER_SCHEMES)}), "
                 "e.g. redis://localhost:6379/0"
             )
+        if url is not None and scheme != "redis+socket":
+            try:
+                urlsplit(url).port
+            except ValueError:
+                raise ValueError(
+                    "has a port that is not a number from 0 to 65535, e.g. redis://host:6379/0"
+                ) from None
         return url
 
     @field_validator("artifacts")
@@ -92,6 +109,8 @@ class Settings(BaseSettings):
                 "must be a folder or a file:// URL (object stores are not supported; mount "
                 "one as a folder)"
             )
+        if location is not None and not location.removeprefix("file://").strip():
+            raise ValueError("must name a folder, e.g. file:///data/posbench or /data/posbench")
         return location
 
     @field_validator("device")

@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 from conftest import isolated_env, posbench_cli
+from pydantic import ValidationError
+
+from jobs.settings import Settings, describe_settings_error
 
 
 @pytest.fixture
@@ -84,6 +87,33 @@ def test_bad_settings_exit_2_before_any_command_runs(
         assert done.returncode == 2, done.stderr
         assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("POSBENCH_HANG_SECONDS", "inf", "POSBENCH_HANG_SECONDS = 'inf': Input should be less"),
+        ("POSBENCH_RECONCILE_SECONDS", "1e12", "POSBENCH_RECONCILE_SECONDS = '1e12'"),
+        ("POSBENCH_STALE_AFTER_SECONDS", "1e20", "POSBENCH_STALE_AFTER_SECONDS = '1e20'"),
+        ("POSBENCH_HEARTBEAT_SECONDS", "nan", "POSBENCH_HEARTBEAT_SECONDS = 'nan'"),
+        ("POSBENCH_VISIBILITY_TIMEOUT", "1", "greater than or equal to 3600"),
+        ("POSBENCH_MAX_ATTEMPTS", "1000000", "less than or equal to 100"),
+        ("POSBENCH_BROKER_URL", "redis://:pw@host:notaport/0", "has a port that is not a number"),
+        ("POSBENCH_DATABASE_URL", "postgresql://u:p@h:notaport/db", "must be an SQLAlchemy URL"),
+        ("POSBENCH_DATABASE_URL", "sqlite:///:memory:", "must name a database file"),
+        ("POSBENCH_DATABASE_URL", "sqlite://", "must name a database file"),
+        ("POSBENCH_ARTIFACTS", "file://", "must name a folder"),
+    ],
+)
+def test_settings_out_of_range_are_named_with_what_is_allowed(
+    monkeypatch, variable: str, value: str, message: str
+) -> None:
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValidationError) as refused:
+        Settings()
+    described = describe_settings_error(refused.value)
+    assert message in described and "\n" not in described
+    assert ":pw@" not in described  # URLs are named, never echoed
 
 
 def test_reading_commands_never_create_a_database(tmp_path: Path) -> None:
