@@ -61,6 +61,37 @@ def _fail(message: str) -> NoReturn:
     raise typer.Exit(2)
 
 
+def _unwritable(folder: Path) -> str | None:
+    """Why files cannot be written in ``folder`` (created if missing), or None."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".posbench-write-test-{time.time_ns()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        return err.strerror or str(err)
+    return None
+
+
+def _check_out(spec: StudySpec, out: Path) -> None:
+    """``--out`` may hold an earlier run of this study (written again), not another's."""
+    names = ["results.json", "table.md", "curves.png"]
+    names += [f"curves-{protocol}.png" for protocol in spec.eval.protocols]
+    for name in names:
+        if (out / name).is_dir():
+            _fail(f"--out {out}: {name} is a folder; the results are written there as a file")
+    try:
+        earlier = json.loads((out / "results.json").read_text())["spec"]["name"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # nothing there, or not posbench's
+    if earlier != spec.name:
+        _fail(
+            f"--out {out} holds the results of study {earlier!r}; give another folder (or "
+            "remove them) so they are not overwritten by study "
+            f"{spec.name!r}"
+        )
+
+
 def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: str | None) -> None:
     from jobs.settings import get_settings
     from worker.data.registry import TaskConfigError
@@ -70,9 +101,15 @@ def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: 
     console = Console(stderr=as_json)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = out or get_settings().home / "runs" / f"{folder_name(spec.name)}-{stamp}"
+    checkpoints = get_settings().home / "checkpoints"
     # Everything that can be refused is checked before the first progress bar.
     if out.exists() and not out.is_dir():
         _fail(f"--out {out} is a file; give a folder (created if missing)")
+    _check_out(spec, out)
+    for folder, what in ((out, "--out"), (checkpoints, "the checkpoint folder")):
+        problem = _unwritable(folder)
+        if problem:
+            _fail(f"{what} {folder} cannot be written: {problem}")
     try:
         torch_device = resolve_device(device)
         task = prepared_task(spec)
@@ -110,7 +147,7 @@ def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: 
                 spec,
                 task=task,
                 device=torch_device,
-                checkpoint_dir=out / "checkpoints",
+                checkpoint_dir=checkpoints,
                 on_progress=lambda run, p: progress.update(
                     bars[run.config_hash],
                     completed=p.step,

@@ -94,7 +94,7 @@ class Settings(BaseSettings):
             )
         if url is not None and scheme != "redis+socket":
             try:
-                urlsplit(url).port
+                _ = urlsplit(url).port  # raises on a port that is not a number
             except ValueError:
                 raise ValueError(
                     "has a port that is not a number from 0 to 65535, e.g. redis://host:6379/0"

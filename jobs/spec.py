@@ -59,6 +59,7 @@ MAX_EVAL_LENGTH = 131_072
 MAX_STEPS = 200_000
 MAX_PARAMETERS = 1_000_000_000
 MAX_TRAIN_TOKENS = 1 << 36  # per run: steps x batch x length
+MAX_EVAL_TOKENS = 1 << 36  # per run: tokens the evaluation feeds the model
 
 MODEL_PRESETS: dict[str, dict[str, int]] = {
     "tiny": {"d_model": 64, "n_layers": 2, "n_heads": 4},
@@ -70,6 +71,13 @@ Protocol = Literal["nonoverlapping", "sliding"]
 PROTOCOLS: tuple[str, ...] = get_args(Protocol)
 Queue = Literal["gpu", "cpu"]  # the broker's queues: GPU and CPU workers
 QUEUES: tuple[str, ...] = get_args(Queue)
+
+
+def exact(number: float) -> str:
+    """A number in a label: short (4, 0.0002, 1e-05) yet never two values under one
+    label (1.0000001 stays 1.0000001)."""
+    short = f"{number:g}"
+    return short if float(short) == float(number) else repr(float(number))
 
 
 class SpecError(ValueError):
@@ -126,14 +134,16 @@ class ModelSpec(_Strict):
             name = value["preset"]
             if not isinstance(name, str) or name not in MODEL_PRESETS:
                 raise ValueError(
-                    f"unknown model preset {name!r} (allowed: {', '.join(MODEL_PRESETS)}, or "
+                    f"unknown model preset {short_repr(name)} "
+                    f"(allowed: {', '.join(MODEL_PRESETS)}, or "
                     "d_model / n_layers / n_heads)"
                 )
             dims = MODEL_PRESETS[name]
             clash = [k for k in dims if k in value and value[k] != dims[k]]
             if clash:
                 raise ValueError(
-                    f"preset {name!r} has {', '.join(f'{k}={dims[k]}' for k in clash)}; give "
+                    f"preset {short_repr(name)} has "
+                    f"{', '.join(f'{k}={dims[k]}' for k in clash)}; give "
                     "either a preset or dimensions, not both"
                 )
             return {**value, **dims}
@@ -299,9 +309,9 @@ class FinetuneSpec(_Strict):
     def label(self) -> str:
         """``ft200``, ``ft200@512``, ``ft200@512(lr=0.0002, batch=8)``."""
         name = f"ft{self.steps}" + (f"@{self.length}" if self.length is not None else "")
-        extras = [f"lr={self.lr:g}"] if self.lr is not None else []
+        extras = [f"lr={exact(self.lr)}"] if self.lr is not None else []
         extras += [f"batch={self.batch_size}"] if self.batch_size is not None else []
-        extras += [f"wd={self.weight_decay:g}"] if self.weight_decay else []
+        extras += [f"wd={exact(self.weight_decay)}"] if self.weight_decay else []
         extras += [f"warmup={self.warmup_steps}"] if self.warmup_steps != 20 else []
         return name + (f"({', '.join(extras)})" if extras else "")
 
@@ -334,9 +344,14 @@ class VariantSpec(_Strict):
         shorthand = {"method": method, "factor": factor or None}
         if plus:
             steps, at, length = tail.removeprefix("ft").partition("@")
-            if not tail.startswith("ft") or not steps.isdigit() or (at and not length.isdigit()):
+            digits = re.compile(r"[0-9]+")
+            if not (
+                tail.startswith("ft")
+                and digits.fullmatch(steps)
+                and (not at or digits.fullmatch(length))
+            ):
                 raise ValueError(
-                    f"variant {value!r}: after '+' comes the fine-tuning, ftSTEPS or "
+                    f"variant {short_repr(value)}: after '+' comes the fine-tuning, ftSTEPS or "
                     "ftSTEPS@LENGTH, e.g. 'yarn:4+ft200@512'"
                 )
             tuning = {"steps": int(steps)} | ({"length": int(length)} if length else {})
@@ -346,6 +361,8 @@ class VariantSpec(_Strict):
     @field_validator("factor", mode="before")
     @classmethod
     def _number(cls, value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, str | int | float | None):
+            raise ValueError(f"factor must be a number >= 1 or 'auto', got {short_repr(value)}")
         if isinstance(value, str) and value != "auto":
             try:
                 return float(value)
@@ -370,10 +387,11 @@ class VariantSpec(_Strict):
     @model_validator(mode="after")
     def _factor(self) -> VariantSpec:
         if self.params:
-            owner = f"variant {self.method!r}"
+            owner = f"variant {short_repr(self.method)}"
             if self.method not in SCALINGS:  # 'none' takes no parameter
                 raise ValueError(
-                    f"{owner} has no parameter {next(iter(self.params))!r} (allowed: none)"
+                    f"{owner} has no parameter {short_repr(next(iter(self.params)))} "
+                    "(allowed: none)"
                 )
             resolved = SCALINGS[self.method].resolve(self.params, owner)
             # Only what was given stays (and names the variant); defaults stay implicit.
@@ -387,25 +405,26 @@ class VariantSpec(_Strict):
                     )
             elif self.method not in FINETUNED:
                 raise ValueError(
-                    f"variant {self.method!r}: fine-tuning applies to a scaling with one "
+                    f"variant {short_repr(self.method)}: fine-tuning applies to a scaling with one "
                     f"fixed factor ({', '.join(FINETUNED)}) or to none (no scaling)"
                 )
             elif self.factor is None or self.factor == "auto":
                 raise ValueError(
-                    f"variant {self.method!r} with finetune needs a number factor (the model "
+                    f"variant {short_repr(self.method)} with finetune needs a number factor "
+                    "(the model "
                     f"is fine-tuned once, at one scaling), e.g. '{self.method}:4+ft200'"
                     + ("; none was given" if self.factor is None else ", not 'auto'")
                 )
         if self.method in ("none", "dynamic_ntk"):
             if self.factor is not None:
-                raise ValueError(f"variant {self.method!r} takes no factor")
+                raise ValueError(f"variant {short_repr(self.method)} takes no factor")
         elif self.factor is None:
             object.__setattr__(self, "factor", "auto")
         elif self.factor != "auto" and not 1.0 <= float(self.factor) <= 1024.0:
             raise ValueError(f"factor must be in [1, 1024] or 'auto', got {self.factor}")
         if len(self.label) > MAX_VARIANT_LABEL:
             raise ValueError(
-                f"the variant's label {self.label!r} is longer than {MAX_VARIANT_LABEL} "
+                f"the variant's label {short_repr(self.label)} is longer than {MAX_VARIANT_LABEL} "
                 "characters; give its parameters (or its fine-tuning's lr) fewer digits"
             )
         return self
@@ -414,11 +433,11 @@ class VariantSpec(_Strict):
     def label(self) -> str:
         name = self.method
         if self.factor is not None:
-            factor = self.factor if self.factor == "auto" else f"{float(self.factor):g}"
+            factor = self.factor if self.factor == "auto" else exact(self.factor)
             name = f"{name}:{factor}"
         if self.params:
             shown = (
-                str(v).lower() if isinstance(v, bool) else f"{v:g}" for v in self.params.values()
+                str(v).lower() if isinstance(v, bool) else exact(v) for v in self.params.values()
             )
             name += (
                 "(" + ", ".join(f"{k}={v}" for k, v in zip(self.params, shown, strict=True)) + ")"
@@ -568,13 +587,15 @@ class StudySpec(_Strict):
         for variant, tuning in self.finetunings():
             if tuning.length < self.train.length:
                 problems.append(
-                    f"eval.variants: {variant.label!r} fine-tunes at {tuning.length} tokens, "
+                    f"eval.variants: {short_repr(variant.label)} fine-tunes at "
+                    f"{tuning.length} tokens, "
                     f"shorter than train.length = {self.train.length}: fine-tuning extends "
                     "the context"
                 )
             if tuning.length > MAX_TRAIN_LENGTH:
                 problems.append(
-                    f"eval.variants: {variant.label!r} fine-tunes at {tuning.length} tokens; "
+                    f"eval.variants: {short_repr(variant.label)} fine-tunes at "
+                    f"{tuning.length} tokens; "
                     f"at most {MAX_TRAIN_LENGTH} (give finetune.length)"
                 )
 
@@ -583,6 +604,18 @@ class StudySpec(_Strict):
             problems.append(
                 f"eval.variants: training and fine-tuning read {train_tokens + tuning_tokens:,} "
                 f"tokens per run; at most {MAX_TRAIN_TOKENS:,}"
+            )
+        read = self.eval_tokens()
+        if read > MAX_EVAL_TOKENS:
+            per = (
+                "tokens x length / stride (sliding)"
+                if "sliding" in self.eval.protocols
+                else "tokens"
+            )
+            problems.append(
+                f"eval: {per}, over every length, protocol and variant, reads {read:,} tokens "
+                f"per run; at most {MAX_EVAL_TOKENS:,} (fewer tokens, lengths or variants, or "
+                "a longer stride)"
             )
         task = TASKS[self.task.name]
         longest_read = max(self.train.length, *self.eval.lengths, *(t.length for t in tuned))
@@ -594,13 +627,15 @@ class StudySpec(_Strict):
         field, shortest = min(lengths, key=lambda pair: pair[1])
         if shortest < task.min_length:
             problems.append(
-                f"task {task.name!r} needs sequences of at least {task.min_length} bytes; "
+                f"task {short_repr(task.name)} needs sequences of at least "
+                f"{task.min_length} bytes; "
                 f"{field} is {shortest}"
             )
         if "sliding" in self.eval.protocols:
             if task.metric != "perplexity":
                 problems.append(
-                    f"eval.protocols: 'sliding' applies to language modelling, not {task.name!r}"
+                    "eval.protocols: 'sliding' applies to language modelling, not "
+                    f"{short_repr(task.name)}"
                 )
             if self.eval.stride is None:
                 problems.append("eval.stride is required with the 'sliding' protocol")
@@ -613,7 +648,8 @@ class StudySpec(_Strict):
         if scalings and not any(REGISTRY[e.name].scalable for e in self.encodings):
             scalable = ", ".join(n for n, e in REGISTRY.items() if e.scalable)
             problems.append(
-                f"eval.variants: {scalings[0].label!r} scales RoPE and applies to {scalable}; "
+                f"eval.variants: {short_repr(scalings[0].label)} scales RoPE and applies "
+                f"to {scalable}; "
                 "this study trains none of them"
             )
         for encoding in self.encodings:
@@ -634,7 +670,8 @@ class StudySpec(_Strict):
                 for variant in scalings:
                     if variant.method in ("ntk", "dynamic_ntk"):
                         problems.append(
-                            f"eval.variants: {variant.label!r} raises the base to the power "
+                            f"eval.variants: {short_repr(variant.label)} raises the base to the "
+                            "power "
                             f"r/(r-2) and needs a rotary width r >= 4; {encoding.label} "
                             f"rotates {rotary_width(self.model.head_dim, encoding.resolved_params)}"
                         )
@@ -651,7 +688,7 @@ class StudySpec(_Strict):
         fine-tuning's weight decay, and no validation."""
         tuning = variant.finetune
         if tuning is None:
-            raise ValueError(f"variant {variant.label!r} is not fine-tuned")
+            raise ValueError(f"variant {short_repr(variant.label)} is not fine-tuned")
         length = tuning.length or round(float(variant.factor) * self.train.length)
         return self.train.model_copy(
             update={
@@ -672,6 +709,21 @@ class StudySpec(_Strict):
     def finetunings(self) -> list[tuple[VariantSpec, TrainSpec]]:
         """Each fine-tuned variant with the training settings of its fine-tuning."""
         return [(v, self.finetune_spec(v)) for v in self.eval.variants if v.finetune is not None]
+
+    def eval_tokens(self) -> int:
+        """Tokens one run's evaluation feeds the model, at most (every variant counted):
+        a sliding window of ``length`` scores ``stride`` of them."""
+        spec, total = self.eval, 0
+        for length in spec.lengths:
+            scored = (
+                spec.tokens
+                if TASKS[self.task.name].metric == "perplexity"
+                else (spec.examples * length)
+            )
+            for protocol in spec.protocols:
+                windows = length / spec.stride if protocol == "sliding" and spec.stride else 1
+                total += round(scored * windows)
+        return total * len(spec.variants)
 
     def finetune_tokens(self) -> int:
         """Tokens the fine-tuned variants read, over every run they apply to (rotary)."""
@@ -777,7 +829,8 @@ def _location(loc: tuple[Any, ...]) -> str:
         if isinstance(item, int):
             parts.append(f"[{item}]")
         elif not (isinstance(item, str) and ("function-" in item or item in ("str", "dict"))):
-            parts.append(("." if parts else "") + str(item))
+            name = str(item) if len(str(item)) <= 60 else short_repr(str(item), 60)
+            parts.append(("." if parts else "") + name)
     return "".join(parts) or "spec"
 
 
@@ -822,6 +875,7 @@ def parse_spec(data: Any) -> StudySpec:
 
 MAX_SPEC_BYTES = 1 << 20
 MAX_SPEC_NODES = 100_000  # values in the parsed spec, counting every use of a YAML alias
+MAX_SPEC_DEPTH = 16  # a spec's deepest value (an encoding's parameter) is at level 4
 
 
 class _SpecLoader(yaml.SafeLoader):
@@ -833,6 +887,11 @@ class _SpecLoader(yaml.SafeLoader):
         seen: dict[Any, Any] = {}
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, list | dict | set):
+                mark = key_node.start_mark
+                raise SpecError(
+                    [f"line {mark.line + 1}: a key must be a name, not a {type(key).__name__}"]
+                )
             if key in seen:
                 mark = key_node.start_mark
                 raise SpecError(
@@ -857,18 +916,19 @@ def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return dict(pairs)
 
 
-def _count_nodes(data: Any, budget: int = MAX_SPEC_NODES) -> int:
+def _count_nodes(data: Any, budget: int = MAX_SPEC_NODES) -> tuple[int, int]:
     """Values in ``data``, stopping past ``budget`` (YAML aliases can nest a tiny file
-    into billions of values)."""
-    count, stack = 0, [data]
+    into billions of values), and how deep they nest."""
+    count, deepest, stack = 0, 0, [(data, 1)]
     while stack and count <= budget:
-        item = stack.pop()
+        item, depth = stack.pop()
         count += 1
+        deepest = max(deepest, depth)
         if isinstance(item, dict):
-            stack.extend(item.values())
+            stack.extend((value, depth + 1) for value in item.values())
         elif isinstance(item, list):
-            stack.extend(item)
-    return count
+            stack.extend((value, depth + 1) for value in item)
+    return count, deepest
 
 
 def load_spec(path: str | Path) -> StudySpec:
@@ -891,6 +951,10 @@ def load_spec(path: str | Path) -> StudySpec:
             data = json.loads(text, object_pairs_hook=_json_object)
         else:
             data = yaml.load(text, Loader=_SpecLoader)  # a SafeLoader subclass
+    except RecursionError:
+        raise SpecError(
+            [f"{path} nests deeper than a spec can ({MAX_SPEC_DEPTH} levels)"]
+        ) from None
     except json.JSONDecodeError as err:
         where = f"line {err.lineno}, column {err.colno}"
         raise SpecError([f"{path} is not valid JSON: {where}: {err.msg}"]) from None
@@ -899,8 +963,15 @@ def load_spec(path: str | Path) -> StudySpec:
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise SpecError([f"{path} is not valid YAML: {where}{problem}"]) from None
-    if _count_nodes(data) > MAX_SPEC_NODES:
+    except SpecError:
+        raise
+    except ValueError as err:  # an integer of more digits than Python converts
+        raise SpecError([f"{path}: a number is too long ({str(err)[:80]})"]) from None
+    count, depth = _count_nodes(data)
+    if count > MAX_SPEC_NODES:
         raise SpecError([f"{path} expands to more than {MAX_SPEC_NODES:,} values (YAML aliases?)"])
+    if depth > MAX_SPEC_DEPTH:
+        raise SpecError([f"{path} nests deeper than a spec can ({MAX_SPEC_DEPTH} levels)"])
     return parse_spec(data)
 
 
@@ -966,5 +1037,7 @@ PRESET_SPECS: dict[str, dict[str, Any]] = {
 
 def preset_spec(name: str) -> StudySpec:
     if name not in PRESET_SPECS:
-        raise SpecError([f"unknown preset {name!r} (available: {', '.join(PRESET_SPECS)})"])
+        raise SpecError(
+            [f"unknown preset {short_repr(name)} (available: {', '.join(PRESET_SPECS)})"]
+        )
     return parse_spec(PRESET_SPECS[name])

@@ -118,3 +118,64 @@ def test_a_spec_that_skips_the_training_length_runs_with_a_note(tmp_path: Path) 
     assert "note: the training length 16 is not among eval.lengths" in done.stderr
     (run,) = json.loads(done.stdout)["runs"]
     assert [e["length"] for e in run["evaluations"]] == [32]
+
+
+def test_a_study_that_only_evaluates_differently_trains_nothing_again(tmp_path: Path) -> None:
+    env = {**os.environ, "POSBENCH_HOME": str(tmp_path / "home")}
+    spec = tmp_path / "study.yaml"
+    base = "name: s\nmodel: tiny\ntrain: {length: 16, steps: 6, batch_size: 2}\nencodings: [rope]\n"
+    spec.write_text(base + "eval: {lengths: [16, 32], tokens: 64, order_probe: false}\n")
+    first = posbench_cli("run", str(spec), "--json", "--out", str(tmp_path / "a"), env=env)
+    assert first.returncode == 0, first.stderr
+    # A variant more, into another folder: the trained model is found. (Another longest
+    # length would move the stretches every length scores, so the lengths stay.)
+    spec.write_text(
+        base + "eval: {lengths: [16, 32], tokens: 64, order_probe: false, "
+        "variants: [none, 'yarn:2']}\n"
+    )
+    second = posbench_cli("run", str(spec), "--json", "--out", str(tmp_path / "b"), env=env)
+    assert second.returncode == 0, second.stderr
+    (before,) = json.loads(first.stdout)["runs"]
+    (after,) = json.loads(second.stdout)["runs"]
+    assert before["train"]["resumed_from"] == 0 and after["train"]["resumed_from"] == 6
+    assert after["train"]["curve"] == before["train"]["curve"]
+    points = {(e["variant"], e["length"]): e["loss"] for e in after["evaluations"]}
+    for row in before["evaluations"]:  # the same weights, the same numbers
+        assert points[("none", row["length"])] == row["loss"]
+    assert ("yarn:2", 32) in points
+
+
+def test_out_is_checked_before_any_training(tmp_path: Path) -> None:
+    env = {**os.environ, "POSBENCH_HOME": str(tmp_path / "home")}
+    spec = tmp_path / "study.yaml"
+    spec.write_text(
+        "name: mine\nmodel: tiny\ntrain: {length: 16, steps: 2}\nencodings: [rope]\n"
+        "eval: {lengths: [16], tokens: 64, order_probe: false}\n"
+    )
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "results.json").write_text(json.dumps({"spec": {"name": "another"}, "runs": []}))
+    taken = posbench_cli("run", str(spec), "--out", str(theirs), env=env)
+    assert taken.returncode == 2 and "holds the results of study 'another'" in taken.stderr
+    assert json.loads((theirs / "results.json").read_text())["spec"]["name"] == "another"
+    folder = tmp_path / "folder"
+    (folder / "results.json").mkdir(parents=True)
+    clash = posbench_cli("run", str(spec), "--out", str(folder), env=env)
+    assert clash.returncode == 2 and "results.json is a folder" in clash.stderr
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):  # root writes anyway: a path under a file instead
+            locked = tmp_path / "a_file"
+            locked.write_text("")
+            locked = locked / "sub"
+        denied = posbench_cli("run", str(spec), "--out", str(locked), env=env)
+    finally:
+        (tmp_path / "locked").chmod(0o700)
+    assert denied.returncode == 2 and "cannot be written" in denied.stderr
+    for result in (taken, clash, denied):
+        assert "queued" not in result.stdout + result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "home" / "checkpoints").exists() or not any(
+        (tmp_path / "home" / "checkpoints").iterdir()
+    )

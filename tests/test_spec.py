@@ -362,6 +362,13 @@ def test_the_trained_model_is_always_the_first_variant() -> None:
             b"e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]\nencodings: [rope]\n",
             "expands to more than 100,000 values",
         ),
+        ("listkey.yaml", b"? [a, b]\n: 1\nencodings: [rope]\n", "line 1: a key must be a name"),
+        ("mapkey.yaml", b"{a: 1}: 2\nencodings: [rope]\n", "not a dict"),
+        ("deep.yaml", b"encodings: " + b"[" * 5000 + b"]" * 5000, "nests deeper than a spec"),
+        ("deep.json", b'{"encodings": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nests deeper"),
+        ("deep2.yaml", b"encodings: " + b"[" * 40 + b"]" * 40, "nests deeper than a spec can"),
+        ("long.yaml", b"encodings: [rope]\nseeds: [" + b"9" * 5000 + b"]", "a number is too long"),
+        ("long.json", b'{"seeds": [' + b"9" * 5000 + b"]}", "a number is too long"),
     ],
 )
 def test_spec_files_are_read_strictly(
@@ -567,3 +574,70 @@ def test_fine_tuning_is_bounded_in_total_and_by_the_task() -> None:
     passkey = {**with_value("eval.variants", ["none+ft2@16"]), "task": "passkey"}
     passkey["train"] = {"length": 128}
     assert "task 'passkey' needs sequences of at least" in rejected(passkey)
+
+
+def test_messages_never_echo_a_huge_input() -> None:
+    huge = "z" * 500_000
+    spec = {
+        "encodings": [{"name": "rope", huge: 1}, huge],
+        huge: 1,
+        "eval": {"variants": [f"yarn:{huge}"]},
+    }
+    with pytest.raises(SpecError) as caught:
+        parse_spec(spec)
+    message = str(caught.value)
+    assert len(message) < 2000 and "(500,002 characters)" in message
+    assert "allowed: base, rotary_fraction" in message  # what is allowed is still said
+
+
+def test_labels_keep_every_digit_so_two_settings_never_share_one() -> None:
+    spec = parse_spec(
+        with_value(
+            "eval.variants",
+            [
+                "pi:4",
+                "pi:1.0000001",
+                {"method": "yarn", "factor": 2, "beta": 16},
+                {"method": "yarn", "factor": 2, "beta": 16.0000001},
+                "yarn:4+ft20",
+            ],
+        )
+    )
+    assert [v.label for v in spec.eval.variants] == [
+        "none",
+        "pi:4",
+        "pi:1.0000001",
+        "yarn:2(beta=16)",
+        "yarn:2(beta=16.0000001)",
+        "yarn:4+ft20",
+    ]
+
+
+@pytest.mark.parametrize("variant", ["pi:4+ft\u00b2", "pi:4+ft\u0663", "pi:4+ft3@\u0663"])
+def test_fine_tuning_steps_are_ascii_digits(variant: str) -> None:
+    with pytest.raises(SpecError, match="after '\\+' comes the fine-tuning"):
+        parse_spec(with_value("eval.variants", [variant]))
+
+
+@pytest.mark.parametrize("factor", [True, [4], {"x": 1}])
+def test_a_factor_that_is_not_a_number_says_what_is_allowed(factor) -> None:
+    with pytest.raises(SpecError) as caught:
+        parse_spec(with_value("eval.variants", [{"method": "pi", "factor": factor}]))
+    assert "factor must be a number >= 1 or 'auto'" in str(caught.value)
+    assert "literal" not in str(caught.value)
+
+
+def test_evaluation_work_is_bounded_per_run() -> None:
+    heavy = {
+        "encodings": ["rope"],
+        "eval": {
+            "protocols": ["sliding", "nonoverlapping"],
+            "stride": 1,
+            "tokens": 1 << 24,
+            "lengths": [65_536, 131_072],
+        },
+    }
+    with pytest.raises(SpecError, match="a longer stride"):
+        parse_spec(heavy)
+    heavy["eval"]["stride"] = 4096
+    assert parse_spec(heavy).eval_tokens() == (1 << 24) * (16 + 32 + 2)

@@ -373,7 +373,9 @@ def run_study(
     for run in spec.runs():
         if on_run_start is not None:
             on_run_start(run)
-        checkpoint = checkpoint_dir / f"{run.config_hash}.pt" if checkpoint_dir else None
+        # Named by what was trained: a study that only evaluates differently (another
+        # stride, a new length or variant) finds the trained model and trains nothing.
+        checkpoint = checkpoint_dir / f"{run.train_hash}.pt" if checkpoint_dir else None
 
         def progress(point: TrainPoint, run: RunSpec = run) -> None:
             if on_progress is not None:

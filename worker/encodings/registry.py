@@ -61,7 +61,7 @@ class Param:
 
     def check(self, owner: str, value: Any) -> Any:
         """Return ``value`` coerced to this parameter's type, or raise a readable error."""
-        where = f"{owner}: parameter {self.name!r}"
+        where = f"{owner}: parameter {short_repr(self.name)}"
         if self.type is bool:
             if not isinstance(value, bool):
                 raise EncodingConfigError(f"{where} must be true or false, got {short_repr(value)}")
@@ -134,7 +134,8 @@ class EncodingInfo:
         if unknown:
             allowed = ", ".join(sorted(known)) or "none"
             raise EncodingConfigError(
-                f"encoding {self.name!r} has no parameter {unknown[0]!r} (allowed: {allowed})"
+                f"encoding {short_repr(self.name)} has no parameter "
+                f"{short_repr(unknown[0])} (allowed: {allowed})"
             )
         out: dict[str, Any] = {}
         for p in self.params:
@@ -173,7 +174,8 @@ class ScalingInfo:
         for name, value in params.items():
             if name not in resolved:
                 raise EncodingConfigError(
-                    f"{owner} has no parameter {name!r} (allowed: {', '.join(resolved) or 'none'})"
+                    f"{owner} has no parameter {short_repr(name)} "
+                    f"(allowed: {', '.join(resolved) or 'none'})"
                 )
             resolved[name] = next(p for p in self.params if p.name == name).check(owner, value)
         if self.name == "yarn" and resolved["beta"] <= resolved["alpha"]:
@@ -416,7 +418,7 @@ def info(name: str) -> EncodingInfo:
             else ""
         )
         raise EncodingConfigError(
-            f"unknown encoding {name!r} (available: {', '.join(REGISTRY)}){hint}"
+            f"unknown encoding {short_repr(name)} (available: {', '.join(REGISTRY)}){hint}"
         ) from None
 
 
@@ -457,5 +459,5 @@ def scaling_info(name: str) -> ScalingInfo:
         return SCALINGS[name]
     except KeyError:
         raise EncodingConfigError(
-            f"unknown RoPE scaling {name!r} (available: {', '.join(SCALINGS)})"
+            f"unknown RoPE scaling {short_repr(name)} (available: {', '.join(SCALINGS)})"
         ) from None
