@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import streamlit as st
 
 from jobs.settings import get_settings
@@ -14,7 +16,10 @@ def database() -> str:
 def query_ints(name: str) -> list[int]:
     """Integers from a comma-separated query parameter (ignoring anything malformed)."""
     raw = st.query_params.get(name, "")
-    return [int(part) for part in raw.split(",") if part.strip().isdigit()]
+    # ASCII digits only ('²'.isdigit() is true, int() refuses it), and ids fit the
+    # database's 64-bit integers.
+    digits = (part.strip() for part in raw.split(","))
+    return [int(part) for part in digits if re.fullmatch(r"[0-9]{1,18}", part)]
 
 
 def set_query(name: str, values: list[int] | list[str] | str | None) -> None:

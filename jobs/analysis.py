@@ -462,11 +462,18 @@ def claim(row: Mapping[str, Any] | pd.Series, train_length: int | None) -> str:
     or 1).
 
     The winner is whichever side wins in at least half of the draws (a at exactly 0.5).
+    Two lines with the same mean tie ("rope + ntk:auto and rope + dynamic_ntk tie at
+    4x"); with one seed a side there is no probability to give, only which was better.
     """
     p = float(row["p_a_wins"])
     winner, loser = (row["a"], row["b"]) if p >= 0.5 else (row["b"], row["a"])
     length = int(row["eval_length"])
     where = f"{length / train_length:g}x" if train_length else f"length {length}"
+    means = [row.get("mean_a"), row.get("mean_b")]
+    if None not in means and math.isclose(*map(float, means), rel_tol=1e-12):
+        return f"{row['a']} and {row['b']} tie at {where}: the same mean"
+    if row.get("seeds_a") == 1 and row.get("seeds_b") == 1:
+        return f"{winner} is better than {loser} at {where} on the one seed each (no probability)"
     sentence = f"{winner} beats {loser} at {where} with probability {max(p, 1 - p):.2f}"
     if "seeds_a" not in row:
         return sentence

@@ -462,8 +462,10 @@ def results(
         fail(f"--view must be one of {', '.join(views)}, got {view!r}", code=2)
     if factor is not None and view != "pairwise":
         fail("--factor applies to --view pairwise only", code=2)
-    if factor is not None and not (math.isfinite(factor) and factor > 0):
-        fail(f"--factor must be a positive number, got {factor}", code=2)
+    from jobs.spec import MAX_EVAL_LENGTH  # no evaluation is longer, so no factor larger
+
+    if factor is not None and not (math.isfinite(factor) and 0 < factor <= MAX_EVAL_LENGTH):
+        fail(f"--factor must be a number from 0 to {MAX_EVAL_LENGTH}, got {factor:g}", code=2)
     from jobs.spec import PROTOCOLS
 
     if protocol is not None and protocol not in PROTOCOLS:

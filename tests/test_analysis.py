@@ -474,3 +474,32 @@ def test_group_accuracy_averages_each_key_over_the_others_then_over_seeds():
     assert (table["seeds"] == 2).all()
     no_groups = frame.assign(groups=None)
     assert group_accuracy(no_groups).empty
+
+
+def test_claims_call_a_tie_a_tie_and_give_no_probability_from_one_seed():
+    tie = {"a": "rope + dynamic_ntk", "b": "rope + ntk:auto", "eval_length": 512}
+    tie |= {"mean_a": 2.3313, "mean_b": 2.3313, "p_a_wins": 0.5, "seeds_a": 3, "seeds_b": 3}
+    assert claim({**tie, "paired": True}, 128) == (
+        "rope + dynamic_ntk and rope + ntk:auto tie at 4x: the same mean"
+    )
+    assert claim(tie, 128).endswith("tie at 4x: the same mean")
+    one = {"a": "alibi", "b": "nope", "eval_length": 128, "mean_a": 3.0, "mean_b": 3.5}
+    one |= {"p_a_wins": 1.0, "seeds_a": 1, "seeds_b": 1, "paired": True}
+    assert claim(one, 128) == (
+        "alibi is better than nope at 1x on the one seed each (no probability)"
+    )
+    # Equal means from different seeds' values still tie; close but unequal ones do not.
+    frame = pd.DataFrame(
+        [
+            {"label": label, "study_id": 1, "seed": s, "eval_length": 512, "perplexity": value}
+            | {"not_applicable": None, "run_id": 10 * s + ord(label)}
+            for label, values in (("a", (10.0, 12.0)), ("b", (12.0, 10.0)), ("c", (11.0, 11.1)))
+            for s, value in enumerate(values)
+        ]
+    )
+    claims = {
+        (r["a"], r["b"]): claim(r, 128)
+        for r in pairwise_table(frame, "perplexity").to_dict("records")
+    }
+    assert claims[("a", "b")] == "a and b tie at 4x: the same mean"
+    assert "beats" in claims[("a", "c")]

@@ -46,7 +46,11 @@ def test_commands_before_the_schema_exists_say_how_to_create_it(env) -> None:
         (["results", "--study", "1", "--protocol", "bogus"], "--protocol must be one of"),
         (
             ["results", "--study", "1", "--view", "pairwise", "--factor", "nan"],
-            "--factor must be a positive number, got nan",
+            "--factor must be a number from 0 to 131072, got nan",
+        ),
+        (
+            ["results", "--study", "1", "--view", "pairwise", "--factor", "1e308"],
+            "--factor must be a number from 0 to 131072, got 1e+308",
         ),
         (["dashboard", "--port", "70000"], "--port must be in 1..65535, got 70000"),
         (["up", "--port", "0"], "--port must be in 1..65535, got 0"),

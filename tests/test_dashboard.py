@@ -311,3 +311,13 @@ def test_password_gate(settings, monkeypatch: pytest.MonkeyPatch) -> None:
     app.text_input[0].set_value("s3cret")
     app.button[0].click().run()
     assert "Submit a study" in [t.value for t in app.title]
+
+
+@pytest.mark.parametrize("value", ["1,\u00b2", "\u00b2", "9" * 5000, "-1,abc,,"])
+def test_malformed_query_parameters_are_ignored(settings, value: str) -> None:
+    seed_study(settings)
+    for name, key in (("compare", "studies"), ("queue", "study")):
+        app = page(name)
+        app.query_params[key] = value
+        app.run()
+        assert not app.exception, (name, app.exception)
