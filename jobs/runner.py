@@ -16,7 +16,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from jobs import analysis
-from jobs.report import format_value, markdown_frame, markdown_table, plot_curves
+from jobs.report import (
+    format_value,
+    markdown_frame,
+    markdown_table,
+    plot_curves,
+    seed_bands,
+)
 from jobs.spec import StudySpec
 
 
@@ -47,6 +53,9 @@ def _summary_grid(result) -> pd.DataFrame:
         return pd.DataFrame()
     frame = analysis.with_lines(pd.DataFrame(rows).rename(columns={"name": "summary"}))
     return analysis.summary_grid(analysis.summary_statistics(frame), analysis.KEY_SUMMARIES)
+
+
+LOG_SECONDS = 30.0  # off a terminal: at most one progress line per run this often
 
 
 def folder_name(name: str) -> str:
@@ -141,6 +150,27 @@ def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: 
             last_val[run.config_hash] = f"  val {point.val_loss:.3f}"
         return last_val.get(run.config_hash, "")
 
+    # Not a terminal (a log file, nohup, Slurm, CI): the bars are not drawn, so a plain
+    # line per run says where it is: training at most every LOG_SECONDS and at its last
+    # step, and each evaluation.
+    plain = not console.is_terminal
+    logged: dict[str, float] = {}
+
+    def log_line(run, text: str, last: bool = False) -> None:
+        now = time.monotonic()
+        if plain and (last or now - logged.get(run.config_hash, -LOG_SECONDS) >= LOG_SECONDS):
+            logged[run.config_hash] = now
+            console.print(f"{run.encoding.label} seed {run.seed}: {text}", highlight=False)
+
+    def trained(run, p) -> None:
+        status = f"loss {p.loss:.3f}{validated(run, p)}  {p.tokens_per_second:,.0f} tok/s"
+        progress.update(bars[run.config_hash], completed=p.step, status=status)
+        log_line(run, f"step {p.step}/{spec.train.steps}  {status}", p.step == spec.train.steps)
+
+    def evaluated(run, row) -> None:
+        progress.update(bars[run.config_hash], status=f"evaluated {row.variant} @ {row.length}")
+        log_line(run, f"evaluated {row.variant} at {row.length}", last=True)
+
     try:
         with progress:
             result = run_study(
@@ -148,15 +178,8 @@ def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: 
                 task=task,
                 device=torch_device,
                 checkpoint_dir=checkpoints,
-                on_progress=lambda run, p: progress.update(
-                    bars[run.config_hash],
-                    completed=p.step,
-                    status=f"loss {p.loss:.3f}{validated(run, p)}  "
-                    f"{p.tokens_per_second:,.0f} tok/s",
-                ),
-                on_evaluation=lambda run, row: progress.update(
-                    bars[run.config_hash], status=f"evaluated {row.variant} @ {row.length}"
-                ),
+                on_progress=trained,
+                on_evaluation=evaluated,
             )
     except TrainingDiverged as err:
         Console(stderr=True).print(f"[bold red]run failed:[/] {err}")
@@ -180,7 +203,10 @@ def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: 
     (out / "table.md").write_text("\n\n".join(sections) + "\n")
     for protocol in protocols:
         title = spec.name if len(protocols) == 1 else f"{spec.name} ({protocol})"
-        plot_curves(curves[protocol], result.metric, spec.train.length, plots[protocol], title)
+        bands = seed_bands(result.seed_values(protocol))
+        plot_curves(
+            curves[protocol], result.metric, spec.train.length, plots[protocol], title, bands
+        )
     grid = _summary_grid(result)
     if not grid.empty:
         with (out / "table.md").open("a") as table:

@@ -503,3 +503,20 @@ def test_claims_call_a_tie_a_tie_and_give_no_probability_from_one_seed():
     }
     assert claims[("a", "b")] == "a and b tie at 4x: the same mean"
     assert "beats" in claims[("a", "c")]
+
+
+def test_curve_plots_give_every_encoding_its_own_colour_and_seeds_a_band(tmp_path):
+    from jobs.report import _palette, plot_curves, seed_bands
+
+    for count in (3, 10, 11, 20):
+        assert len(set(_palette(count))) == count
+    values = {"rope": {32: [10.0, 12.0, 11.0], 64: [20.0]}, "alibi": {32: [9.0], 64: [9.5]}}
+    bands = seed_bands(values)
+    assert list(bands) == ["rope"] and list(bands["rope"]) == [32]  # one seed: no band
+    low, high = bands["rope"][32]
+    assert 10.0 <= low < 11.0 < high <= 12.0
+    curves = {
+        label: {n: sum(v) / len(v) for n, v in points.items()} for label, points in values.items()
+    }
+    path = plot_curves(curves, "perplexity", 32, tmp_path / "c.png", "t", bands)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

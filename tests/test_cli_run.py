@@ -54,6 +54,9 @@ def test_run_a_spec_file_and_print_the_table(tmp_path: Path) -> None:
     assert "perplexity by evaluation length (nonoverlapping" in done.stdout
     assert "perplexity by evaluation length (sliding" in done.stdout
     assert "rope(rotary_fraction=0.5)" in done.stdout
+    # Off a terminal (here, a pipe) each run logs plain lines: its last step at least.
+    assert "t5 seed 0: step 4/4  loss " in done.stdout
+    assert "t5 seed 0: evaluated none at 16" in done.stdout
     assert "summaries across seeds" in done.stdout
     table = (out / "table.md").read_text()
     assert "## nonoverlapping" in table and "## sliding" in table

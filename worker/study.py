@@ -328,24 +328,26 @@ class StudyResult:
     def metric(self) -> str:
         return self.spec.task.metric
 
-    def curves(self, protocol: str | None = None) -> dict[str, dict[int, float | None]]:
-        """``{line label: {length: metric averaged over seeds}}``; None where not applicable."""
+    def seed_values(self, protocol: str | None = None) -> dict[str, dict[int, list[float]]]:
+        """``{line label: {length: the metric of each seed that has one}}``."""
         protocol = protocol or self.spec.eval.protocols[0]
-        sums: dict[str, dict[int, list[float]]] = {}
+        values: dict[str, dict[int, list[float]]] = {}
         for run in self.runs:
             for row in run.evaluations:
                 if row.protocol != protocol:
                     continue
                 label = run.label if row.variant == "none" else f"{run.label} + {row.variant}"
                 value = row.perplexity if self.metric == "perplexity" else row.accuracy
-                bucket = sums.setdefault(label, {}).setdefault(row.length, [])
+                bucket = values.setdefault(label, {}).setdefault(row.length, [])
                 if value is not None:
                     bucket.append(value)
+        return {label: dict(sorted(points.items())) for label, points in values.items()}
+
+    def curves(self, protocol: str | None = None) -> dict[str, dict[int, float | None]]:
+        """``{line label: {length: metric averaged over seeds}}``; None where not applicable."""
         return {
-            label: {
-                length: (sum(v) / len(v) if v else None) for length, v in sorted(points.items())
-            }
-            for label, points in sums.items()
+            label: {length: (sum(v) / len(v) if v else None) for length, v in points.items()}
+            for label, points in self.seed_values(protocol).items()
         }
 
     def to_dict(self) -> dict[str, Any]:
