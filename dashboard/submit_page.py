@@ -323,12 +323,8 @@ def render() -> None:
             st.error(problem)
     else:
         st.info(estimate(spec))
-        if spec.train.length not in spec.eval.lengths:
-            st.warning(
-                f"The training length {spec.train.length} is not among the evaluation "
-                "lengths: the curves are drawn, but extrapolation ratios and the effective "
-                "length are relative to it and stay empty."
-            )
+        for note in spec.notes():  # runs as written, but worth knowing first
+            st.warning("Note: " + note[0].upper() + note[1:])
     with st.expander("YAML (for `posbench submit`)", expanded=False):
         st.code(yaml.safe_dump(data, sort_keys=False), language="yaml")
     clicked = st.button("Submit", type="primary", disabled=spec is None, key="submit")

@@ -115,12 +115,8 @@ def _load(spec_file: Path | None, preset: str | None):
         spec = load_spec(spec_file) if spec_file is not None else preset_spec(preset or "")
     except SpecError as err:
         fail("invalid spec: " + "; ".join(err.problems), code=2)
-    if spec.train.length not in spec.eval.lengths:
-        typer.echo(
-            f"note: the training length {spec.train.length} is not among eval.lengths: "
-            "extrapolation ratios and the effective length will stay empty",
-            err=True,
-        )
+    for note in spec.notes():
+        typer.echo(f"note: {note}", err=True)
     return spec
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
@@ -710,6 +711,39 @@ class StudySpec(_Strict):
         """Each fine-tuned variant with the training settings of its fine-tuning."""
         return [(v, self.finetune_spec(v)) for v in self.eval.variants if v.finetune is not None]
 
+    def notes(self) -> list[str]:
+        """What the study will run as written, but a researcher would want to know first."""
+        out = []
+        if self.train.length not in self.eval.lengths:
+            out.append(
+                f"the training length {self.train.length} is not among eval.lengths: "
+                "extrapolation ratios and the effective length will stay empty"
+            )
+        if not any(REGISTRY[e.name].scalable for e in self.encodings):
+            return out
+        labels = {v.label for v in self.eval.variants}
+        if {"dynamic_ntk", "ntk:auto"} <= labels:
+            out.append(
+                "eval.variants: dynamic_ntk and ntk:auto give the same numbers: a window is "
+                "read in one pass, so dynamic NTK's scale is max(1, length / L) for all of "
+                "it, ntk:auto's factor (as in HF transformers and the YaRN authors' "
+                "evaluation); list one, or a fixed factor (ntk:8) to compare with"
+            )
+        turns = self.train.length / (2 * math.pi)  # RoPE's fastest pair, over L tokens
+        for variant in self.eval.variants:
+            beta = variant.params.get("beta", 32.0)
+            if variant.method == "yarn" and turns < beta:
+                out.append(
+                    f"eval.variants: {short_repr(variant.label)}: over train.length = "
+                    f"{self.train.length} RoPE's fastest pair turns {turns:.0f} times, "
+                    f"fewer than beta = {beta:g}, so no pair keeps its frequency and YaRN is "
+                    "close to PI here; the paper's alpha = 1, beta = 32 are for 4096 tokens "
+                    f"(scaled to this length: alpha = {self.train.length / 4096:.3g}, "
+                    f"beta = {32 * self.train.length / 4096:.3g})"
+                )
+                break
+        return out
+
     def eval_tokens(self) -> int:
         """Tokens one run's evaluation feeds the model, at most (every variant counted):
         a sliding window of ``length`` scores ``stride`` of them."""
@@ -1029,7 +1063,7 @@ PRESET_SPECS: dict[str, dict[str, Any]] = {
         "eval": {
             "lengths": [512, 1024, 2048, 4096, 8192],
             "tokens": 262_144,
-            "variants": ["none", "pi:auto", "ntk:auto", "dynamic_ntk", "yarn:auto"],
+            "variants": ["none", "pi:auto", "ntk:16", "dynamic_ntk", "yarn:auto"],
         },
     },
 }

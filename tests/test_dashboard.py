@@ -56,7 +56,7 @@ def test_submit_form_validates_inline_and_enqueues_nothing_while_invalid(setting
     assert "runs x 600 steps" in app.info[0].value  # the cost estimate
     assert not app.warning
     app.multiselect(key="custom:lengths").set_value([256, 512]).run()
-    assert "training length 128 is not among the evaluation lengths" in app.warning[0].value
+    assert "training length 128 is not among eval.lengths" in app.warning[0].value
     app.multiselect(key="custom:lengths").set_value([128, 256, 512, 1024]).run()
     assert not app.warning
     app.text_input(key="custom:seeds").set_value("0, x").run()

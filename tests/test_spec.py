@@ -420,7 +420,8 @@ def test_config_hashes_change_only_with_what_a_run_measures() -> None:
         "4b2dfc4562327f94caa799c6",
         "4727d83b04e4da30378b0d25",
     ]
-    assert preset_spec("paper").runs()[0].config_hash == "f1ce73fdde30f778bfbf42c7"
+    # The paper preset evaluates ntk:16 instead of ntk:auto (dynamic_ntk's twin) since 2026-11-30.
+    assert preset_spec("paper").runs()[0].config_hash == "47ad439160659fbc537821b0"
     custom = parse_spec(
         {
             "encodings": [{"name": "rope", "base": 20000}],
@@ -641,3 +642,31 @@ def test_evaluation_work_is_bounded_per_run() -> None:
         parse_spec(heavy)
     heavy["eval"]["stride"] = 4096
     assert parse_spec(heavy).eval_tokens() == (1 << 24) * (16 + 32 + 2)
+
+
+def test_notes_say_what_runs_as_written_but_is_worth_knowing() -> None:
+    spec = parse_spec(
+        {
+            "encodings": ["rope", "alibi"],
+            "train": {"length": 128},
+            "eval": {"lengths": [128, 512], "variants": ["ntk:auto", "dynamic_ntk", "yarn:auto"]},
+        }
+    )
+    notes = spec.notes()
+    assert len(notes) == 2
+    assert "dynamic_ntk and ntk:auto give the same numbers" in notes[0]
+    assert "fastest pair turns 20 times, fewer than beta = 32" in notes[1]
+    assert "alpha = 0.0312, beta = 1" in notes[1]
+    # The paper's scale (or a beta fitted to this one), one of the two: nothing to say.
+    fitted = {"method": "yarn", "factor": "auto", "alpha": 0.03, "beta": 1}
+    spec = parse_spec(
+        {
+            "encodings": ["rope"],
+            "train": {"length": 128},
+            "eval": {"lengths": [128, 512], "variants": ["ntk:auto", fitted]},
+        }
+    )
+    assert spec.notes() == []
+    assert parse_spec({"encodings": ["alibi"], "eval": {"variants": ["none"]}}).notes() == []
+    # The paper preset compares dynamic NTK with NTK fixed for its longest length.
+    assert parse_spec(PRESET_SPECS["paper"]).notes() == []
