@@ -15,9 +15,17 @@ One MLflow run per finished posbench run, in an experiment named after the study
 MLflow keys allow letters, digits and ``_ - . /``; other characters of a variant's
 label (``yarn:4+ft200``) become ``_``, and the exact labels are listed in the
 ``posbench.variants`` tag. Each run carries the study's spec as the artifact
-``posbench_spec.json``. Exporting again skips runs already in the experiment (the same
-``posbench.study_id``, ``posbench.run_id`` and ``posbench.config_hash``); ``replace``
-deletes and writes them anew.
+``posbench_spec.json``.
+
+Under each run, one child run per variant (MLflow's nested runs: the
+``mlflow.parentRunId`` tag), named by its line (``rope + yarn:4 seed 0``, ``alibi seed
+0``), with the same keys for every variant: ``eval/<metric>/<protocol>`` by length and
+``summary/<name>/<protocol>``. Selecting child runs in MLflow's compare view overlays
+"rope + yarn:4" and "alibi" on one chart, which one key per variant cannot.
+
+Exporting again skips runs already in the experiment (the same ``posbench.study_id``,
+``posbench.run_id`` and ``posbench.config_hash``, the parent finished: it is finished
+last); ``replace`` deletes and writes them, children included, anew.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from dataclasses import replace as replace_fields
 from typing import Any
 
 from sqlalchemy import select
@@ -147,17 +156,47 @@ def run_metrics(
     return metrics
 
 
+def variant_metrics(
+    session, run: Run, evaluations: Iterable[Evaluation], stamp: int
+) -> dict[str, list[tuple[str, float, int, int]]]:
+    """Each variant's points and summaries under keys without the variant (the child
+    runs'), so that one key compares every line; the order probe's under ``none``."""
+    from jobs.analysis import ANY_PROTOCOL
+
+    out: dict[str, list[tuple[str, float, int, int]]] = {}
+    for row in evaluations:
+        for name in CURVE_METRICS:
+            value = getattr(row, name)
+            if value is not None and math.isfinite(value):
+                metric = key("eval", name, row.protocol)
+                out.setdefault(row.variant, []).append(
+                    (metric, float(value), stamp, row.eval_length)
+                )
+    for summary in session.scalars(select(RunSummary).where(RunSummary.run_id == run.id)):
+        if summary.value is None or not math.isfinite(summary.value):
+            continue
+        if summary.protocol == ANY_PROTOCOL:
+            metric = key("summary", summary.name)
+        else:
+            metric = key("summary", summary.name, summary.protocol)
+        out.setdefault(summary.variant, []).append((metric, float(summary.value), stamp, 0))
+    return out
+
+
 @dataclass
 class _RunExport:
     """What one run's export sends, read in one short transaction."""
 
     run_id: int
     name: str
+    label: str
+    seed: int
     start: int
     end: int
     tags: dict[str, str]
     params: dict[str, str]
     metrics: list[tuple[str, float, int, int]]
+    variants: dict[str, list[tuple[str, float, int, int]]]
     spec: dict[str, Any]
 
 
@@ -171,11 +210,14 @@ def _read_run(url: str, study_id: int, run_id: int) -> _RunExport:
         return _RunExport(
             run_id=run_id,
             name=f"{run.label} seed {run.seed}",
+            label=run.label,
+            seed=run.seed,
             start=start,
             end=end,
             tags=run_tags(study, run, {row.variant for row in evaluations}),
             params=run_params(study.spec, run),
             metrics=run_metrics(session, run, evaluations, start, end),
+            variants=variant_metrics(session, run, evaluations, end),
             spec=study.spec,
         )
 
@@ -193,7 +235,6 @@ def to_mlflow(
     read in short transactions, none held across a call to MLflow (a slow server must
     not hold up the workers' writes)."""
     client = _client(tracking_uri)  # first: a clear message when MLflow is missing
-    from mlflow.entities import Metric, Param
 
     with transaction(url) as session:
         study = session.get(Study, study_id)
@@ -229,24 +270,49 @@ def to_mlflow(
             for r in client.search_runs([experiment_id], filter_string=f"{same}'{config_hash}'")
             if r.data.tags.get("posbench.study_id") == str(study_id)
         ]
-        # A run whose export was cut short (not FINISHED) is written again.
-        if not replace and any(r.info.status == "FINISHED" for r in earlier):
+        # A run whose export was cut short (its parent not FINISHED: the parent is
+        # finished after every child) is written again, children and all.
+        parents = [r for r in earlier if "posbench.variant" not in r.data.tags]
+        if not replace and any(r.info.status == "FINISHED" for r in parents):
             result.skipped.append(run_id)
             continue
         for old in earlier:
             client.delete_run(old.info.run_id)
         export = _read_run(url, study_id, run_id)
-        created = client.create_run(
-            experiment_id, start_time=export.start, tags=export.tags, run_name=export.name
-        )
-        mlflow_id = created.info.run_id
-        params = [Param(k, v) for k, v in export.params.items()]
-        for start in range(0, len(params), 90):  # at most 100 params a call
-            client.log_batch(mlflow_id, params=params[start : start + 90])
-        metrics = [Metric(*m) for m in export.metrics]
-        for start in range(0, len(metrics), BATCH):
-            client.log_batch(mlflow_id, metrics=metrics[start : start + BATCH])
+        mlflow_id = _write_run(client, experiment_id, export, export.tags, export.name)
         client.log_dict(mlflow_id, export.spec, "posbench_spec.json")  # the study as run
+        for variant, metrics in export.variants.items():
+            line = export.label if variant == "none" else f"{export.label} + {variant}"
+            tags = export.tags | {
+                "mlflow.parentRunId": mlflow_id,
+                "posbench.variant": variant,
+                "posbench.line": line,
+            }
+            child = _write_run(
+                client,
+                experiment_id,
+                replace_fields(
+                    export, params=export.params | {"variant": variant}, metrics=metrics
+                ),
+                tags,
+                f"{line} seed {export.seed}",
+            )
+            client.set_terminated(child, status="FINISHED", end_time=export.end)
         client.set_terminated(mlflow_id, status="FINISHED", end_time=export.end)
         result.written.append(run_id)
     return result
+
+
+def _write_run(client, experiment_id: str, export: _RunExport, tags: dict[str, str], name: str):
+    """Create an MLflow run with ``export``'s params and metrics; its id."""
+    from mlflow.entities import Metric, Param
+
+    created = client.create_run(experiment_id, start_time=export.start, tags=tags, run_name=name)
+    mlflow_id = created.info.run_id
+    params = [Param(k, v) for k, v in export.params.items()]
+    for start in range(0, len(params), 90):  # at most 100 params a call
+        client.log_batch(mlflow_id, params=params[start : start + 90])
+    metrics = [Metric(*m) for m in export.metrics]
+    for start in range(0, len(metrics), BATCH):
+        client.log_batch(mlflow_id, metrics=metrics[start : start + BATCH])
+    return mlflow_id

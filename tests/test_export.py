@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from mlflow.tracking import MlflowClient  # a dev dependency: no skip
 from db import queries
 from db.engine import transaction
 from db.migrate import upgrade
+from db.models import Evaluation as EvaluationRow
 from db.models import Run
 from jobs.export import key
 from jobs.settings import Settings
@@ -38,21 +40,43 @@ def export(settings: Settings, tracking: str, *args: str):
     return posbench_cli("export", *args, "--tracking-uri", tracking, env=env)
 
 
+def parents(client: MlflowClient, experiment_id: str) -> list:
+    """The exported posbench runs (not their per-variant children)."""
+    runs = client.search_runs([experiment_id])
+    return [r for r in runs if "posbench.variant" not in r.data.tags]
+
+
 def test_a_study_exports_its_finished_runs_once(settings: Settings, tracking: str) -> None:
     study = seed_study(settings)
+    stored = queries.runs(settings.database, study_id=study).set_index("id")
+    rope_ids = [
+        int(i) for i in stored.index[(stored["label"] == "rope") & (stored["status"] == "done")]
+    ]
+    with transaction(settings.database) as session:  # a YaRN point for each rope run
+        for rope_id in rope_ids:
+            session.add(
+                EvaluationRow(
+                    run_id=rope_id,
+                    variant="yarn:2",
+                    protocol="nonoverlapping",
+                    eval_length=64,
+                    loss=2.0,
+                    perplexity=math.exp(2.0),
+                    tokens=512,
+                )
+            )
     done = export(settings, tracking, str(study))
     assert done.returncode == 0, done.stderr
     assert "4 runs written, 0 already there, 2 not finished (not exported)" in done.stdout
     client = MlflowClient(tracking_uri=tracking)
     experiment = client.get_experiment_by_name("seeded")
-    runs = client.search_runs([experiment.experiment_id])
+    runs = parents(client, experiment.experiment_id)
     assert sorted(r.info.run_name for r in runs) == [
         "alibi seed 0",
         "alibi seed 1",
         "rope seed 0",
         "rope seed 1",
     ]
-    stored = queries.runs(settings.database, study_id=study).set_index("id")
     rope = next(r for r in runs if r.info.run_name == "rope seed 1")
     run_id = int(rope.data.tags["posbench.run_id"])
     assert stored.loc[run_id, "label"] == "rope" and stored.loc[run_id, "seed"] == 1
@@ -70,7 +94,8 @@ def test_a_study_exports_its_finished_runs_once(settings: Settings, tracking: st
     # The extrapolation curve, evaluation length as the step, equal to the database's.
     curve = client.get_metric_history(rope.info.run_id, "eval/perplexity/none/nonoverlapping")
     points = queries.curves(settings.database, study_ids=[study])
-    mine = points[points["run_id"] == run_id].set_index("eval_length")["perplexity"]
+    mine = points[(points["run_id"] == run_id) & (points["variant"] == "none")]
+    mine = mine.set_index("eval_length")["perplexity"]
     assert sorted(m.step for m in curve) == LENGTHS
     assert {m.step: m.value for m in curve} == pytest.approx(mine.to_dict())
     # The training curve by step, with the validation loss where it was measured.
@@ -79,13 +104,39 @@ def test_a_study_exports_its_finished_runs_once(settings: Settings, tracking: st
     val = client.get_metric_history(rope.info.run_id, "train/val_loss")
     assert [(m.step, m.value) for m in val] == [(40, pytest.approx(2.7))]
     assert "summary/ratio_4x/none/nonoverlapping" in rope.data.metrics
+    # Children, one per variant, with keys that do not name it: one key compares
+    # "rope + yarn:2" with "alibi".
+    children = [
+        r
+        for r in client.search_runs([experiment.experiment_id])
+        if r.data.tags.get("mlflow.parentRunId") == rope.info.run_id
+    ]
+    assert sorted(r.info.run_name for r in children) == ["rope + yarn:2 seed 1", "rope seed 1"]
+    trained = next(r for r in children if r.data.tags["posbench.variant"] == "none")
+    same = client.get_metric_history(trained.info.run_id, "eval/perplexity/nonoverlapping")
+    assert {m.step: m.value for m in same} == pytest.approx(mine.to_dict())
+    assert trained.data.metrics["summary/ratio_4x/nonoverlapping"] == pytest.approx(
+        mine[128] / mine[32]
+    )
+    assert "summary/order_sensitivity" in trained.data.metrics  # the probe's, with the model
+    yarn = next(r for r in children if r.data.tags["posbench.variant"] == "yarn:2")
+    assert yarn.data.tags["posbench.line"] == "rope + yarn:2" and yarn.data.params["variant"]
+    assert yarn.data.metrics["eval/perplexity/nonoverlapping"] == pytest.approx(math.exp(2.0))
+    assert all(r.info.status == "FINISHED" for r in children)
+    alibi = next(r for r in runs if r.info.run_name == "alibi seed 0")
+    (alibi_child,) = [
+        r
+        for r in client.search_runs([experiment.experiment_id])
+        if r.data.tags.get("mlflow.parentRunId") == alibi.info.run_id
+    ]
+    assert "eval/perplexity/nonoverlapping" in alibi_child.data.metrics
     # Again: nothing is duplicated; --replace writes them anew.
     again = export(settings, tracking, str(study))
     assert "0 runs written, 4 already there" in again.stdout
-    assert len(client.search_runs([experiment.experiment_id])) == 4
+    assert len(client.search_runs([experiment.experiment_id])) == 4 + 4 + 2  # 2 yarn children
     replaced = export(settings, tracking, str(study), "--replace")
     assert "4 runs written, 0 already there" in replaced.stdout
-    assert len(client.search_runs([experiment.experiment_id])) == 4
+    assert len(client.search_runs([experiment.experiment_id])) == 4 + 4 + 2
     spec = client.download_artifacts(rope.info.run_id, "posbench_spec.json", str(settings.home))
     assert json.loads(Path(spec).read_text())["name"] == "seeded"
     # The same ids with another configuration (another database, or ids handed out again
@@ -94,7 +145,7 @@ def test_a_study_exports_its_finished_runs_once(settings: Settings, tracking: st
         session.get(Run, run_id).config_hash = "f" * 24
     other = export(settings, tracking, str(study))
     assert "1 runs written, 3 already there" in other.stdout
-    assert len(client.search_runs([experiment.experiment_id])) == 5
+    assert len(parents(client, experiment.experiment_id)) == 5
 
 
 def test_export_refuses_what_it_cannot_do(settings: Settings, tracking: str) -> None:
@@ -136,9 +187,10 @@ def test_a_cut_short_export_is_written_again(
     calls = {"n": 0}
 
     def dies_on_the_second(self, run_id, *args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise ConnectionError("the server went away")
+        if "posbench.variant" not in self.get_run(run_id).data.tags:  # a parent, finished last
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise ConnectionError("the server went away")
         return real(self, run_id, *args, **kwargs)
 
     monkeypatch.setattr(MlflowClient, "set_terminated", dies_on_the_second)
@@ -150,7 +202,8 @@ def test_a_cut_short_export_is_written_again(
     assert (len(again.skipped), len(again.written)) == (1, 3)
     experiment = client.get_experiment_by_name("seeded")
     runs = client.search_runs([experiment.experiment_id])
-    assert len(runs) == 4 and {r.info.status for r in runs} == {"FINISHED"}
+    assert len(parents(client, experiment.experiment_id)) == 4 and len(runs) == 8
+    assert {r.info.status for r in runs} == {"FINISHED"}
     assert all(r.data.metrics and r.data.params for r in runs)
 
 
