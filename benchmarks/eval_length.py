@@ -69,6 +69,9 @@ def memory(encodings: list[str], lengths: list[int]) -> dict[str, dict]:
 
 
 def main() -> None:
+    from worker.cpu import flush_denormals
+
+    flush_denormals()  # as posbench run and the workers do; before the first parallel op
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=4)

@@ -76,6 +76,9 @@ def memory(encodings: list[str]) -> dict[str, dict]:
 
 
 def main() -> None:
+    from worker.cpu import flush_denormals
+
+    flush_denormals()  # as posbench run and the workers do; before the first parallel op
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2, help="steps per contender per round")

@@ -103,10 +103,12 @@ def _check_out(spec: StudySpec, out: Path) -> None:
 
 def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: str | None) -> None:
     from jobs.settings import get_settings
+    from worker.cpu import flush_denormals
     from worker.data.registry import TaskConfigError
     from worker.study import DeviceError, prepared_task, resolve_device, run_study
     from worker.train import TrainingDiverged
 
+    flush_denormals()  # before torch's first parallel operation starts its threads
     console = Console(stderr=as_json)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = out or get_settings().home / "runs" / f"{folder_name(spec.name)}-{stamp}"

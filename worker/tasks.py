@@ -386,10 +386,14 @@ app.steps["worker"].add(HandBack)
 @worker_process_init.connect
 def _init_pool_process(**_: object) -> None:
     """A forked pool process must not share the parent's database connections, and with
-    POSBENCH_PIN_GPUS it sees exactly one GPU: its own (before torch touches CUDA)."""
+    POSBENCH_PIN_GPUS it sees exactly one GPU: its own (before torch touches CUDA). It
+    flushes subnormal floats to zero before torch starts its CPU threads."""
     from billiard.process import current_process
 
     from db.engine import dispose_after_fork
+    from worker.cpu import flush_denormals
+
+    flush_denormals()
 
     _listen_for_shutdown()
     dispose_after_fork()
