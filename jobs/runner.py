@@ -126,6 +126,8 @@ def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: 
         task = prepared_task(spec)
     except (DeviceError, TaskConfigError) as err:
         _fail(str(err))
+    except OSError as err:  # e.g. POSBENCH_CACHE_DIR is a file
+        _fail(f"the task's data could not be prepared: {err}")
     runs = spec.runs()
     console.print(
         f"study [bold]{spec.name}[/]: {len(runs)} runs x {spec.train.steps} steps on "

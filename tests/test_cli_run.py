@@ -97,6 +97,8 @@ def test_bad_input_exits_2_with_one_readable_reason(tmp_path: Path) -> None:
     assert "queued" not in missing.stdout + missing.stderr  # refused before any progress bar
     good = tmp_path / "good.yaml"
     good.write_text("encodings: [rope]\nmodel: tiny\ntrain: {length: 16, steps: 2}\n")
+    empty = posbench("run", str(good), "--device", "")
+    assert empty.returncode == 2 and "device '' is empty" in empty.stderr
     device = posbench("run", str(good), "--device", "bogus")
     assert device.returncode == 2 and "device 'bogus' is not one of cpu, cuda" in device.stderr
     if not torch.cuda.is_available():
@@ -177,7 +179,21 @@ def test_out_is_checked_before_any_training(tmp_path: Path) -> None:
     finally:
         (tmp_path / "locked").chmod(0o700)
     assert denied.returncode == 2 and "cannot be written" in denied.stderr
-    for result in (taken, clash, denied):
+    lm = tmp_path / "lm.yaml"
+    lm.write_text(
+        "name: mine\nmodel: tiny\ntrain: {length: 16, steps: 2}\nencodings: [rope]\n"
+        "task: {name: lm, corpus: pystdlib}\neval: {lengths: [16], tokens: 64}\n"
+    )
+    (tmp_path / "cache_file").write_text("")
+    cache = posbench_cli(
+        "run",
+        str(lm),
+        "--out",
+        str(tmp_path / "c"),
+        env={**env, "POSBENCH_CACHE_DIR": str(tmp_path / "cache_file")},
+    )
+    assert cache.returncode == 2 and "the task's data could not be prepared" in cache.stderr
+    for result in (taken, clash, denied, cache):
         assert "queued" not in result.stdout + result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "home" / "checkpoints").exists() or not any(
         (tmp_path / "home" / "checkpoints").iterdir()

@@ -243,3 +243,21 @@ def test_attending_both_ways_the_bias_is_symmetric_in_distance(name: str) -> Non
     for d in (1, 3, 7):
         torch.testing.assert_close(row[:, 8 - d], row[:, 8 + d])
     assert not torch.equal(row[:, 8 + 3], row[:, 8])
+
+
+@pytest.mark.parametrize("name", ["alibi", "t5", "kerple_log", "kerple_power", "fire"])
+@pytest.mark.parametrize(
+    ("q_len", "k_len", "message"),
+    [
+        (2.5, 4, "q_len must be a positive integer, got 2.5"),
+        (-1, 4, "q_len must be a positive integer, got -1"),
+        (2, True, "k_len must be a positive integer, got True"),
+        (5, 4, "q_len=5 cannot exceed k_len=4"),
+    ],
+)
+def test_a_bias_of_a_shape_no_attention_has_is_refused(
+    name: str, q_len, k_len, message: str
+) -> None:
+    encoding = build(name, **dims())
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        encoding.bias(q_len, k_len)

@@ -309,3 +309,12 @@ def test_model_scaled_passes_yarn_parameters_through() -> None:
     expected = model.encoding.with_scaling("yarn", 4.0, beta=8.0).inv_freq
     torch.testing.assert_close(narrower, expected)
     assert not torch.equal(default, narrower)
+
+
+def test_dynamic_ntk_takes_no_factor() -> None:
+    from worker.encodings.registry import EncodingConfigError
+
+    rope = build("rope", **dims())
+    with pytest.raises(EncodingConfigError, match="'dynamic_ntk' takes no factor"):
+        rope.with_scaling("dynamic_ntk", 4.0)
+    assert rope.with_scaling("dynamic_ntk").scaling.factor == 1.0

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import platform
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -31,42 +27,6 @@ def test_short_sequences_keep_the_default_policy() -> None:
 def test_long_sequences_fix_the_mmap_threshold_on_glibc() -> None:
     applied = bound_heap_for(LONG_SEQUENCE)
     assert applied is (platform.libc_ver()[0] == "glibc")
-
-
-# In a fresh process: the minor page faults of each of 24 training steps of the tiny
-# model (batch 16 x 256), from the trainer's own progress reports.
-FAULTS_PER_STEP = textwrap.dedent(
-    """
-    import json, resource, torch
-    from jobs.spec import TrainSpec
-    from worker.data.synthetic import Copy
-    from worker.model import build_model
-    from worker.train import train
-
-    faults = []
-    train(
-        build_model("tiny", "rope", train_length=256, seed=0),
-        Copy(),
-        TrainSpec(length=256, steps=24, batch_size=16, progress_every=1, val_every=0),
-        seed=0,
-        device=torch.device("cpu"),
-        on_progress=lambda _: faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt),
-    )
-    print(json.dumps([b - a for a, b in zip(faults, faults[1:])]))
-    """
-)
-
-
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="a glibc heap policy")
-def test_training_steps_reuse_the_heap_instead_of_faulting_pages_in() -> None:
-    # A step of this model allocates and frees about 20 MB of tensors; under glibc's
-    # own policy the steady steps fault in about 1000 fresh pages each (measured),
-    # under the trainer's a few dozen.
-    done = subprocess.run(
-        [sys.executable, "-c", FAULTS_PER_STEP], capture_output=True, text=True, check=True
-    )
-    steady = json.loads(done.stdout.strip().splitlines()[-1])[8:]
-    assert sum(steady) / len(steady) < 300, steady
 
 
 def test_eval_batch_size_is_the_token_budget_capped_by_memory() -> None:

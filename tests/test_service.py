@@ -628,3 +628,17 @@ def test_a_worker_finds_a_run_stored_by_an_earlier_version() -> None:
     assert (found.encoding.name, found.seed) == ("rope", 1)
     with pytest.raises(ValueError, match="not in its study's spec"):
         matching_run(spec, SimpleNamespace(**{**vars(old), "seed": 9}))
+
+
+def test_a_pool_process_starts_without_importing_torch() -> None:
+    # Celery kills a pool process that has not reported itself up within seconds; on a
+    # loaded machine importing torch there took longer, and every new pool process was
+    # killed and replaced, forever (runs stayed queued). Torch comes with the task.
+    script = (
+        "import sys, worker.tasks as tasks; tasks._init_pool_process(); "
+        "print('torch' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    )
+    assert done.stdout.strip() == "False"

@@ -43,6 +43,8 @@ class DeviceError(ValueError):
 def resolve_device(requested: str | None = None) -> torch.device:
     """The requested device (or POSBENCH_DEVICE), checked against this machine; CUDA when
     there is one otherwise."""
+    if requested is not None and not requested.strip():
+        raise DeviceError("device '' is empty: give cpu, cuda, cuda:N or mps (or leave it out)")
     name = requested or get_settings().device
     if not name:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -36,6 +36,9 @@ def train_run(self, run_id: int) -> str:
     url = settings.database
     from jobs.spec import parse_spec
     from worker import store
+    from worker.cpu import flush_denormals
+
+    flush_denormals()  # in this pool process, before torch starts its CPU threads
 
     node = self.request.hostname or socket.gethostname()
     claimed = store.claim(url, run_id, worker=f"{node}:{threading.get_native_id()}")
@@ -386,14 +389,12 @@ app.steps["worker"].add(HandBack)
 @worker_process_init.connect
 def _init_pool_process(**_: object) -> None:
     """A forked pool process must not share the parent's database connections, and with
-    POSBENCH_PIN_GPUS it sees exactly one GPU: its own (before torch touches CUDA). It
-    flushes subnormal floats to zero before torch starts its CPU threads."""
+    POSBENCH_PIN_GPUS it sees exactly one GPU: its own (before torch touches CUDA).
+    Nothing heavy here (torch is not imported): Celery kills a pool process that does
+    not report itself up within seconds."""
     from billiard.process import current_process
 
     from db.engine import dispose_after_fork
-    from worker.cpu import flush_denormals
-
-    flush_denormals()
 
     _listen_for_shutdown()
     dispose_after_fork()

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor, nn
 
-from worker.encodings.registry import EncodingConfigError
+from worker.encodings.registry import EncodingConfigError, is_positive_int, short_repr
 
 if TYPE_CHECKING:
     from worker.encodings.rope import RotaryTables
@@ -82,6 +82,9 @@ def relative_distance(q_len: int, k_len: int, device: torch.device) -> Tensor:
 
     Positive for keys in the past; the causal mask hides the negative (future) half.
     """
+    for name, value in (("q_len", q_len), ("k_len", k_len)):
+        if not is_positive_int(value):
+            raise ValueError(f"{name} must be a positive integer, got {short_repr(value)}")
     if q_len > k_len:
         raise ValueError(f"q_len={q_len} cannot exceed k_len={k_len}")
     q_pos = torch.arange(k_len - q_len, k_len, device=device, dtype=torch.float32)

@@ -266,6 +266,10 @@ class Rope(PositionEncoding):
                     f"RoPE scaling {method!r}: factor must be in [1, {MAX_SCALING_FACTOR:g}], "
                     f"got {factor}"
                 )
+        elif factor is not None and not (method == "dynamic_ntk" and factor == "auto"):
+            raise EncodingConfigError(
+                f"RoPE scaling {method!r} takes no factor: it derives one from each length"
+            )
         else:
             factor = 1.0
         resolved = spec.resolve(params, f"RoPE scaling {method!r}")
