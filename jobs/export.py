@@ -273,7 +273,9 @@ def to_mlflow(
         # A run whose export was cut short (its parent not FINISHED: the parent is
         # finished after every child) is written again, children and all.
         parents = [r for r in earlier if "posbench.variant" not in r.data.tags]
-        if not replace and any(r.info.status == "FINISHED" for r in parents):
+        children = [r for r in earlier if "posbench.variant" in r.data.tags]
+        # (A parent without children was exported before there were any: written again.)
+        if not replace and children and any(r.info.status == "FINISHED" for r in parents):
             result.skipped.append(run_id)
             continue
         for old in earlier:

@@ -190,8 +190,19 @@ def _check_values(where: str, run: _Run, spec) -> None:
             )
         if summary.value is not None and not math.isfinite(summary.value):
             raise ImportProblem(f"{at}: {summary.name} must be a finite number")
-    if len(json.dumps(run.provenance, default=str)) > MAX_PROVENANCE_BYTES:
-        raise ImportProblem(f"{where}.provenance: larger than 1 MiB")
+    # Fine-tunings' loss curves grow with their steps (the spec bounds those); the rest
+    # of the provenance is a few fields.
+    tunings = run.provenance.get("finetune")
+    rest = {k: v for k, v in run.provenance.items() if k != "finetune"}
+    if isinstance(tunings, dict):
+        rest["finetune"] = {
+            label: {k: v for k, v in record.items() if k != "curve"}
+            if isinstance(record, dict)
+            else record
+            for label, record in tunings.items()
+        }
+    if len(json.dumps(rest, default=str)) > MAX_PROVENANCE_BYTES:
+        raise ImportProblem(f"{where}.provenance: larger than 1 MiB (fine-tuning curves aside)")
 
 
 def _summaries(spec, run: _Run) -> list:
@@ -220,7 +231,7 @@ def import_results(path: Path, *, settings: Settings | None = None, force: bool 
         first = err.errors()[0]
         if first["type"] == "json_invalid":
             raise ImportProblem(f"{path}: not JSON ({first['msg']})") from None
-        if first["type"] == "model_type":
+        if first["type"] == "model_type" and not first["loc"]:
             raise ImportProblem(
                 f"{path}: not the results.json of posbench run (a JSON object)"
             ) from None

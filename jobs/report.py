@@ -14,7 +14,7 @@ Bands = dict[str, dict[int, tuple[float, float]]]  # line -> length -> (low, hig
 def format_value(value: float | None, metric: str) -> str:
     if value is None:
         return "n/a"
-    return f"{value:.3f}" if metric == "accuracy" else f"{value:.2f}"
+    return f"{value:.3f}" if metric in ("accuracy", "token_accuracy") else f"{value:.2f}"
 
 
 def markdown_table(curves: Curves, metric: str, train_length: int) -> str:
@@ -90,7 +90,7 @@ def plot_curves(
     import matplotlib.pyplot as plt
 
     encodings = list(dict.fromkeys(label.split(" + ")[0] for label in curves))
-    variants = ["", *dict.fromkeys(label.partition(" + ")[2] for label in curves)]
+    variants = list(dict.fromkeys(["", *(label.partition(" + ")[2] for label in curves)]))
     colours = dict(zip(encodings, _palette(len(encodings)), strict=True))
     figure, axis = plt.subplots(figsize=(10, 5.5), dpi=120)
     for label, points in curves.items():

@@ -23,7 +23,7 @@ from jobs.report import (
     plot_curves,
     seed_bands,
 )
-from jobs.spec import StudySpec
+from jobs.spec import DEFAULT_NAME, StudySpec, short_repr
 
 
 def _table(
@@ -90,14 +90,20 @@ def _check_out(spec: StudySpec, out: Path) -> None:
         if (out / name).is_dir():
             _fail(f"--out {out}: {name} is a folder; the results are written there as a file")
     try:
-        earlier = json.loads((out / "results.json").read_text())["spec"]["name"]
+        earlier = json.loads((out / "results.json").read_text())["spec"]
+        name = earlier["name"]
     except (OSError, ValueError, KeyError, TypeError):
         return  # nothing there, or not posbench's
-    if earlier != spec.name:
+    if name != spec.name:
         _fail(
-            f"--out {out} holds the results of study {earlier!r}; give another folder (or "
-            "remove them) so they are not overwritten by study "
-            f"{spec.name!r}"
+            f"--out {out} holds the results of study {short_repr(name)}; give another folder "
+            f"(or remove them) so they are not overwritten by study {short_repr(spec.name)}"
+        )
+    # Unnamed studies are all "study": only the same spec is the same study.
+    if name == DEFAULT_NAME and earlier != spec.model_dump(mode="json"):
+        _fail(
+            f"--out {out} holds the results of another unnamed study; give this one a name "
+            "or another folder"
         )
 
 
@@ -117,6 +123,7 @@ def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: 
     if out.exists() and not out.is_dir():
         _fail(f"--out {out} is a file; give a folder (created if missing)")
     _check_out(spec, out)
+    created = not out.exists()
     for folder, what in ((out, "--out"), (checkpoints, "the checkpoint folder")):
         problem = _unwritable(folder)
         if problem:
@@ -124,10 +131,12 @@ def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: 
     try:
         torch_device = resolve_device(device)
         task = prepared_task(spec)
-    except (DeviceError, TaskConfigError) as err:
+    except (DeviceError, TaskConfigError, OSError) as err:
+        if created:
+            out.rmdir()  # refused: leave no empty folder behind
+        if isinstance(err, OSError):  # e.g. POSBENCH_CACHE_DIR is a file
+            _fail(f"the task's data could not be prepared: {err}")
         _fail(str(err))
-    except OSError as err:  # e.g. POSBENCH_CACHE_DIR is a file
-        _fail(f"the task's data could not be prepared: {err}")
     runs = spec.runs()
     console.print(
         f"study [bold]{spec.name}[/]: {len(runs)} runs x {spec.train.steps} steps on "
@@ -204,6 +213,11 @@ def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: 
         + markdown_table(curves[protocol], result.metric, spec.train.length)
         for protocol in protocols
     ]
+    # Exact match hides partial success (a copy right but for one byte scores 0): the
+    # answer bytes right, too.
+    partial = result.curves(protocols[0], "token_accuracy") if result.metric == "accuracy" else {}
+    if partial:
+        sections.append(markdown_table(partial, "token_accuracy", spec.train.length))
     (out / "table.md").write_text("\n\n".join(sections) + "\n")
     for protocol in protocols:
         title = spec.name if len(protocols) == 1 else f"{spec.name} ({protocol})"
@@ -220,6 +234,8 @@ def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: 
         return
     for protocol in protocols:
         console.print(_table(curves[protocol], result.metric, spec.train.length, protocol))
+    if partial:
+        console.print(_table(partial, "token_accuracy", spec.train.length, protocols[0]))
     if not grid.empty:
         from jobs.watch import frame_table
 

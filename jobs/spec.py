@@ -54,6 +54,7 @@ RESULTS_VERSION = 3
 MAX_VARIANT_LABEL = 120  # evaluations.variant is VARCHAR(120) (migration 0007)
 
 # Bounds. Generous for a GPU cluster, small enough that one study cannot hog it.
+DEFAULT_NAME = "study"  # a spec without a name
 MAX_RUNS = 64
 MAX_TRAIN_LENGTH = 16_384
 MAX_EVAL_LENGTH = 131_072
@@ -517,7 +518,7 @@ class RunSpec(_Strict):
 
 
 class StudySpec(_Strict):
-    name: str = Field("study", min_length=1, max_length=120)
+    name: str = Field(DEFAULT_NAME, min_length=1, max_length=120)
 
     @field_validator("name")
     @classmethod
@@ -999,8 +1000,11 @@ def load_spec(path: str | Path) -> StudySpec:
         raise SpecError([f"{path} is not valid YAML: {where}{problem}"]) from None
     except SpecError:
         raise
-    except ValueError as err:  # an integer of more digits than Python converts
-        raise SpecError([f"{path}: a number is too long ({str(err)[:80]})"]) from None
+    except ValueError as err:
+        if "Exceeds the limit" in str(err):  # an integer of more digits than Python converts
+            raise SpecError([f"{path}: a number is too long ({str(err)[:80]})"]) from None
+        # YAML reads 2023-13-45 as a date that does not exist, and the like.
+        raise SpecError([f"{path} is not valid YAML: {short_repr(str(err))}"]) from None
     count, depth = _count_nodes(data)
     if count > MAX_SPEC_NODES:
         raise SpecError([f"{path} expands to more than {MAX_SPEC_NODES:,} values (YAML aliases?)"])

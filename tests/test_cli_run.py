@@ -193,8 +193,41 @@ def test_out_is_checked_before_any_training(tmp_path: Path) -> None:
         env={**env, "POSBENCH_CACHE_DIR": str(tmp_path / "cache_file")},
     )
     assert cache.returncode == 2 and "the task's data could not be prepared" in cache.stderr
-    for result in (taken, clash, denied, cache):
+    assert not (tmp_path / "c").exists()  # refused after --out was made: removed again
+    unnamed = tmp_path / "unnamed"
+    unnamed.mkdir()
+    (unnamed / "results.json").write_text(json.dumps({"spec": {"name": "study", "seeds": [9]}}))
+    spec.write_text(spec.read_text().replace("name: mine\n", ""))
+    other = posbench_cli("run", str(spec), "--out", str(unnamed), env=env)
+    assert other.returncode == 2 and "another unnamed study; give this one a name" in other.stderr
+    for result in (taken, clash, denied, cache, other):
         assert "queued" not in result.stdout + result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "home" / "checkpoints").exists() or not any(
         (tmp_path / "home" / "checkpoints").iterdir()
     )
+
+
+def test_a_synthetic_task_reports_partial_success_too(tmp_path: Path) -> None:
+    spec = tmp_path / "copy.yaml"
+    spec.write_text(
+        "name: c\nmodel: tiny\ntask: {name: copy, alphabet: 4}\n"
+        "train: {length: 16, steps: 4, batch_size: 4}\nencodings: [alibi]\n"
+        "eval: {lengths: [16, 32], examples: 8, order_probe: false}\n"
+    )
+    out = tmp_path / "o"
+    done = posbench_cli(
+        "run",
+        str(spec),
+        "--out",
+        str(out),
+        env={**os.environ, "POSBENCH_HOME": str(tmp_path), "COLUMNS": "200"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert "token_accuracy by evaluation" in done.stdout  # the title wraps to the table
+    table = (out / "table.md").read_text()
+    assert "| token_accuracy by length | 16 (L) | 32 (2x) |" in table
+    (run,) = json.loads((out / "results.json").read_text())["runs"]
+    rows = [line for line in table.splitlines() if line.startswith("| alibi |")]
+    assert len(rows) == 2  # exact match, then the answer bytes
+    token = {e["length"]: e["token_accuracy"] for e in run["evaluations"]}
+    assert rows[1] == f"| alibi | {token[16]:.3f} | {token[32]:.3f} |"

@@ -223,3 +223,20 @@ def test_a_deleted_experiment_or_an_unreachable_server_is_named(
     down = posbench_cli("export", str(study), "--tracking-uri", secret, env=env)
     assert down.returncode == 1 and "error: MLflow at http://127.0.0.1:9" in down.stderr
     assert "s3cret" not in down.stderr and "alice" not in down.stderr
+
+
+def test_runs_exported_before_child_runs_existed_are_written_again(
+    settings: Settings, tracking: str
+) -> None:
+    from jobs import export as exporter
+
+    study = seed_study(settings)
+    exporter.to_mlflow(settings.database, study, tracking_uri=tracking)
+    client = MlflowClient(tracking_uri=tracking)
+    experiment = client.get_experiment_by_name("seeded")
+    for run in client.search_runs([experiment.experiment_id]):
+        if "posbench.variant" in run.data.tags:  # as an export of the previous version left it
+            client.delete_run(run.info.run_id)
+    again = exporter.to_mlflow(settings.database, study, tracking_uri=tracking)
+    assert (len(again.written), len(again.skipped)) == (4, 0)
+    assert len(client.search_runs([experiment.experiment_id])) == 8

@@ -184,6 +184,8 @@ def _summary(p: dict, **values) -> None:
         (lambda p: p["runs"][0]["train"].update(steps="6"), "steps: Input should be a valid int"),
         (lambda p: _summary(p, name="bogus"), "'bogus' is not one of the order probe's"),
         (lambda p: _summary(p, value=float("inf")), "order_sensitivity must be a finite number"),
+        (lambda p: p.update(runs=["x"]), "runs.0: Input should be an object"),
+        (lambda p: p["runs"][0]["provenance"].update(big="x" * (1 << 21)), "larger than 1 MiB"),
     ],
 )
 def test_a_number_no_run_could_have_measured_is_refused(
@@ -194,6 +196,17 @@ def test_a_number_no_run_could_have_measured_is_refused(
         import_results(path, settings=settings)
     assert message in str(refused.value)
     assert queries.studies(settings.database).empty
+
+
+def test_long_fine_tuning_curves_do_not_count_against_the_provenance_bound(
+    settings: Settings, payload: dict, tmp_path: Path
+) -> None:
+    def long_curve(p: dict) -> None:
+        curve = [[step, 2.0] for step in range(60_000)]  # progress_every 1, long fine-tunings
+        p["runs"][0]["provenance"]["finetune"] = {"yarn:2+ft60000": {"curve": curve}}
+
+    imported = import_results(write(tmp_path, _edited(payload, long_curve)), settings=settings)
+    assert imported.runs == 2
 
 
 def test_a_file_nested_too_deep_or_with_huge_numbers_is_refused(

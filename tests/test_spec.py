@@ -369,6 +369,7 @@ def test_the_trained_model_is_always_the_first_variant() -> None:
         ("deep2.yaml", b"encodings: " + b"[" * 40 + b"]" * 40, "nests deeper than a spec can"),
         ("long.yaml", b"encodings: [rope]\nseeds: [" + b"9" * 5000 + b"]", "a number is too long"),
         ("long.json", b'{"seeds": [' + b"9" * 5000 + b"]}", "a number is too long"),
+        ("date.yaml", b"name: 2023-13-45\nencodings: [rope]\n", "is not valid YAML: 'month"),
     ],
 )
 def test_spec_files_are_read_strictly(

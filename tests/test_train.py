@@ -128,6 +128,31 @@ def test_a_foreign_or_corrupt_checkpoint_is_set_aside(task, tmp_path: Path) -> N
     assert again.resumed_from == 0 and len(list(tmp_path.glob("run.pt.*.stale"))) == 2
 
 
+def test_a_checkpoint_trained_on_other_data_is_set_aside(task, tmp_path: Path) -> None:
+    # The same configuration over an edited corpus file: its data fingerprint differs.
+    spec = TrainSpec(length=16, steps=4, batch_size=2, checkpoint_every=2)
+    checkpoint = tmp_path / "run.pt"
+
+    def run(data: str):
+        model = build_model("tiny", "alibi", train_length=16)
+        return train(
+            model,
+            task,
+            spec,
+            seed=0,
+            device=CPU,
+            checkpoint=checkpoint,
+            fingerprint="a-0",
+            data=data,
+        )
+
+    assert run("corpus-v1").resumed_from == 0
+    assert run("corpus-v1").resumed_from == 4  # the same data: the trained model is found
+    assert run("corpus-v2").resumed_from == 0
+    assert len(list(tmp_path.glob("run.pt.*.stale"))) == 1
+    assert load_checkpoint(checkpoint, CPU, "a-0", "corpus-v2")["data"] == "corpus-v2"
+
+
 def test_no_checkpoint_holds_a_diverged_model(task, tmp_path: Path) -> None:
     # Checkpoints every 6 steps, reports every 4: the NaN from step 5 is caught when
     # step 6 is about to be saved, not at the report of step 8 after the save.

@@ -251,6 +251,7 @@ def run_one(
                     device=device,
                     checkpoint=finetune_checkpoint(checkpoint, variant),
                     fingerprint=f"{run.train_hash}+{variant.label}",
+                    data=task.fingerprint,
                     should_stop=should_stop,
                     may_write=may_write,
                     on_progress=None
@@ -330,26 +331,32 @@ class StudyResult:
     def metric(self) -> str:
         return self.spec.task.metric
 
-    def seed_values(self, protocol: str | None = None) -> dict[str, dict[int, list[float]]]:
-        """``{line label: {length: the metric of each seed that has one}}``."""
+    def seed_values(
+        self, protocol: str | None = None, metric: str | None = None
+    ) -> dict[str, dict[int, list[float]]]:
+        """``{line label: {length: the metric of each seed that has one}}`` (``metric``:
+        the study's, or another field of an evaluation, e.g. token_accuracy)."""
         protocol = protocol or self.spec.eval.protocols[0]
+        metric = metric or self.metric
         values: dict[str, dict[int, list[float]]] = {}
         for run in self.runs:
             for row in run.evaluations:
                 if row.protocol != protocol:
                     continue
                 label = run.label if row.variant == "none" else f"{run.label} + {row.variant}"
-                value = row.perplexity if self.metric == "perplexity" else row.accuracy
+                value = getattr(row, metric)
                 bucket = values.setdefault(label, {}).setdefault(row.length, [])
                 if value is not None:
                     bucket.append(value)
         return {label: dict(sorted(points.items())) for label, points in values.items()}
 
-    def curves(self, protocol: str | None = None) -> dict[str, dict[int, float | None]]:
+    def curves(
+        self, protocol: str | None = None, metric: str | None = None
+    ) -> dict[str, dict[int, float | None]]:
         """``{line label: {length: metric averaged over seeds}}``; None where not applicable."""
         return {
             label: {length: (sum(v) / len(v) if v else None) for length, v in points.items()}
-            for label, points in self.seed_values(protocol).items()
+            for label, points in self.seed_values(protocol, metric).items()
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -377,9 +384,12 @@ def run_study(
     for run in spec.runs():
         if on_run_start is not None:
             on_run_start(run)
-        # Named by what was trained: a study that only evaluates differently (another
-        # stride, a new length or variant) finds the trained model and trains nothing.
-        checkpoint = checkpoint_dir / f"{run.train_hash}.pt" if checkpoint_dir else None
+        # Named by what was trained, on which data: a study that only evaluates
+        # differently (another stride, a new length or variant) finds the trained model
+        # and trains nothing; an edited corpus file has another fingerprint.
+        data = hashlib.sha256(task.fingerprint.encode()).hexdigest()[:12]
+        name = f"{run.train_hash}-{data}.pt"
+        checkpoint = checkpoint_dir / name if checkpoint_dir else None
 
         def progress(point: TrainPoint, run: RunSpec = run) -> None:
             if on_progress is not None:

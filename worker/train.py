@@ -133,28 +133,33 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
         os.close(folder)
 
 
-def checkpoint_problem(state: dict[str, Any], fingerprint: str | None) -> str | None:
+def checkpoint_problem(
+    state: dict[str, Any], fingerprint: str | None, data: str | None = None
+) -> str | None:
     """Why a loaded checkpoint is not this run's (another format version or, when
-    ``fingerprint`` is given, another configuration), or None when it is."""
+    ``fingerprint`` is given, another configuration; when ``data`` is given and the
+    checkpoint is stamped, other data: an edited corpus file), or None when it is."""
     if state.get("version") != CHECKPOINT_VERSION:
         return f"format version {state.get('version')}, not {CHECKPOINT_VERSION}"
     if fingerprint is not None and state.get("fingerprint") != fingerprint:
         return f"another configuration ({state.get('fingerprint')})"
+    if data is not None and state.get("data") not in (None, data):
+        return f"trained on other data ({state.get('data')})"
     return None
 
 
 def load_checkpoint(
-    path: Path, device: torch.device, fingerprint: str | None = None
+    path: Path, device: torch.device, fingerprint: str | None = None, data: str | None = None
 ) -> dict[str, Any] | None:
     """The checkpoint at ``path`` when it is this run's (same format version and, when
-    given, the same fingerprint); None when there is none. One that is unreadable, of
-    another version or of another configuration is renamed aside (``.stale``), so the
-    run starts afresh instead of failing on it at every retry."""
+    given, the same fingerprint and data); None when there is none. One that is
+    unreadable, of another version, configuration or data is renamed aside
+    (``.stale``), so the run starts afresh instead of failing on it at every retry."""
     if not path.exists():
         return None
     try:
         state = torch.load(path, map_location=device, weights_only=True)
-        problem = checkpoint_problem(state, fingerprint)
+        problem = checkpoint_problem(state, fingerprint, data)
     except Exception as err:  # truncated, not a checkpoint, or not torch's format
         state, problem = None, f"unreadable ({type(err).__name__})"
     if problem is None:
@@ -198,7 +203,7 @@ def train(
     torch.manual_seed(seed)  # randomized positions draw from the global generator
     step, curve = 0, []
     elapsed_before, interval = 0.0, {"loss_sum": 0.0, "steps": 0}
-    state = load_checkpoint(checkpoint, device, fingerprint) if checkpoint else None
+    state = load_checkpoint(checkpoint, device, fingerprint, data) if checkpoint else None
     if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
