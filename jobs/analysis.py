@@ -618,6 +618,9 @@ def encoding_summaries(
     return summary_statistics(long, level=level, resamples=resamples, seed=seed)
 
 
+GEOMETRIC = ("effective_length",)  # summaries averaged on a log scale across seeds
+
+
 def summary_statistics(
     summaries: pd.DataFrame,
     line: str = "line",
@@ -629,11 +632,18 @@ def summary_statistics(
     per run and summary, as stored in ``run_summaries``) aggregated across seeds: one
     row per (line, study, summary) with mean, low, high (``bootstrap_interval``) and
     seeds (runs where it is defined). Summaries no run of a line defines are left out.
+
+    The effective length lives on a doubling grid of lengths, so its mean and interval
+    are geometric (taken over log2 of the lengths): seeds at 128 and 512 average to
+    256, an evaluated length, not to 320.
     """
     rows = []
     for (name, study, key), group in summaries.groupby([line, "study_id", "summary"], sort=False):
         values = _clean(group["value"])
-        if len(values):
+        if len(values) and key in GEOMETRIC and (values > 0).all():
+            logs = bootstrap_interval(np.log2(values), level, resamples, seed)
+            rows.append((name, study, key, *(float(2.0**v) for v in logs), len(values)))
+        elif len(values):
             stats = bootstrap_interval(values, level, resamples, seed)
             rows.append((name, study, key, *stats, len(values)))
     columns = ["line", "study_id", "summary", "mean", "low", "high", "seeds"]

@@ -452,7 +452,8 @@ def test_summary_grid_has_a_cell_per_line_and_summary_in_a_fixed_order():
     assert list(grid.index) == ["alibi", "rope"]
     assert list(grid.columns) == ["seeds", "ratio 4x", "effective length"]
     assert grid.loc["rope", "ratio 4x"] == "3 [3, 3]"
-    assert grid.loc["alibi", "effective length"].startswith("853 [")
+    # 1024, 1024 and 512: the geometric mean 2^(29/3) = 813, not 853
+    assert grid.loc["alibi", "effective length"].startswith("813 [")
     single = summary_statistics(stored_summaries().query("run_id in (0, 3)"))
     assert summary_grid(single).loc["alibi", "effective length"] == "1024"
     assert summary_grid(single.iloc[:0]).empty
@@ -520,3 +521,17 @@ def test_curve_plots_give_every_encoding_its_own_colour_and_seeds_a_band(tmp_pat
     }
     path = plot_curves(curves, "perplexity", 32, tmp_path / "c.png", "t", bands)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_effective_length_is_averaged_on_the_log_scale_of_its_grid():
+    summaries = pd.DataFrame(
+        [
+            {"line": "rope", "study_id": 1, "summary": name, "value": value}
+            for name, values in (("effective_length", (128, 512)), ("ratio_2x", (1.0, 2.0)))
+            for value in values
+        ]
+    )
+    table = summary_statistics(summaries).set_index("summary")
+    assert table.loc["effective_length", "mean"] == pytest.approx(256)  # not 320
+    assert table.loc["effective_length", ["low", "high"]].tolist() == pytest.approx([128, 512])
+    assert table.loc["ratio_2x", "mean"] == pytest.approx(1.5)  # other summaries: arithmetic
