@@ -131,11 +131,16 @@ def run_tags(study: Study, run: Run, variants: Iterable[str]) -> dict[str, str]:
 
 
 def run_metrics(
-    session, run: Run, evaluations: Iterable[Evaluation], start: int, stamp: int
+    session,
+    run: Run,
+    evaluations: Iterable[Evaluation],
+    summaries: Iterable[RunSummary],
+    start: int,
+    stamp: int,
 ) -> list[tuple[str, float, int, int]]:
     """(key, value, timestamp ms, step) of every number stored for ``run`` (its
-    ``evaluations`` given): training points at the run's start plus their elapsed time,
-    the rest at ``stamp``."""
+    ``evaluations`` and ``summaries`` given): training points at the run's start plus
+    their elapsed time, the rest at ``stamp``."""
     metrics = []
     for point in session.scalars(select(TrainPoint).where(TrainPoint.run_id == run.id)):
         at = start + int(point.elapsed * 1000)
@@ -149,7 +154,7 @@ def run_metrics(
             if value is not None and math.isfinite(value):
                 metric = key("eval", name, row.variant, row.protocol)
                 metrics.append((metric, float(value), stamp, row.eval_length))
-    for summary in session.scalars(select(RunSummary).where(RunSummary.run_id == run.id)):
+    for summary in summaries:
         if summary.value is not None and math.isfinite(summary.value):
             metric = key("summary", summary.name, summary.variant, summary.protocol)
             metrics.append((metric, float(summary.value), stamp, 0))
@@ -157,7 +162,7 @@ def run_metrics(
 
 
 def variant_metrics(
-    session, run: Run, evaluations: Iterable[Evaluation], stamp: int
+    evaluations: Iterable[Evaluation], summaries: Iterable[RunSummary], stamp: int
 ) -> dict[str, list[tuple[str, float, int, int]]]:
     """Each variant's points and summaries under keys without the variant (the child
     runs'), so that one key compares every line; the order probe's under ``none``."""
@@ -172,7 +177,7 @@ def variant_metrics(
                 out.setdefault(row.variant, []).append(
                     (metric, float(value), stamp, row.eval_length)
                 )
-    for summary in session.scalars(select(RunSummary).where(RunSummary.run_id == run.id)):
+    for summary in summaries:
         if summary.value is None or not math.isfinite(summary.value):
             continue
         if summary.protocol == ANY_PROTOCOL:
@@ -188,7 +193,6 @@ class _RunExport:
     """What one run's export sends, read in one short transaction."""
 
     run_id: int
-    name: str
     label: str
     seed: int
     start: int
@@ -199,6 +203,10 @@ class _RunExport:
     variants: dict[str, list[tuple[str, float, int, int]]]
     spec: dict[str, Any]
 
+    @property
+    def name(self) -> str:
+        return f"{self.label} seed {self.seed}"
+
 
 def _read_run(url: str, study_id: int, run_id: int) -> _RunExport:
     with transaction(url) as session:
@@ -207,17 +215,17 @@ def _read_run(url: str, study_id: int, run_id: int) -> _RunExport:
         start = _millis(run.started_at or run.created_at)
         end = _millis(run.finished_at or run.created_at)
         evaluations = session.scalars(select(Evaluation).where(Evaluation.run_id == run_id)).all()
+        summaries = session.scalars(select(RunSummary).where(RunSummary.run_id == run_id)).all()
         return _RunExport(
             run_id=run_id,
-            name=f"{run.label} seed {run.seed}",
             label=run.label,
             seed=run.seed,
             start=start,
             end=end,
             tags=run_tags(study, run, {row.variant for row in evaluations}),
             params=run_params(study.spec, run),
-            metrics=run_metrics(session, run, evaluations, start, end),
-            variants=variant_metrics(session, run, evaluations, end),
+            metrics=run_metrics(session, run, evaluations, summaries, start, end),
+            variants=variant_metrics(evaluations, summaries, end),
             spec=study.spec,
         )
 

@@ -749,12 +749,9 @@ class StudySpec(_Strict):
         """Tokens one run's evaluation feeds the model, at most (every variant counted):
         a sliding window of ``length`` scores ``stride`` of them."""
         spec, total = self.eval, 0
+        language_model = self.task.metric == "perplexity"
         for length in spec.lengths:
-            scored = (
-                spec.tokens
-                if TASKS[self.task.name].metric == "perplexity"
-                else (spec.examples * length)
-            )
+            scored = spec.tokens if language_model else spec.examples * length
             for protocol in spec.protocols:
                 windows = length / spec.stride if protocol == "sliding" and spec.stride else 1
                 total += round(scored * windows)

@@ -173,18 +173,16 @@ def _seeded(point: str, device: torch.device) -> Iterator[None]:
     and the point of the plan): a rerun or a resumed run measures the same thing, and
     the generators training draws from are restored afterwards."""
     seed = zlib.crc32(point.encode())
-    if device.type == "cpu":
-        with torch.random.fork_rng(devices=[]):
-            torch.random.default_generator.manual_seed(seed)
-            yield
-        return
-    # an accelerator (CUDA, MPS) has a generator of its own, forked and seeded with the CPU's
-    with torch.random.fork_rng(devices=[device], device_type=device.type):
+    # An accelerator (CUDA, MPS) has a generator of its own, forked and seeded with the CPU's.
+    accelerator = device.type != "cpu"
+    with torch.random.fork_rng(
+        devices=[device] if accelerator else [], device_type=device.type if accelerator else None
+    ):
         torch.random.default_generator.manual_seed(seed)
         if device.type == "cuda":
             with torch.cuda.device(device):
                 torch.cuda.manual_seed(seed)
-        else:
+        elif accelerator:
             torch.get_device_module(device.type).manual_seed(seed)
         yield
 

@@ -381,15 +381,14 @@ def run_study(
     task already prepared)."""
     result = StudyResult(spec)
     task = task or prepared_task(spec)
+    data = hashlib.sha256(task.fingerprint.encode()).hexdigest()[:12]
     for run in spec.runs():
         if on_run_start is not None:
             on_run_start(run)
         # Named by what was trained, on which data: a study that only evaluates
         # differently (another stride, a new length or variant) finds the trained model
         # and trains nothing; an edited corpus file has another fingerprint.
-        data = hashlib.sha256(task.fingerprint.encode()).hexdigest()[:12]
-        name = f"{run.train_hash}-{data}.pt"
-        checkpoint = checkpoint_dir / name if checkpoint_dir else None
+        checkpoint = checkpoint_dir / f"{run.train_hash}-{data}.pt" if checkpoint_dir else None
 
         def progress(point: TrainPoint, run: RunSpec = run) -> None:
             if on_progress is not None:
