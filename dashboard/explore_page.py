@@ -11,7 +11,7 @@ import numpy as np
 import plotly.graph_objects as go
 import streamlit as st
 
-from worker.encodings.registry import REGISTRY, SCALINGS
+from worker.catalog.encodings import REGISTRY, SCALINGS
 
 
 @st.cache_resource(max_entries=32)

@@ -13,8 +13,9 @@ import streamlit as st
 import yaml
 
 from jobs.spec import MODEL_PRESETS, PRESET_SPECS, QUEUES, SpecError, StudySpec, parse_spec
-from worker.data.registry import TASKS
-from worker.encodings.registry import REGISTRY, SCALINGS, Param
+from worker.catalog.encodings import REGISTRY, SCALINGS
+from worker.catalog.params import Param
+from worker.catalog.tasks import TASKS
 
 LENGTHS = [2**k for k in range(4, 18)]
 VARIANTS = ["pi:auto", "ntk:auto", "dynamic_ntk", "yarn:auto"]

@@ -22,13 +22,12 @@ from sqlalchemy import select
 
 from db.engine import transaction
 from db.models import Evaluation, PositionBin, Run, RunSummary, TrainPoint, utcnow
+from jobs.results_schema import Evaluation as Row
+from jobs.results_schema import TrainPoint as Point
 from jobs.service import new_run, new_study
 from jobs.settings import Settings, get_settings
 from jobs.spec import MAX_STEPS, MAX_VARIANT_LABEL, SpecError, parse_spec
 from worker.encodings import REGISTRY
-from worker.evaluate import Evaluation as Row
-from worker.evaluate import evaluation_plan
-from worker.train import TrainPoint as Point
 
 
 class ImportProblem(ValueError):
@@ -110,7 +109,7 @@ def _check_complete(path: Path, index: int, run: _Run, spec, planned) -> None:
             + ("" if run.train.curve else ", with no training curve")
         )
     scalable = REGISTRY[planned.encoding.name].scalable
-    plan = {(v.label, p, n) for v, p, n in evaluation_plan(spec.eval, scalable)}
+    plan = {(v.label, p, n) for v, p, n in spec.eval.plan(scalable)}
     stored = {(e.variant, e.protocol, e.length) for e in run.evaluations}
     if stored - plan:
         raise ImportProblem(f"{where}: evaluation {sorted(stored - plan)[0]} is not in its plan")

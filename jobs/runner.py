@@ -109,8 +109,8 @@ def _check_out(spec: StudySpec, out: Path) -> None:
 
 def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: str | None) -> None:
     from jobs.settings import get_settings
+    from worker.catalog.tasks import TaskConfigError
     from worker.cpu import flush_denormals
-    from worker.data.registry import TaskConfigError
     from worker.study import DeviceError, prepared_task, resolve_device, run_study
     from worker.train import TrainingDiverged
 

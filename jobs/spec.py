@@ -28,17 +28,10 @@ from pydantic import (
     model_validator,
 )
 
-from worker.data.registry import TASKS, length_problems, task_info
-from worker.encodings.registry import (
-    REGISTRY,
-    SCALINGS,
-    EncodingConfigError,
-    fits_model,
-    info,
-    is_positive_int,
-    rotary_width,
-    short_repr,
-)
+from worker.catalog.encodings import REGISTRY, SCALINGS, Fit, info
+from worker.catalog.models import MODEL_PRESETS
+from worker.catalog.params import EncodingConfigError, is_positive_int, short_repr
+from worker.catalog.tasks import TASKS, task_info
 
 # The version of what a run's numbers mean, part of every config hash: bumped when
 # training or evaluation changes what a run with the same spec measures, so results of
@@ -63,12 +56,6 @@ MAX_PARAMETERS = 1_000_000_000
 MAX_TRAIN_TOKENS = 1 << 36  # per run: steps x batch x length
 MAX_EVAL_TOKENS = 1 << 36  # per run: tokens the evaluation feeds the model
 
-MODEL_PRESETS: dict[str, dict[str, int]] = {
-    "tiny": {"d_model": 64, "n_layers": 2, "n_heads": 4},
-    "small": {"d_model": 128, "n_layers": 4, "n_heads": 4},
-    "base": {"d_model": 512, "n_layers": 8, "n_heads": 8},
-    "large": {"d_model": 768, "n_layers": 12, "n_heads": 12},
-}
 Protocol = Literal["nonoverlapping", "sliding"]
 PROTOCOLS: tuple[str, ...] = get_args(Protocol)
 Queue = Literal["gpu", "cpu"]  # the broker's queues: GPU and CPU workers
@@ -506,6 +493,19 @@ class EvalSpec(_Strict):
             )
         return self
 
+    def plan(self, scalable: bool) -> list[tuple[VariantSpec, str, int]]:
+        """Every (variant, protocol, length) to evaluate for one run, shortest lengths
+        first. The trained model itself (variant ``none``) always comes first; scalings
+        apply to rotary encodings only (``scalable``)."""
+        # Fine-tuning without a scaling ('none+ft...') applies to every encoding.
+        variants = [v for v in self.variants if scalable or v.method == "none"]
+        return [
+            (variant, protocol, length)
+            for variant in variants
+            for protocol in self.protocols
+            for length in self.lengths
+        ]
+
 
 class RunSpec(_Strict):
     """One trained model of a study: (encoding, seed), with its config hash (everything
@@ -621,7 +621,7 @@ class StudySpec(_Strict):
             )
         task = TASKS[self.task.name]
         longest_read = max(self.train.length, *self.eval.lengths, *(t.length for t in tuned))
-        problems += length_problems(self.task.name, self.task.params, longest_read)
+        problems += task_info(self.task.name).length_problems(self.task.params, longest_read)
         lengths = [("train.length", self.train.length), ("eval.lengths", min(self.eval.lengths))]
         if self.train.min_length is not None:
             lengths.append(("train.min_length", self.train.min_length))
@@ -654,29 +654,22 @@ class StudySpec(_Strict):
                 f"to {scalable}; "
                 "this study trains none of them"
             )
+        fit = Fit(self.model.head_dim, self.train.length, max(self.eval.lengths))
         for encoding in self.encodings:
+            entry = info(encoding.name)
             problems += [
                 f"encodings: {encoding.label}: {problem}"
-                for problem in fits_model(
-                    encoding.name,
-                    encoding.resolved_params,
-                    head_dim=self.model.head_dim,
-                    train_length=self.train.length,
-                    longest=max(self.eval.lengths),
-                )
+                for problem in entry.problems(encoding.resolved_params, fit)
             ]
-            if (
-                encoding.name in ("rope", "xpos")
-                and rotary_width(self.model.head_dim, encoding.resolved_params) < 4
-            ):
-                for variant in scalings:
-                    if variant.method in ("ntk", "dynamic_ntk"):
-                        problems.append(
-                            f"eval.variants: {short_repr(variant.label)} raises the base to the "
-                            "power "
-                            f"r/(r-2) and needs a rotary width r >= 4; {encoding.label} "
-                            f"rotates {rotary_width(self.model.head_dim, encoding.resolved_params)}"
-                        )
+            width = entry.rotary_width(self.model.head_dim, encoding.resolved_params)
+            for variant in scalings if entry.scalable else []:
+                if width < SCALINGS[variant.method].min_rotary_width:
+                    problems.append(
+                        f"eval.variants: {short_repr(variant.label)} raises the base to the "
+                        f"power r/(r-2) and needs a rotary width r >= "
+                        f"{SCALINGS[variant.method].min_rotary_width}; {encoding.label} "
+                        f"rotates {width}"
+                    )
         if problems:
             raise ValueError("; ".join(problems))
         return self

@@ -5,13 +5,12 @@ from __future__ import annotations
 import math
 
 from jobs.analysis import summarize_points
+from jobs.results_schema import Evaluation, PositionBin, TrainPoint
 from jobs.service import submit
 from jobs.settings import Settings
 from jobs.spec import parse_spec
 from worker import store
-from worker.evaluate import Evaluation, PositionBin
 from worker.probes import OrderProbe
-from worker.train import TrainPoint
 
 LENGTHS = [32, 64, 128]
 

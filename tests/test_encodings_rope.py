@@ -312,7 +312,7 @@ def test_model_scaled_passes_yarn_parameters_through() -> None:
 
 
 def test_dynamic_ntk_takes_no_factor() -> None:
-    from worker.encodings.registry import EncodingConfigError
+    from worker.catalog.params import EncodingConfigError
 
     rope = build("rope", **dims())
     with pytest.raises(EncodingConfigError, match="'dynamic_ntk' takes no factor"):

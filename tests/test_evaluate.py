@@ -9,7 +9,7 @@ import torch
 
 from jobs.spec import parse_spec
 from worker.encodings import REGISTRY
-from worker.evaluate import evaluate, evaluation_plan
+from worker.evaluate import evaluate
 from worker.model import ModelConfig, build_model
 from worker.study import prepared_task, run_one
 
@@ -112,14 +112,14 @@ def test_plan_orders_variants_protocols_and_lengths() -> None:
     spec = parse_spec(
         {**TINY, "encodings": ["rope"], "eval": {"lengths": [64, 16], "variants": ["ntk:2"]}}
     )
-    plan = [(v.label, p, n) for v, p, n in evaluation_plan(spec.eval, scalable=True)]
+    plan = [(v.label, p, n) for v, p, n in spec.eval.plan(scalable=True)]
     assert plan == [
         ("none", "nonoverlapping", 16),
         ("none", "nonoverlapping", 64),
         ("ntk:2", "nonoverlapping", 16),
         ("ntk:2", "nonoverlapping", 64),
     ]
-    assert len(evaluation_plan(spec.eval, scalable=False)) == 2
+    assert len(spec.eval.plan(scalable=False)) == 2
 
 
 @pytest.mark.parametrize("encoding", sorted(REGISTRY))

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from worker.catalog.encodings import REGISTRY
 from worker.data.base import Batch, Task
-from worker.encodings.registry import REGISTRY
 from worker.probes import equivariance_table, order_probe
 
 LENGTH = 32

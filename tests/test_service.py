@@ -17,13 +17,13 @@ from sqlalchemy import func, select, update
 from db.engine import transaction
 from db.migrate import current, upgrade
 from db.models import Evaluation, PositionBin, Run, Study, TrainPoint
+from jobs.results_schema import Evaluation as Row
+from jobs.results_schema import PositionBin as Bin
+from jobs.results_schema import TrainPoint as Point
 from jobs.service import Busy, NotFound, cancel, delete_study, reconcile, retry, submit
 from jobs.settings import Settings
 from jobs.spec import parse_spec
 from worker import liveness, store
-from worker.evaluate import Evaluation as Row
-from worker.evaluate import PositionBin as Bin
-from worker.train import TrainPoint as Point
 
 SPEC = {
     "model": "tiny",

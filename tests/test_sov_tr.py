@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from jobs.spec import SpecError, parse_spec
+from worker.catalog.params import EncodingConfigError
 from worker.data import TASKS, build_task
 from worker.data.base import Batch
 from worker.data.synthetic import PASSKEY_DEPTHS
@@ -30,7 +31,6 @@ from worker.data.turkish import (
     past,
     sentence,
 )
-from worker.encodings.registry import EncodingConfigError
 
 # -- morphology, checked by hand ----------------------------------------------------------
 

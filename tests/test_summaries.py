@@ -170,9 +170,9 @@ def test_results_options_are_checked(settings: Settings, args: list[str], messag
 
 
 def test_results_groups_gives_accuracy_by_word_order_variant(settings: Settings) -> None:
+    from jobs.results_schema import Evaluation
     from jobs.service import submit
     from jobs.spec import parse_spec
-    from worker.evaluate import Evaluation
 
     spec = parse_spec(
         {

@@ -16,12 +16,12 @@ import math
 import time
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from jobs.results_schema import Evaluation, PositionBin
 from jobs.spec import EvalSpec, VariantSpec
 from worker import liveness
 from worker.data.base import Batch, Task
@@ -38,36 +38,6 @@ from worker.model import Transformer
 from worker.train import RunCancelled, TrainingDiverged
 
 NONE = VariantSpec()
-
-
-@dataclass
-class PositionBin:
-    start: int  # inclusive
-    end: int  # exclusive
-    loss: float
-    tokens: int
-
-
-@dataclass
-class Evaluation:
-    variant: str
-    protocol: str
-    length: int
-    loss: float | None = None
-    perplexity: float | None = None
-    bits_per_byte: float | None = None
-    accuracy: float | None = None
-    token_accuracy: float | None = None
-    tokens: int = 0
-    tokens_per_second: float | None = None
-    peak_memory_bytes: int | None = None
-    not_applicable: str | None = None
-    factor: float | None = None
-    position_bins: list[PositionBin] = field(default_factory=list)
-    groups: dict[str, float] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def log_bins(length: int) -> list[tuple[int, int]]:
@@ -293,20 +263,6 @@ def evaluate_length(
     return row
 
 
-def evaluation_plan(spec: EvalSpec, scalable: bool) -> list[tuple[VariantSpec, str, int]]:
-    """Every (variant, protocol, length) to evaluate for one run, shortest lengths first.
-    The trained model itself (variant ``none``) always comes first; scalings apply to
-    rotary encodings only."""
-    # Fine-tuning without a scaling ('none+ft...') applies to every encoding.
-    variants = [v for v in spec.variants if scalable or v.method == "none"]
-    return [
-        (variant, protocol, length)
-        for variant in variants
-        for protocol in spec.protocols
-        for length in spec.lengths
-    ]
-
-
 def _drop(tuned: dict[str, Transformer | str], device: torch.device) -> None:
     """Forget the fine-tuned copy, and give its memory back to the device."""
     if tuned:
@@ -338,7 +294,7 @@ def evaluate(
     model.eval()
     rows = []
     tuned: dict[str, Transformer | str] = {}  # the fine-tuned copy, or why there is none
-    for variant, protocol, length in evaluation_plan(spec, scalable):
+    for variant, protocol, length in spec.plan(scalable):
         if skip and (variant.label, protocol, length) in skip:
             continue
         if should_stop is not None and should_stop():

@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from jobs.spec import MODEL_PRESETS
+from worker.catalog.models import MODEL_PRESETS
+from worker.catalog.params import is_positive_int
 from worker.encodings import build
 from worker.encodings.base import PositionEncoding
-from worker.encodings.registry import is_positive_int
 from worker.encodings.rope import (
     BlockDecay,
     RotaryTables,

@@ -21,9 +21,9 @@ from db.models import Evaluation, PositionBin, Run, RunSummary, Study, TrainPoin
 from db.queries import run_points
 from db.upsert import upsert
 from jobs.analysis import Summary
+from jobs.results_schema import Evaluation as EvaluationRow
+from jobs.results_schema import TrainPoint as Point
 from worker import liveness
-from worker.evaluate import Evaluation as EvaluationRow
-from worker.train import TrainPoint as Point
 
 
 class LeaseLost(RuntimeError):

@@ -24,16 +24,17 @@ from typing import Any
 import torch
 
 from jobs import analysis
+from jobs.results_schema import Evaluation, TrainPoint
 from jobs.settings import get_settings
 from jobs.spec import RunSpec, StudySpec, VariantSpec
 from worker.data import build_task
 from worker.data.base import Task
 from worker.encodings import REGISTRY
-from worker.evaluate import Evaluation, evaluate, validation_loss
+from worker.evaluate import evaluate, validation_loss
 from worker.memory import available_bytes, eval_batch_size
 from worker.model import ModelConfig, Transformer, build_model
 from worker.probes import OrderProbe, order_probe
-from worker.train import RunCancelled, TrainPoint, TrainResult, train
+from worker.train import RunCancelled, TrainResult, train
 
 
 class DeviceError(ValueError):

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from jobs.results_schema import TrainPoint
 from jobs.spec import TrainSpec
 from worker import liveness
 from worker.data.base import Batch, Task
@@ -42,16 +43,6 @@ class TrainingDiverged(RuntimeError):
 
 class RunCancelled(RuntimeError):
     """``should_stop`` asked the run to stop (cooperative cancel)."""
-
-
-@dataclass(frozen=True)
-class TrainPoint:
-    step: int
-    loss: float
-    lr: float
-    tokens_per_second: float
-    elapsed: float
-    val_loss: float | None = None  # held-out loss at the training length, when validated
 
 
 @dataclass

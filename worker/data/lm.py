@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from worker.catalog.tasks import TaskConfigError
 from worker.data.base import Batch, Task, from_sequences
-from worker.data.registry import TaskConfigError
 
 if TYPE_CHECKING:
     from jobs.spec import EvalSpec

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import torch
 
+from worker.catalog.tasks import assoc_recall_pairs
 from worker.data.base import Batch, Task, from_sequences
-from worker.data.registry import assoc_recall_pairs
 
 FILLER = (
     "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "

@@ -47,7 +47,7 @@ from typing import NamedTuple
 
 import torch
 
-from worker.data.registry import TaskConfigError
+from worker.catalog.tasks import TaskConfigError
 from worker.data.synthetic import PASSKEY_DEPTHS, _Synthetic
 
 VARIANTS = ("marked", "bare")

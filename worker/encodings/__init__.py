@@ -11,18 +11,16 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from worker.encodings.registry import (
+from worker.catalog.encodings import (
     REGISTRY,
     SCALINGS,
-    EncodingConfigError,
     EncodingInfo,
-    Param,
+    Fit,
     ScalingInfo,
-    fits_model,
     info,
-    is_positive_int,
     scaling_info,
 )
+from worker.catalog.params import EncodingConfigError, Param, is_positive_int
 
 if TYPE_CHECKING:
     from worker.encodings.base import PositionEncoding
@@ -81,9 +79,7 @@ def build(
     entry = info(name)
     _check_dims(n_heads, head_dim, d_model, train_length)
     resolved = entry.resolve(params)
-    problems = fits_model(
-        name, resolved, head_dim=head_dim, train_length=train_length, longest=train_length
-    )
+    problems = entry.problems(resolved, Fit(head_dim, train_length, train_length))
     if problems:
         raise EncodingConfigError(f"encoding {name!r}: {'; '.join(problems)}")
     module_name, class_name = entry.implementation.split(":")

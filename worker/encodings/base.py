@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor, nn
 
-from worker.encodings.registry import EncodingConfigError, is_positive_int, short_repr
+from worker.catalog.params import EncodingConfigError, is_positive_int, short_repr
 
 if TYPE_CHECKING:
     from worker.encodings.rope import RotaryTables

@@ -34,8 +34,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from worker.catalog.encodings import scaling_info
+from worker.catalog.params import EncodingConfigError
 from worker.encodings.base import PositionEncoding, check_even
-from worker.encodings.registry import EncodingConfigError, scaling_info
 
 MAX_SCALING_FACTOR = 1024.0
 

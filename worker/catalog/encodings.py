@@ -4,106 +4,34 @@ This module is deliberately free of torch: the CLI, the spec validation and the
 dashboard read it on their hot path. Each entry names the class that implements
 it as ``"module:Class"``; :func:`worker.encodings.build` imports it on demand.
 
-Adding an encoding = one module next to this file + one entry below + its
-reference test.
+Adding an encoding = its module under ``worker/encodings/`` + one entry below + its
+reference test (docs/adding-an-encoding.md). An entry carries its own rules (``check``):
+no other module names an encoding.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from worker.catalog.params import EncodingConfigError, Param, short_repr
 
 Family = Literal["none", "absolute", "rotary", "bias"]
 
 
-class EncodingConfigError(ValueError):
-    """A user asked for an encoding, parameter or scaling that does not exist or is out of range."""
-
-
-def is_positive_int(value: Any) -> bool:
-    """An int of at least 1 (True is not one)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def short_repr(value: Any, limit: int = 80) -> str:
-    """``repr(value)``, cut to ``limit`` characters: error messages never echo a huge input."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[: limit - 4]}... ({len(text):,} characters)"
-
-
 @dataclass(frozen=True)
-class Param:
-    """One tunable parameter of an encoding, with its type, default and bounds."""
+class Fit:
+    """The model an encoding is checked against: its head size, its training length and
+    the longest length it will be evaluated at."""
 
-    name: str
-    type: type
-    default: Any
-    help: str
-    low: float | None = None
-    high: float | None = None
-    choices: tuple[Any, ...] | None = None
-    # A default of None means "derived from the model" (e.g. the training length).
-    derived: str | None = None
+    head_dim: int
+    train_length: int
+    longest: int
 
-    def allowed(self) -> str:
-        if self.choices is not None:
-            return "one of " + ", ".join(repr(c) for c in self.choices)
-        kind = self.type.__name__
-        if self.low is not None and self.high is not None:
-            return f"{kind} in [{self.low:g}, {self.high:g}]"
-        if self.low is not None:
-            return f"{kind} >= {self.low:g}"
-        if self.high is not None:
-            return f"{kind} <= {self.high:g}"
-        return kind
 
-    def check(self, owner: str, value: Any) -> Any:
-        """Return ``value`` coerced to this parameter's type, or raise a readable error."""
-        where = f"{owner}: parameter {short_repr(self.name)}"
-        if self.type is bool:
-            if not isinstance(value, bool):
-                raise EncodingConfigError(f"{where} must be true or false, got {short_repr(value)}")
-        elif self.type is int:
-            if isinstance(value, bool) or not isinstance(value, int):
-                if isinstance(value, float) and value.is_integer():
-                    value = int(value)
-                else:
-                    raise EncodingConfigError(
-                        f"{where} must be an integer ({self.allowed()}), got {short_repr(value)}"
-                    )
-        elif self.type is float:
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise EncodingConfigError(
-                    f"{where} must be a number ({self.allowed()}), got {short_repr(value)}"
-                )
-            value = float(value)
-            if not math.isfinite(value):
-                raise EncodingConfigError(f"{where} must be finite, got {short_repr(value)}")
-        elif self.type is str and not isinstance(value, str):
-            raise EncodingConfigError(
-                f"{where} must be a string ({self.allowed()}), got {short_repr(value)}"
-            )
-        if self.choices is not None and value not in self.choices:
-            raise EncodingConfigError(f"{where} must be {self.allowed()}, got {short_repr(value)}")
-        if self.low is not None and value < self.low:
-            raise EncodingConfigError(f"{where} must be {self.allowed()}, got {short_repr(value)}")
-        if self.high is not None and value > self.high:
-            raise EncodingConfigError(f"{where} must be {self.allowed()}, got {short_repr(value)}")
-        return value
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "type": self.type.__name__,
-            "default": self.default,
-            "derived_from": self.derived,
-            "min": self.low,
-            "max": self.high,
-            "choices": list(self.choices) if self.choices is not None else None,
-            "help": self.help,
-        }
+# An entry's own rule: what keeps resolved parameters from fitting a model (torch-free).
+Check = Callable[[Mapping[str, Any], Fit], list[str]]
 
 
 @dataclass(frozen=True)
@@ -120,6 +48,7 @@ class EncodingInfo:
     scalable: bool = False
     # Whether the encoding's own length limit is the training length.
     bounded_by_train_length: bool = False
+    check: Check | None = None
 
     def param(self, name: str) -> Param:
         for p in self.params:
@@ -145,6 +74,24 @@ class EncodingInfo:
                 out[p.name] = p.default
         return out
 
+    def rotary_width(self, head_dim: int, params: Mapping[str, Any]) -> int:
+        """How many of a head's dimensions this encoding rotates (an even number; 0 for
+        encodings that rotate nothing)."""
+        if self.family != "rotary":
+            return 0
+        return int(head_dim * params.get("rotary_fraction", 1.0)) // 2 * 2
+
+    def problems(self, params: Mapping[str, Any], fit: Fit) -> list[str]:
+        """What keeps this encoding with resolved ``params`` from fitting the model
+        (for the spec; ``worker.encodings.build`` raises the same)."""
+        problems = []
+        if self.family == "rotary" and self.rotary_width(fit.head_dim, params) < 2:
+            problems.append(
+                f"rotary_fraction={params['rotary_fraction']} of head_dim={fit.head_dim} "
+                "leaves fewer than 2 dimensions to rotate"
+            )
+        return problems + (self.check(params, fit) if self.check else [])
+
     def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -166,6 +113,10 @@ class ScalingInfo:
     reference: str
     needs_factor: bool
     params: tuple[Param, ...] = field(default=())
+    # The narrowest rotary width the scaling works on (NTK raises the base to r/(r-2)).
+    min_rotary_width: int = 2
+    # The scaling's own rule on its resolved parameters: the problems, or none.
+    check: Callable[[Mapping[str, Any]], list[str]] | None = None
 
     def resolve(self, params: Mapping[str, Any], owner: str) -> dict[str, Any]:
         """Every parameter of this scaling: the given ones checked, the rest at their
@@ -178,10 +129,9 @@ class ScalingInfo:
                     f"(allowed: {', '.join(resolved) or 'none'})"
                 )
             resolved[name] = next(p for p in self.params if p.name == name).check(owner, value)
-        if self.name == "yarn" and resolved["beta"] <= resolved["alpha"]:
-            raise EncodingConfigError(
-                f"{owner} needs beta > alpha, got {resolved['alpha']:g} and {resolved['beta']:g}"
-            )
+        problems = self.check(resolved) if self.check else []
+        if problems:
+            raise EncodingConfigError(f"{owner} {'; '.join(problems)}")
         return resolved
 
     def to_json(self) -> dict[str, Any]:
@@ -192,6 +142,31 @@ class ScalingInfo:
             "needs_factor": self.needs_factor,
             "params": [p.to_json() for p in self.params],
         }
+
+
+def _t5_buckets(params: Mapping[str, Any], fit: Fit) -> list[str]:
+    if params["max_distance"] > params["num_buckets"] // 2:
+        return []
+    return [
+        f"max_distance={params['max_distance']} must exceed num_buckets / 2 = "
+        f"{params['num_buckets'] // 2} (the exact buckets; log-spaced ones follow)"
+    ]
+
+
+def _randomized_range(params: Mapping[str, Any], fit: Fit) -> list[str]:
+    limit = params["max_position"] or 64 * fit.train_length
+    if limit >= max(fit.train_length, fit.longest):
+        return []
+    return [
+        f"max_position = {limit} must be at least the training length {fit.train_length} "
+        f"and the longest evaluation length {fit.longest}"
+    ]
+
+
+def _yarn_ramp(params: Mapping[str, Any]) -> list[str]:
+    if params["beta"] > params["alpha"]:
+        return []
+    return [f"needs beta > alpha, got {params['alpha']:g} and {params['beta']:g}"]
 
 
 _ROPE_BASE = Param("base", float, 10000.0, "base of the geometric frequency ladder", low=2.0)
@@ -288,6 +263,7 @@ REGISTRY: dict[str, EncodingInfo] = {
                     high=1 << 20,
                 ),
             ),
+            check=_t5_buckets,
         ),
         EncodingInfo(
             name="kerple_log",
@@ -357,6 +333,7 @@ REGISTRY: dict[str, EncodingInfo] = {
                     derived="64 * train_length",
                 ),
             ),
+            check=_randomized_range,
         ),
     )
 }
@@ -377,12 +354,14 @@ SCALINGS: dict[str, ScalingInfo] = {
             reference="bloc97 2023, NTK-Aware Scaled RoPE; Peng et al. 2023 "
             "(arXiv:2309.00071) §3.1",
             needs_factor=True,
+            min_rotary_width=4,
         ),
         ScalingInfo(
             name="dynamic_ntk",
             summary="NTK-aware with factor = max(1, length / L) recomputed for each length.",
             reference="emozilla 2023, Dynamically Scaled RoPE; Peng et al. 2023 §3.3",
             needs_factor=False,
+            min_rotary_width=4,
         ),
         ScalingInfo(
             name="yarn",
@@ -402,6 +381,7 @@ SCALINGS: dict[str, ScalingInfo] = {
                     "'NTK-by-parts' (section 3.2)",
                 ),
             ),
+            check=_yarn_ramp,
         ),
     )
 }
@@ -420,38 +400,6 @@ def info(name: str) -> EncodingInfo:
         raise EncodingConfigError(
             f"unknown encoding {short_repr(name)} (available: {', '.join(REGISTRY)}){hint}"
         ) from None
-
-
-def rotary_width(head_dim: int, params: Mapping[str, Any]) -> int:
-    """How many of a head's dimensions a rotary encoding rotates (an even number)."""
-    return int(head_dim * params.get("rotary_fraction", 1.0)) // 2 * 2
-
-
-def fits_model(
-    name: str, params: Mapping[str, Any], *, head_dim: int, train_length: int, longest: int
-) -> list[str]:
-    """What keeps an encoding with resolved ``params`` from fitting a model with this head
-    size, trained at ``train_length`` and evaluated up to ``longest`` tokens (torch-free,
-    for the spec; ``worker.encodings.build`` raises the same)."""
-    problems = []
-    if name in ("rope", "xpos") and rotary_width(head_dim, params) < 2:
-        problems.append(
-            f"rotary_fraction={params['rotary_fraction']} of head_dim={head_dim} leaves fewer "
-            "than 2 dimensions to rotate"
-        )
-    if name == "t5" and params["max_distance"] <= params["num_buckets"] // 2:
-        problems.append(
-            f"max_distance={params['max_distance']} must exceed num_buckets / 2 = "
-            f"{params['num_buckets'] // 2} (the exact buckets; log-spaced ones follow)"
-        )
-    if name == "randomized":
-        limit = params["max_position"] or 64 * train_length
-        if limit < max(train_length, longest):
-            problems.append(
-                f"max_position = {limit} must be at least the training length {train_length} "
-                f"and the longest evaluation length {longest}"
-            )
-    return problems
 
 
 def scaling_info(name: str) -> ScalingInfo:

@@ -1,12 +1,16 @@
-"""The catalogue of tasks, free of torch like the encodings registry."""
+"""The catalogue of tasks, free of torch like the encodings registry.
+
+An entry carries its own rules: ``check`` on its resolved parameters (a corpus name's
+form) and ``fits`` on the longest length it will be built at; no other module names
+a task."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from worker.encodings.registry import EncodingConfigError, Param
+from worker.catalog.params import EncodingConfigError, Param
 
 Metric = Literal["perplexity", "accuracy"]
 
@@ -25,6 +29,11 @@ class TaskInfo:
     # The shortest training / evaluation sequence that can hold one example.
     min_length: int
     params: tuple[Param, ...] = ()
+    # The entry's own rule on its resolved parameters: a problem, or None.
+    check: Callable[[Mapping[str, Any]], str | None] | None = None
+    # What keeps the task's examples from being built at a length (torch-free, for the
+    # spec: a run must not fail after training).
+    fits: Callable[[Mapping[str, Any], int], list[str]] | None = None
 
     def resolve(self, params: Mapping[str, Any]) -> dict[str, Any]:
         known = {p.name for p in self.params}
@@ -42,11 +51,14 @@ class TaskInfo:
                     f"task {self.name!r}: parameter {p.name!r} must be {p.allowed()}, got null"
                 )
             out[p.name] = p.check(f"task {self.name!r}", value)
-        if self.name == "lm":
-            problem = corpus_problem(out["corpus"])
-            if problem:
-                raise TaskConfigError(f"task 'lm': {problem}")
+        problem = self.check(out) if self.check else None
+        if problem:
+            raise TaskConfigError(f"task {self.name!r}: {problem}")
         return out
+
+    def length_problems(self, params: Mapping[str, Any], longest: int) -> list[str]:
+        """What keeps this task's examples from being built at ``longest`` bytes."""
+        return self.fits(params, longest) if self.fits else []
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -83,17 +95,14 @@ def assoc_recall_pairs(key_length: int, length: int) -> int:
     return (length + 1 - size) // size
 
 
-def length_problems(task: str, params: Mapping[str, Any], longest: int) -> list[str]:
-    """What keeps a task's examples from being built at ``longest`` bytes (torch-free,
-    for the spec: a run must not fail after training)."""
-    if task == "assoc_recall":
-        key_length = params["key_length"]
-        pairs = assoc_recall_pairs(key_length, longest)
-        if pairs > 26**key_length:
-            return [
-                f"task 'assoc_recall' with key_length={key_length} has {26**key_length} "
-                f"distinct keys; length {longest} needs {pairs} (raise key_length)"
-            ]
+def _distinct_keys(params: Mapping[str, Any], longest: int) -> list[str]:
+    key_length = params["key_length"]
+    pairs = assoc_recall_pairs(key_length, longest)
+    if pairs > 26**key_length:
+        return [
+            f"task 'assoc_recall' with key_length={key_length} has {26**key_length} "
+            f"distinct keys; length {longest} needs {pairs} (raise key_length)"
+        ]
     return []
 
 
@@ -116,6 +125,7 @@ TASKS: dict[str, TaskInfo] = {
                     "text:<path> (a UTF-8 file or folder) or hf:<name>[:<config>[:<column>]]",
                 ),
             ),
+            check=lambda params: corpus_problem(params["corpus"]),
         ),
         TaskInfo(
             name="passkey",
@@ -145,6 +155,7 @@ TASKS: dict[str, TaskInfo] = {
             implementation="worker.data.synthetic:AssociativeRecall",
             min_length=32,
             params=(Param("key_length", int, 3, "letters per key", low=1, high=8),),
+            fits=_distinct_keys,
         ),
         TaskInfo(
             name="sov_tr",
