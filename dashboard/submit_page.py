@@ -12,8 +12,9 @@ from typing import Any
 import streamlit as st
 import yaml
 
-from jobs.spec import MODEL_PRESETS, PRESET_SPECS, QUEUES, SpecError, StudySpec, parse_spec
+from jobs.spec import PRESET_SPECS, QUEUES, SpecError, StudySpec, parse_spec
 from worker.catalog.encodings import REGISTRY, SCALINGS
+from worker.catalog.models import MODEL_PRESETS
 from worker.catalog.params import Param
 from worker.catalog.tasks import TASKS
 

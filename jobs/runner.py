@@ -23,7 +23,8 @@ from jobs.report import (
     plot_curves,
     seed_bands,
 )
-from jobs.spec import DEFAULT_NAME, StudySpec, short_repr
+from jobs.spec import DEFAULT_NAME, StudySpec
+from worker.catalog.params import short_repr
 
 
 def _table(

@@ -1,0 +1,357 @@
+"""The study: a grid of encodings x seeds under one task, model and training setup,
+and the runs it expands to; the checks that need the whole spec at once."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Annotated, Any
+
+import yaml
+from pydantic import (
+    Field,
+    field_validator,
+    model_validator,
+)
+
+from jobs.spec.base import (
+    DEFAULT_NAME,
+    MAX_EVAL_LENGTH,
+    MAX_EVAL_TOKENS,
+    MAX_RUNS,
+    MAX_TRAIN_LENGTH,
+    MAX_TRAIN_TOKENS,
+    RESULTS_VERSION,
+    Queue,
+    _Strict,
+)
+from jobs.spec.parts import (
+    EncodingSpec,
+    ModelSpec,
+    TaskSpec,
+    TrainSpec,
+)
+from jobs.spec.variants import (
+    EvalSpec,
+    VariantSpec,
+)
+from worker.catalog.encodings import REGISTRY, SCALINGS, Fit, info
+from worker.catalog.params import is_positive_int, short_repr
+from worker.catalog.tasks import TASKS, task_info
+
+
+class RunSpec(_Strict):
+    """One trained model of a study: (encoding, seed), with its config hash (everything
+    its results depend on) and its train hash (what the trained model depends on)."""
+
+    encoding: EncodingSpec
+    seed: int
+    config_hash: str
+    train_hash: str
+
+
+class StudySpec(_Strict):
+    name: str = Field(DEFAULT_NAME, min_length=1, max_length=120)
+
+    @field_validator("name")
+    @classmethod
+    def _printable(cls, name: str) -> str:
+        if not name.strip():
+            raise ValueError("must not be blank")
+        if any(not ch.isprintable() for ch in name):
+            raise ValueError("must be printable text (no control characters or line breaks)")
+        return name
+
+    task: TaskSpec = Field(default_factory=TaskSpec)
+    model: ModelSpec = Field(default_factory=lambda: ModelSpec.model_validate("small"))
+    train: TrainSpec = Field(default_factory=TrainSpec)
+    encodings: Annotated[list[EncodingSpec], Field(min_length=1, max_length=MAX_RUNS)]
+    seeds: Annotated[
+        list[Annotated[int, Field(ge=0, lt=2**31)]], Field(min_length=1, max_length=16)
+    ] = Field(default_factory=lambda: [0])
+    eval: EvalSpec = Field(default_factory=EvalSpec)
+    queue: Queue = Field(
+        "gpu",
+        description="the workers that train it: 'gpu' or 'cpu' (posbench worker --queues); "
+        "not part of a run's config hash",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_lengths(cls, data: Any) -> Any:
+        """Without eval.lengths, evaluate at 1, 2, 4 and 8 times the training length."""
+        if not isinstance(data, dict):
+            return data
+        evaluation = data.get("eval", {})
+        train = data.get("train", {})
+        if not isinstance(evaluation, dict) or "lengths" in evaluation:
+            return data
+        if isinstance(train, dict):
+            length = train.get("length", 128)
+        else:  # a TrainSpec, or something the train section's own check will refuse
+            length = getattr(train, "length", None)
+        if not is_positive_int(length):
+            return data  # the train section's own check says what is wrong
+        lengths = [length * 2**k for k in range(4) if length * 2**k <= MAX_EVAL_LENGTH]
+        return {**data, "eval": {**evaluation, "lengths": lengths or [length]}}
+
+    @model_validator(mode="after")
+    def _consistent(self) -> StudySpec:
+        problems = []
+        runs = len(self.encodings) * len(self.seeds)
+        if runs > MAX_RUNS:
+            problems.append(
+                f"encodings x seeds = {len(self.encodings)} x {len(self.seeds)} = {runs} runs; "
+                f"at most {MAX_RUNS} per study"
+            )
+        labels = [e.label for e in self.encodings]
+        hashes = [self.config_hash(e, 0) for e in self.encodings]
+        if len(set(hashes)) != len(hashes):
+            twice = sorted({labels[i] for i, h in enumerate(hashes) if hashes.count(h) > 1})
+            problems.append(f"encodings: the same configuration listed twice: {twice}")
+        if len(set(self.seeds)) != len(self.seeds):
+            problems.append("seeds: each seed may appear once")
+        train_tokens = self.train.steps * self.train.tokens_per_step
+        if train_tokens > MAX_TRAIN_TOKENS:
+            problems.append(
+                f"train: steps x batch_size x grad_accum x length = {train_tokens:,} tokens "
+                "per run; "
+                f"at most {MAX_TRAIN_TOKENS:,}"
+            )
+        tuned = [tuning for _, tuning in self.finetunings()]
+        for variant, tuning in self.finetunings():
+            if tuning.length < self.train.length:
+                problems.append(
+                    f"eval.variants: {short_repr(variant.label)} fine-tunes at "
+                    f"{tuning.length} tokens, "
+                    f"shorter than train.length = {self.train.length}: fine-tuning extends "
+                    "the context"
+                )
+            if tuning.length > MAX_TRAIN_LENGTH:
+                problems.append(
+                    f"eval.variants: {short_repr(variant.label)} fine-tunes at "
+                    f"{tuning.length} tokens; "
+                    f"at most {MAX_TRAIN_LENGTH} (give finetune.length)"
+                )
+
+        tuning_tokens = sum(t.steps * t.tokens_per_step for t in tuned)
+        if tuned and train_tokens + tuning_tokens > MAX_TRAIN_TOKENS:
+            problems.append(
+                f"eval.variants: training and fine-tuning read {train_tokens + tuning_tokens:,} "
+                f"tokens per run; at most {MAX_TRAIN_TOKENS:,}"
+            )
+        read = self.eval_tokens()
+        if read > MAX_EVAL_TOKENS:
+            per = (
+                "tokens x length / stride (sliding)"
+                if "sliding" in self.eval.protocols
+                else "tokens"
+            )
+            problems.append(
+                f"eval: {per}, over every length, protocol and variant, reads {read:,} tokens "
+                f"per run; at most {MAX_EVAL_TOKENS:,} (fewer tokens, lengths or variants, or "
+                "a longer stride)"
+            )
+        task = TASKS[self.task.name]
+        longest_read = max(self.train.length, *self.eval.lengths, *(t.length for t in tuned))
+        problems += task_info(self.task.name).length_problems(self.task.params, longest_read)
+        lengths = [("train.length", self.train.length), ("eval.lengths", min(self.eval.lengths))]
+        if self.train.min_length is not None:
+            lengths.append(("train.min_length", self.train.min_length))
+        lengths += [("finetune.length", t.length) for t in tuned]
+        field, shortest = min(lengths, key=lambda pair: pair[1])
+        if shortest < task.min_length:
+            problems.append(
+                f"task {short_repr(task.name)} needs sequences of at least "
+                f"{task.min_length} bytes; "
+                f"{field} is {shortest}"
+            )
+        if "sliding" in self.eval.protocols:
+            if task.metric != "perplexity":
+                problems.append(
+                    "eval.protocols: 'sliding' applies to language modelling, not "
+                    f"{short_repr(task.name)}"
+                )
+            if self.eval.stride is None:
+                problems.append("eval.stride is required with the 'sliding' protocol")
+            elif self.eval.stride > min(self.eval.lengths):
+                problems.append(
+                    f"eval.stride = {self.eval.stride} exceeds the shortest evaluation length "
+                    f"{min(self.eval.lengths)}"
+                )
+        scalings = [v for v in self.eval.variants if v.method != "none"]
+        if scalings and not any(REGISTRY[e.name].scalable for e in self.encodings):
+            scalable = ", ".join(n for n, e in REGISTRY.items() if e.scalable)
+            problems.append(
+                f"eval.variants: {short_repr(scalings[0].label)} scales RoPE and applies "
+                f"to {scalable}; "
+                "this study trains none of them"
+            )
+        fit = Fit(self.model.head_dim, self.train.length, max(self.eval.lengths))
+        for encoding in self.encodings:
+            entry = info(encoding.name)
+            problems += [
+                f"encodings: {encoding.label}: {problem}"
+                for problem in entry.problems(encoding.resolved_params, fit)
+            ]
+            width = entry.rotary_width(self.model.head_dim, encoding.resolved_params)
+            for variant in scalings if entry.scalable else []:
+                if width < SCALINGS[variant.method].min_rotary_width:
+                    problems.append(
+                        f"eval.variants: {short_repr(variant.label)} raises the base to the "
+                        f"power r/(r-2) and needs a rotary width r >= "
+                        f"{SCALINGS[variant.method].min_rotary_width}; {encoding.label} "
+                        f"rotates {width}"
+                    )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def finetune_spec(self, variant: VariantSpec) -> TrainSpec:
+        """The training settings of ``variant``'s fine-tuning: the study's (optimizer,
+        clipping, micro-batches), for ``finetune.steps`` steps at ``finetune.length``
+        (default: factor x the training length) with the training's tokens per step
+        (``finetune.batch_size`` otherwise), ``finetune.warmup_steps`` of warmup then a
+        constant ``finetune.lr`` (default: a tenth of the training's peak), the
+        fine-tuning's weight decay, and no validation."""
+        tuning = variant.finetune
+        if tuning is None:
+            raise ValueError(f"variant {short_repr(variant.label)} is not fine-tuned")
+        length = tuning.length or round(float(variant.factor) * self.train.length)
+        return self.train.model_copy(
+            update={
+                "steps": tuning.steps,
+                "length": length,
+                "lr": tuning.lr if tuning.lr is not None else self.train.lr / 10,
+                "min_lr_ratio": 1.0,
+                "warmup": min(0.5, tuning.warmup_steps / tuning.steps),
+                "weight_decay": tuning.weight_decay,
+                # Default: the training's tokens per step (memory grows with the length).
+                "batch_size": tuning.batch_size
+                or max(1, round(self.train.batch_size * self.train.length / length)),
+                "min_length": None,  # every fine-tuning step at its length
+                "val_every": 0,
+            }
+        )
+
+    def finetunings(self) -> list[tuple[VariantSpec, TrainSpec]]:
+        """Each fine-tuned variant with the training settings of its fine-tuning."""
+        return [(v, self.finetune_spec(v)) for v in self.eval.variants if v.finetune is not None]
+
+    def notes(self) -> list[str]:
+        """What the study will run as written, but a researcher would want to know first."""
+        out = []
+        if self.train.length not in self.eval.lengths:
+            out.append(
+                f"the training length {self.train.length} is not among eval.lengths: "
+                "extrapolation ratios and the effective length will stay empty"
+            )
+        if not any(REGISTRY[e.name].scalable for e in self.encodings):
+            return out
+        labels = {v.label for v in self.eval.variants}
+        if {"dynamic_ntk", "ntk:auto"} <= labels:
+            out.append(
+                "eval.variants: dynamic_ntk and ntk:auto give the same numbers: a window is "
+                "read in one pass, so dynamic NTK's scale is max(1, length / L) for all of "
+                "it, ntk:auto's factor (as in HF transformers and the YaRN authors' "
+                "evaluation); list one, or a fixed factor (ntk:8) to compare with"
+            )
+        turns = self.train.length / (2 * math.pi)  # RoPE's fastest pair, over L tokens
+        for variant in self.eval.variants:
+            beta = variant.params.get("beta", 32.0)
+            if variant.method == "yarn" and turns < beta:
+                out.append(
+                    f"eval.variants: {short_repr(variant.label)}: over train.length = "
+                    f"{self.train.length} RoPE's fastest pair turns {turns:.0f} times, "
+                    f"fewer than beta = {beta:g}, so no pair keeps its frequency and YaRN is "
+                    "close to PI here; the paper's alpha = 1, beta = 32 are for 4096 tokens "
+                    f"(scaled to this length: alpha = {self.train.length / 4096:.3g}, "
+                    f"beta = {32 * self.train.length / 4096:.3g})"
+                )
+                break
+        return out
+
+    def eval_tokens(self) -> int:
+        """Tokens one run's evaluation feeds the model, at most (every variant counted):
+        a sliding window of ``length`` scores ``stride`` of them."""
+        spec, total = self.eval, 0
+        language_model = self.task.metric == "perplexity"
+        for length in spec.lengths:
+            scored = spec.tokens if language_model else spec.examples * length
+            for protocol in spec.protocols:
+                windows = length / spec.stride if protocol == "sliding" and spec.stride else 1
+                total += round(scored * windows)
+        return total * len(spec.variants)
+
+    def finetune_tokens(self) -> int:
+        """Tokens the fine-tuned variants read, over every run they apply to (rotary)."""
+        scalable = sum(REGISTRY[e.name].scalable for e in self.encodings)
+        total = 0
+        for variant, tuning in self.finetunings():
+            # Without a scaling, every encoding is fine-tuned; with one, rotary ones.
+            encodings = len(self.encodings) if variant.method == "none" else scalable
+            total += encodings * len(self.seeds) * tuning.steps * tuning.tokens_per_step
+        return total
+
+    # -- runs ---------------------------------------------------------------------------------
+
+    def runs(self) -> list[RunSpec]:
+        return [
+            RunSpec(
+                encoding=encoding,
+                seed=seed,
+                config_hash=self.config_hash(encoding, seed),
+                train_hash=self.train_hash(encoding, seed),
+            )
+            for encoding in self.encodings
+            for seed in self.seeds
+        ]
+
+    def _training_payload(self, encoding: EncodingSpec, seed: int) -> dict[str, Any]:
+        # Reporting, checkpointing and validation change no weight of the trained model.
+        reporting = {"checkpoint_every", "progress_every", "val_every", "val_tokens"}
+        train = self.train.model_dump(exclude=reporting)
+        # Fields added later enter the payload only when set away from their default,
+        # so every earlier run keeps its hash (and is still reused).
+        if train["grad_accum"] == 1:
+            del train["grad_accum"]
+        if train["min_length"] is None:
+            del train["min_length"]
+        return {
+            "results_version": RESULTS_VERSION,
+            "task": {"name": self.task.name, "params": self.task.params},
+            "model": self.model.dims(),
+            "train": train,
+            "encoding": {"name": encoding.name, "params": encoding.resolved_params},
+            "seed": seed,
+        }
+
+    @staticmethod
+    def _digest(payload: dict[str, Any]) -> str:
+        canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
+        return hashlib.sha256(canonical.encode()).hexdigest()[:24]
+
+    def config_hash(self, encoding: EncodingSpec, seed: int) -> str:
+        """Stable hash of everything that changes a run's results (not the study's name,
+        nor the other encodings or seeds), RESULTS_VERSION included."""
+        evaluation = self.eval.model_dump(mode="json", exclude={"order_probe"})
+        for variant in evaluation["variants"]:
+            if not variant["params"]:
+                del variant["params"]
+            if variant["finetune"] is None:  # added later: absent, so old hashes hold
+                del variant["finetune"]
+        # The order probe adds summaries but changes no point of the curve.
+        return self._digest({**self._training_payload(encoding, seed), "eval": evaluation})
+
+    def train_hash(self, encoding: EncodingSpec, seed: int) -> str:
+        """Stable hash of what the trained model depends on: the config hash less the
+        evaluation settings. Runs that share it share their trained model (a study that
+        only evaluates differently trains nothing again), and it stamps checkpoints."""
+        return self._digest({**self._training_payload(encoding, seed), "training_only": True})
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json", exclude_defaults=False), sort_keys=False)
+
+
+# -- loading and error wording ----------------------------------------------------------------

@@ -1,0 +1,227 @@
+"""How a trained model is evaluated: its inference-time variants (RoPE scalings, with
+or without fine-tuning) and the evaluation settings (lengths, protocols, budget)."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    Field,
+    field_validator,
+    model_validator,
+)
+
+from jobs.spec.base import (
+    MAX_EVAL_LENGTH,
+    MAX_VARIANT_LABEL,
+    Protocol,
+    _Strict,
+    exact,
+)
+from jobs.spec.parts import (
+    FinetuneSpec,
+)
+from worker.catalog.encodings import SCALINGS
+from worker.catalog.params import short_repr
+
+FINETUNED = ("pi", "ntk", "yarn")  # the scalings with one fixed factor
+
+
+class VariantSpec(_Strict):
+    """An inference-time RoPE scaling applied at evaluation; ``none`` is the trained model.
+
+    ``factor: auto`` uses s = max(1, eval_length / train_length) at each length. With
+    ``finetune``, the trained model is first fine-tuned under the scaling (a fixed
+    factor), and that model is evaluated.
+    """
+
+    method: Literal["none", "pi", "ntk", "dynamic_ntk", "yarn"] = "none"
+    factor: float | Literal["auto"] | None = None
+    # The scaling's own parameters (YaRN's alpha and beta), checked against the registry.
+    params: dict[str, Any] = Field(default_factory=dict)
+    finetune: FinetuneSpec | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        # "yarn", "yarn:4", "pi:auto", "yarn:4+ft200" or "yarn:4+ft200@512"
+        if not isinstance(value, str):
+            return value
+        head, plus, tail = value.partition("+")
+        method, _, factor = head.partition(":")
+        shorthand = {"method": method, "factor": factor or None}
+        if plus:
+            steps, at, length = tail.removeprefix("ft").partition("@")
+            digits = re.compile(r"[0-9]+")
+            if not (
+                tail.startswith("ft")
+                and digits.fullmatch(steps)
+                and (not at or digits.fullmatch(length))
+            ):
+                raise ValueError(
+                    f"variant {short_repr(value)}: after '+' comes the fine-tuning, ftSTEPS or "
+                    "ftSTEPS@LENGTH, e.g. 'yarn:4+ft200@512'"
+                )
+            tuning = {"steps": int(steps)} | ({"length": int(length)} if length else {})
+            shorthand["finetune"] = tuning
+        return shorthand
+
+    @field_validator("factor", mode="before")
+    @classmethod
+    def _number(cls, value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, str | int | float | None):
+            raise ValueError(f"factor must be a number >= 1 or 'auto', got {short_repr(value)}")
+        if isinstance(value, str) and value != "auto":
+            try:
+                return float(value)
+            except ValueError:
+                raise ValueError(
+                    f"factor must be a number >= 1 or 'auto', got {short_repr(value)}"
+                ) from None
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_params(cls, value: Any) -> Any:
+        # {method: yarn, factor: 8, beta: 16} is accepted as well as params: {beta: 16}.
+        if isinstance(value, dict) and "params" not in value:
+            own = ("method", "factor", "finetune")
+            rest = {k: v for k, v in value.items() if k not in own}
+            if rest:
+                kept = {k: v for k, v in value.items() if k in own}
+                return {**kept, "params": rest}
+        return value
+
+    @model_validator(mode="after")
+    def _factor(self) -> VariantSpec:
+        if self.params:
+            owner = f"variant {short_repr(self.method)}"
+            if self.method not in SCALINGS:  # 'none' takes no parameter
+                raise ValueError(
+                    f"{owner} has no parameter {short_repr(next(iter(self.params)))} "
+                    "(allowed: none)"
+                )
+            resolved = SCALINGS[self.method].resolve(self.params, owner)
+            # Only what was given stays (and names the variant); defaults stay implicit.
+            object.__setattr__(self, "params", {k: resolved[k] for k in self.params})
+        if self.finetune is not None:
+            if self.method == "none":
+                if self.finetune.length is None:
+                    raise ValueError(
+                        "variant 'none' with finetune (fine-tuning at a longer length "
+                        "without a scaling) needs finetune.length, e.g. 'none+ft200@512'"
+                    )
+            elif self.method not in FINETUNED:
+                raise ValueError(
+                    f"variant {short_repr(self.method)}: fine-tuning applies to a scaling with one "
+                    f"fixed factor ({', '.join(FINETUNED)}) or to none (no scaling)"
+                )
+            elif self.factor is None or self.factor == "auto":
+                raise ValueError(
+                    f"variant {short_repr(self.method)} with finetune needs a number factor "
+                    "(the model "
+                    f"is fine-tuned once, at one scaling), e.g. '{self.method}:4+ft200'"
+                    + ("; none was given" if self.factor is None else ", not 'auto'")
+                )
+        if self.method in ("none", "dynamic_ntk"):
+            if self.factor is not None:
+                raise ValueError(f"variant {short_repr(self.method)} takes no factor")
+        elif self.factor is None:
+            object.__setattr__(self, "factor", "auto")
+        elif self.factor != "auto" and not 1.0 <= float(self.factor) <= 1024.0:
+            raise ValueError(f"factor must be in [1, 1024] or 'auto', got {self.factor}")
+        if len(self.label) > MAX_VARIANT_LABEL:
+            raise ValueError(
+                f"the variant's label {short_repr(self.label)} is longer than {MAX_VARIANT_LABEL} "
+                "characters; give its parameters (or its fine-tuning's lr) fewer digits"
+            )
+        return self
+
+    @property
+    def label(self) -> str:
+        name = self.method
+        if self.factor is not None:
+            factor = self.factor if self.factor == "auto" else exact(self.factor)
+            name = f"{name}:{factor}"
+        if self.params:
+            shown = (
+                str(v).lower() if isinstance(v, bool) else exact(v) for v in self.params.values()
+            )
+            name += (
+                "(" + ", ".join(f"{k}={v}" for k, v in zip(self.params, shown, strict=True)) + ")"
+            )
+        return name + (f"+{self.finetune.label}" if self.finetune is not None else "")
+
+    def factor_at(self, eval_length: int, train_length: int) -> float | None:
+        if self.factor is None:
+            return None
+        if self.factor == "auto":
+            return max(1.0, eval_length / train_length)
+        return float(self.factor)
+
+
+class EvalSpec(_Strict):
+    lengths: Annotated[
+        list[Annotated[int, Field(ge=2, le=MAX_EVAL_LENGTH)]], Field(min_length=1, max_length=32)
+    ] = Field(default_factory=lambda: [128, 256, 512, 1024])
+    protocols: Annotated[list[Protocol], Field(min_length=1, max_length=2)] = Field(
+        default_factory=lambda: ["nonoverlapping"]
+    )
+    stride: int | None = Field(None, ge=1, le=MAX_EVAL_LENGTH, description="sliding stride")
+    tokens: int = Field(65_536, ge=64, le=1 << 24, description="scored tokens per length (lm)")
+    examples: int = Field(100, ge=1, le=10_000, description="examples per length (synthetic)")
+    variants: Annotated[list[VariantSpec], Field(min_length=1, max_length=16)] = Field(
+        default_factory=lambda: [VariantSpec()]
+    )
+    batch_tokens: int = Field(
+        16_384, ge=256, le=1 << 22, description="tokens per evaluation batch (memory bound)"
+    )
+    order_probe: bool = Field(
+        True,
+        description="language modelling: also score each window with its first half shuffled "
+        "(how much the model relies on word order; worker.probes)",
+    )
+
+    @field_validator("lengths")
+    @classmethod
+    def _sorted_unique(cls, lengths: list[int]) -> list[int]:
+        return sorted(set(lengths))
+
+    @field_validator("protocols")
+    @classmethod
+    def _unique(cls, protocols: list[str]) -> list[str]:
+        return list(dict.fromkeys(protocols))
+
+    @field_validator("variants")
+    @classmethod
+    def _variants(cls, variants: list[VariantSpec]) -> list[VariantSpec]:
+        labels = [v.label for v in variants]
+        twice = sorted({x for x in labels if labels.count(x) > 1})
+        if twice:
+            raise ValueError(f"listed twice: {', '.join(twice)}")
+        # The trained model ('none') is always evaluated, listed or not: one canonical
+        # list, so a spec with and without it is the same study (and the same runs).
+        return [VariantSpec()] + [v for v in variants if v.label != "none"]
+
+    @model_validator(mode="after")
+    def _stride(self) -> EvalSpec:
+        if self.stride is not None and "sliding" not in self.protocols:
+            raise ValueError(
+                "eval.stride applies to the 'sliding' protocol only; add 'sliding' to "
+                "eval.protocols or remove the stride"
+            )
+        return self
+
+    def plan(self, scalable: bool) -> list[tuple[VariantSpec, str, int]]:
+        """Every (variant, protocol, length) to evaluate for one run, shortest lengths
+        first. The trained model itself (variant ``none``) always comes first; scalings
+        apply to rotary encodings only (``scalable``)."""
+        # Fine-tuning without a scaling ('none+ft...') applies to every encoding.
+        variants = [v for v in self.variants if scalable or v.method == "none"]
+        return [
+            (variant, protocol, length)
+            for variant in variants
+            for protocol in self.protocols
+            for length in self.lengths
+        ]
