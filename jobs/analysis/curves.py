@@ -1,0 +1,224 @@
+"""One run's curve turned into numbers: points, extrapolation ratios, the effective
+context length, log-perplexity areas, and the summaries stored per run.
+
+A *curve* is one run's metric by evaluation length: a mapping ``{eval_length: value}``,
+a ``pd.Series`` indexed by length, or a sequence of ``(eval_length, value)`` pairs (an
+iterator is consumed by one call). A length counts as *evaluated* when its value is not
+None/NaN (inf is kept: a diverged evaluation is an evaluated, very bad, point)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import NamedTuple
+
+import numpy as np
+import pandas as pd
+
+from jobs.analysis.base import (
+    FACTORS,
+)
+
+Curve = Mapping[int, float | None] | Iterable[tuple[int, float | None]]
+
+
+def points(curve: Curve) -> dict[int, float]:
+    """The evaluated points of a curve as ``{length: value}`` sorted by length."""
+    pairs = curve.items() if hasattr(curve, "items") else curve
+    out: dict[int, float] = {}
+    for length, value in pairs:
+        if pd.isna(value):
+            continue
+        if int(length) in out:
+            raise ValueError(f"length {length} appears twice in one curve")
+        out[int(length)] = float(value)
+    return dict(sorted(out.items()))
+
+
+def extrapolation_ratio(curve: Curve, train_length: int, factor: float) -> float | None:
+    """``value(factor * train_length) / value(train_length)``.
+
+    None when either length was not evaluated, or the training-length value is 0 (the
+    ratio is undefined, e.g. accuracy 0). Above 1 is worse for perplexity/loss, better
+    for accuracy.
+    """
+    values = points(curve)
+    target = factor * train_length
+    if target != int(target) or int(target) not in values or train_length not in values:
+        return None
+    base = values[train_length]
+    return values[int(target)] / base if base != 0 else None
+
+
+def effective_context_length(
+    curve: Curve,
+    train_length: int,
+    metric: str,
+    tolerance: float = 0.10,
+    accuracy_threshold: float = 0.5,
+) -> int | None:
+    """The longest evaluated length the model holds up to, starting from the training length.
+
+    perplexity: the longest evaluated L >= train_length such that every evaluated length
+    in [train_length, L] has ``value <= (1 + tolerance) * value(train_length)``.
+    accuracy: the same with ``value >= accuracy_threshold``.
+    "Stays within" means contiguously: once a length fails, a later recovery does not
+    count. None when train_length was not evaluated, or (accuracy) when the accuracy at
+    the training length is already below the threshold. Lengths below train_length are
+    ignored. Other metrics raise ValueError: the definition is about perplexity.
+    The answer is censored by the grid: a run that never fails gets its longest
+    evaluated length, a lower bound on the true one.
+    """
+    values = points(curve)
+    if train_length not in values:
+        return None
+    if metric == "perplexity":
+        bound = (1 + tolerance) * values[train_length]
+        holds = {n: v <= bound for n, v in values.items()}
+    elif metric == "accuracy":
+        holds = {n: v >= accuracy_threshold for n, v in values.items()}
+    else:
+        raise ValueError(
+            f"effective context length is defined for perplexity or accuracy, not {metric!r}"
+        )
+    longest = None
+    for length in (n for n in holds if n >= train_length):
+        if not holds[length]:
+            break
+        longest = length
+    return longest
+
+
+def _log_points(curve: Curve, start: int | None, end: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """ln(length) and ln(value) of the evaluated points in [start, end]."""
+    kept = [
+        (n, v)
+        for n, v in points(curve).items()
+        if (start is None or n >= start) and (end is None or n <= end)
+    ]
+    return np.log([n for n, _ in kept], dtype=float), np.log([v for _, v in kept], dtype=float)
+
+
+def _trapezoid(x: np.ndarray, y: np.ndarray) -> float:
+    return float(np.sum((y[1:] + y[:-1]) / 2 * np.diff(x)))
+
+
+def log_perplexity_area(
+    curve: Curve, start: int | None = None, end: int | None = None
+) -> float | None:
+    """Trapezoidal integral of ln(perplexity) d ln(length) over the evaluated lengths in
+    [start, end] (default: every evaluated length).
+
+    The integral runs from the first to the last evaluated length inside the range, not
+    from ``start``/``end`` themselves. It grows with the span of the grid, so compare
+    areas only on the same grid; ``mean_log_perplexity`` is the grid-independent form.
+    None with fewer than two points.
+    """
+    x, y = _log_points(curve, start, end)
+    return _trapezoid(x, y) if len(x) >= 2 else None
+
+
+def mean_log_perplexity(
+    curve: Curve, start: int | None = None, end: int | None = None
+) -> float | None:
+    """``log_perplexity_area / ln(last / first)`` over the same points: the average
+    ln(perplexity) per unit of log-length, comparable across grids and ranges
+    (exp of it is a "typical" perplexity over the range). None with fewer than two points.
+    """
+    x, y = _log_points(curve, start, end)
+    return _trapezoid(x, y) / float(x[-1] - x[0]) if len(x) >= 2 else None
+
+
+def summary_keys(factors: Sequence[float] = FACTORS) -> list[str]:
+    """The keys of ``summarize_run`` for these factors, in order (column names to store)."""
+    return [f"ratio_{factor:g}x" for factor in factors] + [
+        "effective_length",
+        "effective_length_censored",
+        "log_ppl_area",
+        "mean_log_ppl",
+    ]
+
+
+def summarize_run(
+    curve: Curve, train_length: int, metric: str, factors: Sequence[float] = FACTORS
+) -> dict[str, float | int | None]:
+    """Every per-run summary as a flat dict with stable keys (a database row later).
+
+    Keys: ``ratio_{f}x`` for each factor (extrapolation_ratio), ``effective_length``
+    (effective_context_length with default tolerance/threshold),
+    ``effective_length_censored`` (1.0 when that is the longest evaluated length, so
+    only a lower bound; 0.0 when the run failed at the next length), ``log_ppl_area`` and
+    ``mean_log_ppl`` (over every evaluated length). Keys whose definition does not apply
+    to ``metric`` are present with None: effective_length for metrics other than
+    perplexity/accuracy, the log-perplexity pair for metrics other than perplexity.
+
+    A point given with value None is a length evaluated but without a value (a learned
+    table past its end): the log-perplexity pair is then None too, since an average over
+    only the lengths the encoding can read would not compare with curves that pay for
+    the longer ones.
+    """
+    given = list(curve.items() if hasattr(curve, "items") else curve)
+    censored = any(value is None or pd.isna(value) for _, value in given)
+    values = points(given)
+    out: dict[str, float | int | None] = {
+        f"ratio_{factor:g}x": extrapolation_ratio(values, train_length, factor)
+        for factor in factors
+    }
+    applies = metric in ("perplexity", "accuracy")
+    effective = effective_context_length(values, train_length, metric) if applies else None
+    out["effective_length"] = effective
+    # 1: the run held up to its longest evaluated length (one without a value counts: a
+    # learned table past its end did not hold there), so its effective length is a lower
+    # bound set by the grid, not a length where it failed.
+    longest = max((length for length, _ in given), default=None)
+    out["effective_length_censored"] = None if effective is None else float(effective == longest)
+    whole = metric == "perplexity" and not censored
+    out["log_ppl_area"] = log_perplexity_area(values) if whole else None
+    out["mean_log_ppl"] = mean_log_perplexity(values) if whole else None
+    return out
+
+
+class Summary(NamedTuple):
+    """One number a run's curve is turned into: a row of ``run_summaries``."""
+
+    variant: str
+    protocol: str
+    name: str
+    value: float | None
+
+
+# Extra summaries (the order probe) belong to the trained model and are not read off
+# a curve: they are stored under the protocol ``ANY_PROTOCOL`` and hold whichever
+# evaluation protocol a reader picks.
+EXTRA_VARIANT = "none"
+ANY_PROTOCOL = "any"
+
+
+def holds_for(summary_protocol: str, protocol: str) -> bool:
+    """Whether a summary stored under ``summary_protocol`` belongs with ``protocol``."""
+    return summary_protocol in (protocol, ANY_PROTOCOL)
+
+
+def summarize_points(
+    points: Iterable[tuple[str, str, int, float | None]],
+    *,
+    train_length: int,
+    metric: str,
+    extra: Mapping[str, float] | None = None,
+) -> list[Summary]:
+    """``summarize_run`` for every curve of one run, its points given as (variant,
+    protocol, length, metric value or None), plus ``extra`` named values (the order
+    probe's) under the trained model's variant."""
+    curves: dict[tuple[str, str], dict[int, float | None]] = {}
+    for variant, protocol, length, value in points:
+        curves.setdefault((variant, protocol), {})[length] = value
+    out = [
+        Summary(variant, protocol, name, value)
+        for (variant, protocol), curve in sorted(curves.items())
+        for name, value in summarize_run(curve, train_length, metric).items()
+    ]
+    out += [Summary(EXTRA_VARIANT, ANY_PROTOCOL, k, v) for k, v in (extra or {}).items()]
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Statistics across seeds
