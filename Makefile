@@ -24,6 +24,7 @@ run: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports --no-cache
 
 test: $(STAMP) lint
 	$(PY) -m pytest -n 2 -q

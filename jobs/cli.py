@@ -219,7 +219,7 @@ def submit(
                 "are sent when a worker's reconciler next runs[/]"
             )
     if wait:
-        from jobs.watch import watch
+        from jobs.render.watch import watch
 
         code = watch(submitted.study_id, console=Console(stderr=as_json))
         raise typer.Exit(code)
@@ -263,7 +263,7 @@ def status(
     if as_json:
         typer.echo(frame.to_json(orient="records", date_format="iso"))
         return
-    from jobs.watch import frame_table
+    from jobs.render.watch import frame_table
 
     title = "studies" if study is None else f"study {study}"
     console.print(frame_table(frame[shown], title=title))
@@ -349,8 +349,8 @@ def import_(
 ) -> None:
     """Store the results of `posbench run` as a finished study: the dashboard compares
     it, `posbench results` and SQL query it, and later submits reuse its runs."""
-    from jobs.imports import ImportProblem, import_results
     from jobs.settings import get_settings
+    from jobs.transfer.importer import ImportProblem, import_results
 
     url = _database()
     try:
@@ -388,7 +388,7 @@ def export(
     the extrapolation curves (evaluation length as the step) and the summaries."""
     from sqlalchemy.exc import SQLAlchemyError
 
-    from jobs.export import ExportError, to_mlflow
+    from jobs.transfer.mlflow_export import ExportError, to_mlflow
 
     _check_id(study, "the study id")
     if to != "mlflow":
@@ -508,7 +508,7 @@ def results(
     elif output == "json":
         typer.echo(frame.to_json(orient="records"))
     elif view == "curves":
-        from jobs.watch import curve_table
+        from jobs.render.watch import curve_table
 
         console.print(curve_table(frame, row))
     elif frame.empty:
@@ -522,7 +522,7 @@ def results(
                 f"study {study} ({row['name']}): no {view} yet (they come as runs finish)"
             )
     else:
-        from jobs.watch import frame_table
+        from jobs.render.watch import frame_table
 
         if view == "summaries":  # the key ones; --format json has them all
             frame = analysis.summary_grid(frame, analysis.KEY_SUMMARIES).reset_index()

@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from jobs import analysis
-from jobs.report import (
+from jobs.render.report import (
     format_value,
     markdown_frame,
     markdown_table,
@@ -238,7 +238,7 @@ def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: 
     if partial:
         console.print(_table(partial, "token_accuracy", spec.train.length, protocols[0]))
     if not grid.empty:
-        from jobs.watch import frame_table
+        from jobs.render.watch import frame_table
 
         console.print(frame_table(grid.reset_index(), "summaries across seeds"))
     shown = "  ".join(str(path) for path in plots.values())

@@ -507,7 +507,7 @@ def test_claims_call_a_tie_a_tie_and_give_no_probability_from_one_seed():
 
 
 def test_curve_plots_give_every_encoding_its_own_colour_and_seeds_a_band(tmp_path):
-    from jobs.report import _palette, plot_curves, seed_bands
+    from jobs.render.report import _palette, plot_curves, seed_bands
 
     for count in (3, 10, 11, 20):
         assert len(set(_palette(count))) == count

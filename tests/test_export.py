@@ -16,8 +16,8 @@ from db.engine import transaction
 from db.migrate import upgrade
 from db.models import Evaluation as EvaluationRow
 from db.models import Run
-from jobs.export import key
 from jobs.settings import Settings
+from jobs.transfer.mlflow_export import key
 
 
 @pytest.fixture
@@ -169,7 +169,7 @@ def test_keys_keep_only_what_mlflow_accepts() -> None:
 def test_without_the_mlflow_client_the_message_says_what_to_install(monkeypatch) -> None:
     import sys
 
-    from jobs.export import ExportError, _client
+    from jobs.transfer.mlflow_export import ExportError, _client
 
     monkeypatch.setitem(sys.modules, "mlflow.tracking", None)  # as if not installed
     with pytest.raises(ExportError, match=r"pip install 'posbench\[mlflow\]'"):
@@ -179,7 +179,7 @@ def test_without_the_mlflow_client_the_message_says_what_to_install(monkeypatch)
 def test_a_cut_short_export_is_written_again(
     settings: Settings, tracking: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from jobs import export as exporter
+    from jobs.transfer import mlflow_export as exporter
 
     study = seed_study(settings)
     client = MlflowClient(tracking_uri=tracking)
@@ -228,7 +228,7 @@ def test_a_deleted_experiment_or_an_unreachable_server_is_named(
 def test_runs_exported_before_child_runs_existed_are_written_again(
     settings: Settings, tracking: str
 ) -> None:
-    from jobs import export as exporter
+    from jobs.transfer import mlflow_export as exporter
 
     study = seed_study(settings)
     exporter.to_mlflow(settings.database, study, tracking_uri=tracking)

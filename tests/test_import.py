@@ -10,10 +10,10 @@ from conftest import isolated_env, posbench_cli
 
 from db import queries
 from db.migrate import upgrade
-from jobs.imports import ImportProblem, import_results
 from jobs.service import submit
 from jobs.settings import Settings
 from jobs.spec import parse_spec
+from jobs.transfer.importer import ImportProblem, import_results
 from worker.study import run_study
 
 SPEC = {

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from jobs.report import format_value
+from jobs.render.report import format_value
 
 FINISHED = ("done", "failed", "cancelled")
 

@@ -1,0 +1,2 @@
+"""Rendering results for people: tables and plots for the terminal, markdown files and
+the watch view."""
