@@ -1,0 +1,105 @@
+"""What every command shares: the Typer app, the console, id and port checks, the
+database a command reads, and the one way a command fails (a line on stderr, exit 2 for
+bad input, 1 for a failure)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(
+    name="posbench",
+    help="Benchmark transformer position encodings: train, evaluate far beyond the "
+    "training length, compare extrapolation curves.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+console = Console()
+MAX_ID = 2**63 - 1  # the database's integer ids
+
+
+@app.callback()
+def _settings() -> None:
+    """Read the POSBENCH_* settings once, before any command: a bad one exits 2."""
+    from pydantic import ValidationError
+
+    from jobs.settings import describe_settings_error, get_settings
+
+    try:
+        get_settings()
+    except ValidationError as err:
+        fail("invalid settings: " + describe_settings_error(err), code=2)
+
+
+def fail(message: str, code: int) -> NoReturn:
+    """A readable message on stderr (never wrapped, no traceback) and a meaningful exit code:
+    2 for bad input, 1 for a failure."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _load(spec_file: Path | None, preset: str | None):
+    from jobs.spec import SpecError, load_spec, preset_spec
+
+    if (spec_file is None) == (preset is None):
+        fail("give either a spec file or --preset NAME (smoke, quick, paper)", code=2)
+    try:
+        spec = load_spec(spec_file) if spec_file is not None else preset_spec(preset or "")
+    except SpecError as err:
+        fail("invalid spec: " + "; ".join(err.problems), code=2)
+    for note in spec.notes():
+        typer.echo(f"note: {note}", err=True)
+    return spec
+
+
+def _check_id(value: int | None, what: str) -> None:
+    if value is not None and not 1 <= value <= MAX_ID:
+        fail(f"{what} must be a positive integer below 2^63, got {value}", code=2)
+
+
+def _check_port(port: int) -> None:
+    if not 1 <= port <= 65535:
+        fail(f"--port must be in 1..65535, got {port}", code=2)
+
+
+def _database() -> str:
+    from sqlalchemy.engine import make_url
+
+    from db.migrate import current
+    from jobs.settings import get_settings
+
+    url = get_settings().database
+    parsed = make_url(url)
+    on_disk = parsed.get_backend_name() == "sqlite" and parsed.database not in (
+        None,
+        "",
+        ":memory:",
+    )
+    # Reading must not create a database (or its folders) where none is.
+    if on_disk and not Path(parsed.database or "").expanduser().is_file():
+        fail(f"no database at {parsed.database}: run `posbench db upgrade`", code=1)
+    try:
+        revision = current(url)
+    except Exception as err:
+        fail(f"cannot reach the database {_redact(url)}: {_first_line(err)}", code=1)
+    if revision is None:
+        fail(f"the database {_redact(url)} has no schema yet: run `posbench db upgrade`", code=1)
+    return url
+
+
+def _redact(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(getattr(err, "orig", None) or err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+StudyArgument = Annotated[int | None, typer.Argument(show_default=False)]
+RunOption = Annotated[int | None, typer.Option("--run", help="One run instead of a study.")]

@@ -1,0 +1,229 @@
+"""Commands on results: import a results.json, export to MLflow, print curves,
+summaries and pairwise claims."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from jobs.cli.common import (
+    _check_id,
+    _database,
+    _first_line,
+    _redact,
+    app,
+    console,
+    fail,
+)
+
+
+@app.command("import")
+def import_(
+    results_file: Annotated[
+        Path, typer.Argument(show_default=False, help="results.json written by posbench run.")
+    ],
+    force: Annotated[
+        bool, typer.Option("--force", help="Import results already in the database again.")
+    ] = False,
+) -> None:
+    """Store the results of `posbench run` as a finished study: the dashboard compares
+    it, `posbench results` and SQL query it, and later submits reuse its runs."""
+    from jobs.settings import get_settings
+    from jobs.transfer.importer import ImportProblem, import_results
+
+    url = _database()
+    try:
+        done = import_results(results_file, settings=get_settings(), force=force)
+    except ImportProblem as err:
+        fail(str(err), code=2)
+    typer.echo(
+        f"imported study {done.study_id} ({done.name}): {done.runs} runs, "
+        f"{done.evaluations} evaluations (database {_redact(url)})"
+    )
+
+
+@app.command()
+def export(
+    study: Annotated[int, typer.Argument(show_default=False, help="The study's id.")],
+    to: Annotated[str, typer.Option("--to", help="Where: mlflow.")] = "mlflow",
+    tracking_uri: Annotated[
+        str | None,
+        typer.Option(
+            "--tracking-uri",
+            envvar="MLFLOW_TRACKING_URI",
+            help="The MLflow tracking server (http://host:5000) or store; default: "
+            "MLFLOW_TRACKING_URI.",
+        ),
+    ] = None,
+    experiment: Annotated[
+        str | None,
+        typer.Option("--experiment", help="MLflow experiment (default: the study's name)."),
+    ] = None,
+    replace: Annotated[
+        bool, typer.Option("--replace", help="Write runs already exported again.")
+    ] = False,
+) -> None:
+    """Export a study's finished runs to MLflow: parameters, tags, the training curves,
+    the extrapolation curves (evaluation length as the step) and the summaries."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from jobs.transfer.mlflow_export import ExportError, to_mlflow
+
+    _check_id(study, "the study id")
+    if to != "mlflow":
+        fail(f"--to must be mlflow, got {to!r}", code=2)
+    if not tracking_uri:
+        fail("give --tracking-uri (e.g. http://localhost:5000) or set MLFLOW_TRACKING_URI", 2)
+    url = _database()
+    # An unreachable server answers in seconds, not after MLflow's minutes of retries.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+    try:
+        done = to_mlflow(
+            url, study, tracking_uri=tracking_uri, experiment=experiment, replace=replace
+        )
+    except ExportError as err:
+        fail(str(err), code=2)
+    except SQLAlchemyError as err:
+        fail(f"the database {_redact(url)}: {_first_line(err)}", code=1)
+    except Exception as err:  # the tracking server refused or is unreachable
+        # No credentials in the message: MLflow's own repeats the whole URL.
+        message = re.sub(r"//[^/@\s]*@", "//", f"MLflow at {tracking_uri}: {_first_line(err)}")
+        fail(message, code=1)
+    typer.echo(
+        f"study {study} -> MLflow experiment {done.experiment!r} ({done.experiment_id}): "
+        f"{len(done.written)} runs written, {len(done.skipped)} already there"
+        + (f", {len(done.unfinished)} not finished (not exported)" if done.unfinished else "")
+    )
+
+
+@app.command()
+def results(
+    study: Annotated[int, typer.Option("--study", help="The study id.")],
+    output: Annotated[str, typer.Option("--format", help="table, csv or json.")] = "table",
+    protocol: Annotated[
+        str | None,
+        typer.Option(
+            "--protocol",
+            help="nonoverlapping or sliding (default: every protocol for curves, the first "
+            "for summaries and pairwise).",
+        ),
+    ] = None,
+    view: Annotated[
+        str,
+        typer.Option(
+            "--view",
+            help="curves (metric by length), summaries (extrapolation ratio, effective "
+            "length, log-perplexity area, order probe: mean and bootstrap 95% interval "
+            "across seeds), pairwise (P(A beats B) at each length), groups (synthetic "
+            "tasks: accuracy by each group key, e.g. depth or word-order variant) or train "
+            "(the training curves: every point with csv/json, one row per run as a table).",
+        ),
+    ] = "curves",
+    factor: Annotated[
+        float | None,
+        typer.Option("--factor", help="pairwise: only this multiple of the training length."),
+    ] = None,
+) -> None:
+    """A study's results: its curves, their summaries, or pairwise comparisons."""
+    from db import queries
+    from jobs import analysis
+
+    _check_id(study, "--study")
+    if output not in ("table", "csv", "json"):
+        fail(f"--format must be table, csv or json, got {output!r}", code=2)
+    views = ("curves", "summaries", "pairwise", "groups", "train")
+    if view not in views:
+        fail(f"--view must be one of {', '.join(views)}, got {view!r}", code=2)
+    if factor is not None and view != "pairwise":
+        fail("--factor applies to --view pairwise only", code=2)
+    from jobs.spec import MAX_EVAL_LENGTH  # no evaluation is longer, so no factor larger
+
+    if factor is not None and not (math.isfinite(factor) and 0 < factor <= MAX_EVAL_LENGTH):
+        fail(f"--factor must be a number from 0 to {MAX_EVAL_LENGTH}, got {factor:g}", code=2)
+    from jobs.spec import PROTOCOLS
+
+    if protocol is not None and protocol not in PROTOCOLS:
+        fail(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}", code=2)
+    url = _database()
+    studies = queries.studies(url, [study])
+    if studies.empty:
+        fail(f"no study with id {study}", code=2)
+    row = studies.iloc[0]
+    if protocol is not None:
+        evaluated = (queries.study_spec(url, study) or {}).get("eval", {}).get("protocols", [])
+        if protocol not in evaluated:
+            fail(
+                f"study {study} is evaluated with {', '.join(evaluated)}, not {protocol!r}",
+                code=2,
+            )
+    if view == "groups" and row["metric"] != "accuracy":
+        fail(
+            f"--view groups applies to synthetic tasks; study {study} ({row['task']}) is "
+            "language modelling",
+            code=2,
+        )
+    frame = queries.curves(url, study_ids=[study], protocol=protocol)
+    if view in ("summaries", "pairwise") and protocol is None and not frame.empty:
+        # One protocol at a time: its curves are the ones summarised and compared.
+        protocol = sorted(frame["protocol"].unique())[0]
+        frame = frame[frame["protocol"] == protocol]
+    if view == "summaries":
+        stored = analysis.with_lines(queries.run_summaries(url, [study], protocol))
+        frame = analysis.summary_statistics(stored)
+        title = f"summaries across seeds ({protocol})"
+    elif view == "pairwise":
+        frame = _pairwise(frame, row, factor)
+        title = f"pairwise ({protocol}): P(a beats b) across seeds"
+    elif view == "groups":
+        frame = analysis.group_accuracy(analysis.with_lines(frame))
+        title = "accuracy by group"
+    elif view == "train":
+        runs = queries.runs(url, study_id=study)
+        frame = analysis.training_curves(queries.train_points(url, runs["id"].tolist()), runs)
+        title = "training (one row per run; --format csv or json for every point)"
+    if output == "csv":
+        typer.echo(frame.drop(columns=["groups"], errors="ignore").to_csv(index=False), nl=False)
+    elif output == "json":
+        typer.echo(frame.to_json(orient="records"))
+    elif view == "curves":
+        from jobs.render.watch import curve_table
+
+        console.print(curve_table(frame, row))
+    elif frame.empty:
+        if int(row["queued"] or 0) + int(row["running"] or 0) == 0:
+            console.print(
+                f"study {study} ({row['name']}): no {view}: every run has ended and none "
+                "could be computed (see posbench status)"
+            )
+        else:
+            console.print(
+                f"study {study} ({row['name']}): no {view} yet (they come as runs finish)"
+            )
+    else:
+        from jobs.render.watch import frame_table
+
+        if view == "summaries":  # the key ones; --format json has them all
+            frame = analysis.summary_grid(frame, analysis.KEY_SUMMARIES).reset_index()
+        elif view == "train":
+            frame = analysis.training_table(frame)
+        console.print(frame_table(frame, f"study {study} ({row['name']}): {title}"))
+
+
+def _pairwise(frame, study, factor: float | None):
+    from jobs import analysis
+
+    frame = analysis.with_lines(frame)
+    train_length = int(study["train_length"])
+    if factor is not None:
+        frame = frame[frame["eval_length"] == round(factor * train_length)]
+        if frame.empty:
+            fail(f"--factor {factor:g}: no evaluation at {factor:g} x {train_length}", code=2)
+    table = analysis.pairwise_table(frame, study["metric"], line="line")
+    table["claim"] = [analysis.claim(row, train_length) for _, row in table.iterrows()]
+    return table

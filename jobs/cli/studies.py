@@ -1,0 +1,250 @@
+"""Commands on studies: list encodings, run a study in-process, submit one to the
+service, watch its status, cancel, retry and delete."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from jobs.cli.common import (
+    RunOption,
+    StudyArgument,
+    _check_id,
+    _database,
+    _load,
+    app,
+    console,
+    fail,
+)
+
+
+@app.command()
+def encodings(
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the registry as JSON (for scripts).")
+    ] = False,
+) -> None:
+    """List the registered position encodings and RoPE inference-time scalings."""
+    from worker.encodings import REGISTRY, SCALINGS
+
+    if as_json:
+        payload = {
+            "encodings": [entry.to_json() for entry in REGISTRY.values()],
+            "scalings": [entry.to_json() for entry in SCALINGS.values()],
+        }
+        typer.echo(json.dumps(payload, indent=2))
+        return
+    table = Table(title="position encodings")
+    for column in ("name", "family", "parameters", "summary"):
+        table.add_column(column)
+    for entry in REGISTRY.values():
+        params = ", ".join(
+            f"{p.name}={p.derived if p.default is None else p.default}" for p in entry.params
+        )
+        table.add_row(entry.name, entry.family, params or "-", entry.summary)
+    console.print(table)
+    scalings = Table(title="RoPE inference-time scalings (rope, xpos)")
+    for column in ("name", "summary"):
+        scalings.add_column(column)
+    for entry in SCALINGS.values():
+        scalings.add_row(entry.name, entry.summary)
+    console.print(scalings)
+
+
+@app.command()
+def run(
+    spec_file: Annotated[
+        Path | None, typer.Argument(help="A study spec (YAML or JSON).", show_default=False)
+    ] = None,
+    preset: Annotated[
+        str | None, typer.Option("--preset", help="A named study: smoke, quick or paper.")
+    ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print every result as JSON on stdout.")
+    ] = False,
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", help="Folder for results.json, curves.png and table.md."),
+    ] = None,
+    device: Annotated[
+        str | None, typer.Option("--device", help="cpu, cuda or cuda:N (default: auto).")
+    ] = None,
+) -> None:
+    """Run a study in this process (no broker, no database): train, evaluate, report."""
+    spec = _load(spec_file, preset)
+    from jobs.runner import run_in_process
+
+    run_in_process(spec, as_json=as_json, out=out, device=device)
+
+
+@app.command()
+def submit(
+    spec_file: Annotated[
+        Path | None, typer.Argument(help="A study spec (YAML or JSON).", show_default=False)
+    ] = None,
+    preset: Annotated[str | None, typer.Option("--preset", help="smoke, quick or paper.")] = None,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="Train again even where a run with the same config hash already finished.",
+        ),
+    ] = False,
+    wait: Annotated[bool, typer.Option("--wait", help="Show live progress until done.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the submission as JSON.")] = False,
+    queue: Annotated[
+        str | None,
+        typer.Option(
+            "--queue", help="gpu or cpu: the workers that train it (default: the spec's)."
+        ),
+    ] = None,
+) -> None:
+    """Queue a study on the service: its runs go to the workers through the broker."""
+    spec = _load(spec_file, preset)
+    if queue is not None:
+        from jobs.spec import QUEUES
+
+        if queue not in QUEUES:
+            fail(f"--queue must be {' or '.join(QUEUES)}, got {queue!r}", code=2)
+        spec = spec.model_copy(update={"queue": queue})
+    _database()
+    from jobs.service import submit as submit_study
+
+    submitted = submit_study(spec, force=force)
+    payload = {
+        "study": submitted.study_id,
+        "queued": submitted.queued,
+        "reused": submitted.reused,
+        "unsent": submitted.unsent,
+    }
+    if as_json:
+        typer.echo(json.dumps(payload))
+    else:
+        console.print(
+            f"study [bold]{submitted.study_id}[/] ({spec.name}): {len(submitted.queued)} runs "
+            f"queued, {len(submitted.reused)} reused from earlier results"
+        )
+        if submitted.unsent:
+            console.print(
+                "[yellow]the broker could not be reached; the runs stay queued and "
+                "are sent when a worker's reconciler next runs[/]"
+            )
+    if wait:
+        from jobs.render.watch import watch
+
+        code = watch(submitted.study_id, console=Console(stderr=as_json))
+        raise typer.Exit(code)
+
+
+@app.command()
+def status(
+    study: Annotated[
+        int | None,
+        typer.Argument(help="A study id; all studies without it.", show_default=False),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print as JSON.")] = False,
+) -> None:
+    """Studies and their runs: status, progress, failures."""
+    from db import queries
+
+    _check_id(study, "the study id")
+    url = _database()
+    if study is None:
+        frame = queries.studies(url)
+        shown = ["id", "name", "task", "runs", "queued", "running", "done", "failed", "cancelled"]
+    else:
+        if queries.studies(url, [study]).empty:
+            fail(f"no study with id {study}", code=2)
+        from jobs.analysis import run_notes
+
+        frame = queries.runs(url, study_id=study)
+        frame["note"] = run_notes(frame)
+        shown = [
+            "id",
+            "label",
+            "seed",
+            "status",
+            "step",
+            "total_steps",
+            "latest_loss",
+            "attempts",
+            "note",
+            "failure_reason",
+        ]
+    if as_json:
+        typer.echo(frame.to_json(orient="records", date_format="iso"))
+        return
+    from jobs.render.watch import frame_table
+
+    title = "studies" if study is None else f"study {study}"
+    console.print(frame_table(frame[shown], title=title))
+
+
+def _on_runs(action, study: int | None, run: int | None):
+    """Apply a jobs.service action to a study or one run; bad ids exit 2."""
+    from jobs.service import NotFound
+
+    if (study is None) == (run is None):
+        fail("give a study id or --run ID", code=2)
+    _check_id(study, "the study id")
+    _check_id(run, "--run")
+    _database()
+    try:
+        return action(study_id=study, run_id=run)
+    except NotFound as err:
+        fail(str(err), code=2)
+
+
+@app.command()
+def cancel(study: StudyArgument = None, run: RunOption = None) -> None:
+    """Cancel queued runs at once; running runs stop at their next progress report."""
+    from jobs.service import cancel as cancel_runs
+
+    counts = _on_runs(cancel_runs, study, run)
+    console.print(f"{counts['cancelled']} cancelled, {counts['stopping']} stopping")
+
+
+@app.command()
+def retry(study: StudyArgument = None, run: RunOption = None) -> None:
+    """Queue failed or cancelled runs again; they resume from their last checkpoint."""
+    from jobs.service import retry as retry_runs
+
+    console.print(f"{len(_on_runs(retry_runs, study, run))} runs queued again")
+
+
+@app.command()
+def delete(
+    study: Annotated[int, typer.Argument(show_default=False, help="The study's id.")],
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+) -> None:
+    """Delete a finished study: its runs, curves, evaluations, summaries and checkpoints."""
+    from db import queries
+    from jobs.service import Busy, NotFound, busy_message, delete_study
+
+    _check_id(study, "the study id")
+    url = _database()
+    found = queries.studies(url, [study])
+    if found.empty:
+        fail(f"no study with id {study}", code=2)
+    row = found.iloc[0]
+    if row["queued"] + row["running"]:
+        fail(busy_message(study, int(row["queued"] + row["running"])), code=1)
+    if not yes and not typer.confirm(
+        f"Delete study {study} ({row['name']}) with its {row['runs']} runs and their results?"
+    ):
+        fail("nothing deleted", code=1)
+    try:
+        deleted = delete_study(study)
+    except NotFound as err:
+        fail(str(err), code=2)
+    except Busy as err:
+        fail(str(err), code=1)
+    typer.echo(
+        f"deleted study {study} ({deleted.name}): {deleted.runs} runs, "
+        f"{deleted.evaluations} evaluations, {deleted.checkpoints} checkpoint files"
+    )
