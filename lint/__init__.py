@@ -1,0 +1,1 @@
+"""posbench's own import-linter contract types (configured in pyproject.toml)."""
