@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import itertools
 from collections import deque
 from functools import cache
 from pathlib import Path
@@ -128,7 +129,7 @@ class ImportTimeContract(Contract):
         for chain in check.metadata["chains"]:
             output.print_error(f"{chain[0]} loads {chain[-1]} when imported:")
             output.new_line()
-            for importer, imported in zip(chain, chain[1:], strict=False):
+            for importer, imported in itertools.pairwise(chain):
                 output.indent_cursor()
                 output.print_error(f"{importer} -> {imported}", bold=False)
             output.new_line()
