@@ -7,10 +7,15 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import dims
 
+from jobs.render.catalog import catalog_markdown
+from jobs.spec import parse_spec
+from worker.catalog.encodings import EncodingInfo, Param
 from worker.encodings import REGISTRY, SCALINGS, EncodingConfigError, build
 from worker.encodings.base import PositionEncoding
+from worker.model import build_model
 
 EXPECTED = {
     "nope",
@@ -28,24 +33,76 @@ EXPECTED = {
 
 
 def test_registry_lists_every_encoding_with_reference_and_summary() -> None:
-    assert set(REGISTRY) == EXPECTED
+    assert set(REGISTRY) >= EXPECTED  # every shipped encoding stays; new ones may join
     assert set(SCALINGS) == {"pi", "ntk", "dynamic_ntk", "yarn"}
-    for entry in REGISTRY.values():
-        assert entry.reference and entry.summary
-        assert entry.family in {"none", "absolute", "rotary", "bias"}
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED))
-def test_build_returns_the_registered_protocol(name: str) -> None:
+def check_entry(name: str) -> None:
+    """What every catalogue entry must meet, whatever its family: a reference and a
+    summary; ``build`` gives the protocol its entry describes (bias, scalings, length
+    limit); a tiny model with it runs at the training length and, unless its table ends
+    there, at 4x; a study spec with it (and every scaling, when scalable) validates."""
+    entry = REGISTRY[name]
+    assert entry.reference and entry.summary
+    assert entry.family in {"none", "absolute", "rotary", "bias"}
     encoding = build(name, **dims())
     assert isinstance(encoding, PositionEncoding)
     assert encoding.name == name
-    assert encoding.has_bias == (REGISTRY[name].family == "bias")
+    assert encoding.has_bias == (entry.family == "bias")
     assert (encoding.bias(4, 4) is not None) == encoding.has_bias
-    assert hasattr(encoding, "with_scaling") == REGISTRY[name].scalable
-    expected_limit = 32 if REGISTRY[name].bounded_by_train_length else None
-    if name != "randomized":
-        assert encoding.max_length == expected_limit
+    assert hasattr(encoding, "with_scaling") == entry.scalable
+    if entry.bounded_by_train_length:
+        assert encoding.max_length == 32
+    model = build_model("tiny", name, train_length=16, seed=0).eval()
+    lengths = [16] if entry.bounded_by_train_length else [16, 64]
+    for length in lengths:
+        with torch.no_grad():
+            logits = model(torch.randint(0, 256, (1, length)))
+        assert logits.shape == (1, length, 256) and torch.isfinite(logits).all()
+    variants = ["none", *(f"{s}:2" if SCALINGS[s].needs_factor else s for s in SCALINGS)]
+    spec = parse_spec(
+        {
+            "encodings": [name],
+            "model": "tiny",
+            "train": {"length": 64, "steps": 2},
+            "eval": {"lengths": [64, 128], "variants": variants if entry.scalable else ["none"]},
+        }
+    )
+    assert [e.name for e in spec.encodings] == [name]
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_every_entry_meets_the_registry_contract(name: str) -> None:
+    check_entry(name)
+
+
+def test_a_new_rotary_entry_is_picked_up_without_further_edits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Adding an encoding = its module (tests/toy_encoding.py here), its catalogue entry
+    # and its reference test: the registry contract and the docs table need nothing more.
+    rope = REGISTRY["rope"]
+    entry = EncodingInfo(
+        name="half_speed_rope",
+        family="rotary",
+        summary="RoPE at half the angular speed.",
+        reference="a test entry",
+        implementation="toy_encoding:HalfSpeedRope",
+        params=(rope.param("base"), rope.param("rotary_fraction")),
+        scalable=True,
+    )
+    assert isinstance(entry.params[0], Param)
+    monkeypatch.setitem(REGISTRY, entry.name, entry)
+    check_entry(entry.name)
+    assert "| half_speed_rope | rotary | base=10000.0, rotary_fraction=1.0 |" in catalog_markdown()
+    assert "apply to rope, xpos, half_speed_rope" in catalog_markdown()
+    with pytest.raises(Exception, match="fewer than 2 dimensions"):
+        parse_spec(
+            {
+                "encodings": [{"name": "half_speed_rope", "rotary_fraction": 0.25}],
+                "model": {"d_model": 16, "n_layers": 1, "n_heads": 4},
+            }
+        )
 
 
 def test_unknown_encoding_names_the_available_ones() -> None:
@@ -97,7 +154,7 @@ def test_cli_lists_encodings_as_json() -> None:
     )
     payload = json.loads(out.stdout)
     names = [entry["name"] for entry in payload["encodings"]]
-    assert set(names) == EXPECTED
+    assert set(names) == set(REGISTRY)
     rope = next(e for e in payload["encodings"] if e["name"] == "rope")
     fraction = next(p for p in rope["params"] if p["name"] == "rotary_fraction")
     assert fraction["choices"] == [0.25, 0.5, 1.0] and fraction["default"] == 1.0

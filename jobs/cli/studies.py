@@ -28,9 +28,20 @@ def encodings(
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the registry as JSON (for scripts).")
     ] = False,
+    markdown: Annotated[
+        bool, typer.Option("--markdown", help="Print the tables as markdown (for docs).")
+    ] = False,
 ) -> None:
     """List the registered position encodings and RoPE inference-time scalings."""
-    from worker.encodings import REGISTRY, SCALINGS
+    from jobs.render.catalog import (
+        ENCODING_COLUMNS,
+        SCALING_COLUMNS,
+        catalog_markdown,
+        encoding_rows,
+        scalable_names,
+        scaling_rows,
+    )
+    from worker.catalog.encodings import REGISTRY, SCALINGS
 
     if as_json:
         payload = {
@@ -39,20 +50,20 @@ def encodings(
         }
         typer.echo(json.dumps(payload, indent=2))
         return
+    if markdown:
+        typer.echo(catalog_markdown())
+        return
     table = Table(title="position encodings")
-    for column in ("name", "family", "parameters", "summary"):
+    for column in ENCODING_COLUMNS:
         table.add_column(column)
-    for entry in REGISTRY.values():
-        params = ", ".join(
-            f"{p.name}={p.derived if p.default is None else p.default}" for p in entry.params
-        )
-        table.add_row(entry.name, entry.family, params or "-", entry.summary)
+    for row in encoding_rows():
+        table.add_row(*row)
     console.print(table)
-    scalings = Table(title="RoPE inference-time scalings (rope, xpos)")
-    for column in ("name", "summary"):
+    scalings = Table(title=f"RoPE inference-time scalings ({scalable_names()})")
+    for column in SCALING_COLUMNS:
         scalings.add_column(column)
-    for entry in SCALINGS.values():
-        scalings.add_row(entry.name, entry.summary)
+    for row in scaling_rows():
+        scalings.add_row(*row)
     console.print(scalings)
 
 
