@@ -38,7 +38,7 @@ from jobs.spec.variants import (
 )
 from worker.catalog.encodings import REGISTRY, SCALINGS, Fit, info
 from worker.catalog.params import is_positive_int, short_repr
-from worker.catalog.tasks import TASKS, task_info
+from worker.catalog.tasks import TASKS
 
 
 class RunSpec(_Strict):
@@ -98,6 +98,19 @@ class StudySpec(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> StudySpec:
+        problems = (
+            self._grid_problems()
+            + self._budget_problems()
+            + self._length_problems()
+            + self._protocol_problems()
+            + self._encoding_problems()
+        )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def _grid_problems(self) -> list[str]:
+        """The grid: how many runs, and no configuration or seed twice."""
         problems = []
         runs = len(self.encodings) * len(self.seeds)
         if runs > MAX_RUNS:
@@ -112,6 +125,11 @@ class StudySpec(_Strict):
             problems.append(f"encodings: the same configuration listed twice: {twice}")
         if len(set(self.seeds)) != len(self.seeds):
             problems.append("seeds: each seed may appear once")
+        return problems
+
+    def _budget_problems(self) -> list[str]:
+        """Tokens a run reads - training, fine-tuning, evaluation - and fine-tuning lengths."""
+        problems = []
         train_tokens = self.train.steps * self.train.tokens_per_step
         if train_tokens > MAX_TRAIN_TOKENS:
             problems.append(
@@ -134,7 +152,6 @@ class StudySpec(_Strict):
                     f"{tuning.length} tokens; "
                     f"at most {MAX_TRAIN_LENGTH} (give finetune.length)"
                 )
-
         tuning_tokens = sum(t.steps * t.tokens_per_step for t in tuned)
         if tuned and train_tokens + tuning_tokens > MAX_TRAIN_TOKENS:
             problems.append(
@@ -153,9 +170,14 @@ class StudySpec(_Strict):
                 f"per run; at most {MAX_EVAL_TOKENS:,} (fewer tokens, lengths or variants, or "
                 "a longer stride)"
             )
+        return problems
+
+    def _length_problems(self) -> list[str]:
+        """The task's own rules at the longest length read, and its shortest sequence."""
         task = TASKS[self.task.name]
+        tuned = [tuning for _, tuning in self.finetunings()]
         longest_read = max(self.train.length, *self.eval.lengths, *(t.length for t in tuned))
-        problems += task_info(self.task.name).length_problems(self.task.params, longest_read)
+        problems = task.length_problems(self.task.params, longest_read)
         lengths = [("train.length", self.train.length), ("eval.lengths", min(self.eval.lengths))]
         if self.train.min_length is not None:
             lengths.append(("train.min_length", self.train.min_length))
@@ -167,19 +189,31 @@ class StudySpec(_Strict):
                 f"{task.min_length} bytes; "
                 f"{field} is {shortest}"
             )
-        if "sliding" in self.eval.protocols:
-            if task.metric != "perplexity":
-                problems.append(
-                    "eval.protocols: 'sliding' applies to language modelling, not "
-                    f"{short_repr(task.name)}"
-                )
-            if self.eval.stride is None:
-                problems.append("eval.stride is required with the 'sliding' protocol")
-            elif self.eval.stride > min(self.eval.lengths):
-                problems.append(
-                    f"eval.stride = {self.eval.stride} exceeds the shortest evaluation length "
-                    f"{min(self.eval.lengths)}"
-                )
+        return problems
+
+    def _protocol_problems(self) -> list[str]:
+        """The sliding protocol: language modelling only, with a stride that fits."""
+        if "sliding" not in self.eval.protocols:
+            return []
+        problems = []
+        task = TASKS[self.task.name]
+        if task.metric != "perplexity":
+            problems.append(
+                "eval.protocols: 'sliding' applies to language modelling, not "
+                f"{short_repr(task.name)}"
+            )
+        if self.eval.stride is None:
+            problems.append("eval.stride is required with the 'sliding' protocol")
+        elif self.eval.stride > min(self.eval.lengths):
+            problems.append(
+                f"eval.stride = {self.eval.stride} exceeds the shortest evaluation length "
+                f"{min(self.eval.lengths)}"
+            )
+        return problems
+
+    def _encoding_problems(self) -> list[str]:
+        """Each encoding's own rules for this model, and the scalings it must carry."""
+        problems = []
         scalings = [v for v in self.eval.variants if v.method != "none"]
         if scalings and not any(REGISTRY[e.name].scalable for e in self.encodings):
             scalable = ", ".join(n for n, e in REGISTRY.items() if e.scalable)
@@ -197,16 +231,14 @@ class StudySpec(_Strict):
             ]
             width = entry.rotary_width(self.model.head_dim, encoding.resolved_params)
             for variant in scalings if entry.scalable else []:
-                if width < SCALINGS[variant.method].min_rotary_width:
+                needed = SCALINGS[variant.method].min_rotary_width
+                if width < needed:
                     problems.append(
                         f"eval.variants: {short_repr(variant.label)} raises the base to the "
-                        f"power r/(r-2) and needs a rotary width r >= "
-                        f"{SCALINGS[variant.method].min_rotary_width}; {encoding.label} "
-                        f"rotates {width}"
+                        f"power r/(r-2) and needs a rotary width r >= {needed}; "
+                        f"{encoding.label} rotates {width}"
                     )
-        if problems:
-            raise ValueError("; ".join(problems))
-        return self
+        return problems
 
     def finetune_spec(self, variant: VariantSpec) -> TrainSpec:
         """The training settings of ``variant``'s fine-tuning: the study's (optimizer,
