@@ -132,24 +132,8 @@ def results(
 ) -> None:
     """A study's results: its curves, their summaries, or pairwise comparisons."""
     from db import queries
-    from jobs import analysis
 
-    _check_id(study, "--study")
-    if output not in ("table", "csv", "json"):
-        fail(f"--format must be table, csv or json, got {output!r}", code=2)
-    views = ("curves", "summaries", "pairwise", "groups", "train")
-    if view not in views:
-        fail(f"--view must be one of {', '.join(views)}, got {view!r}", code=2)
-    if factor is not None and view != "pairwise":
-        fail("--factor applies to --view pairwise only", code=2)
-    from jobs.spec import MAX_EVAL_LENGTH  # no evaluation is longer, so no factor larger
-
-    if factor is not None and not (math.isfinite(factor) and 0 < factor <= MAX_EVAL_LENGTH):
-        fail(f"--factor must be a number from 0 to {MAX_EVAL_LENGTH}, got {factor:g}", code=2)
-    from jobs.spec import PROTOCOLS
-
-    if protocol is not None and protocol not in PROTOCOLS:
-        fail(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}", code=2)
+    _check_results_options(study, output, view, factor, protocol)
     url = _database()
     studies = queries.studies(url, [study])
     if studies.empty:
@@ -168,6 +152,37 @@ def results(
             "language modelling",
             code=2,
         )
+    frame, title = _view_frame(url, row, view, protocol, factor)
+    _print_results(frame, row, view, output, title)
+
+
+RESULT_VIEWS = ("curves", "summaries", "pairwise", "groups", "train")
+
+
+def _check_results_options(
+    study: int, output: str, view: str, factor: float | None, protocol: str | None
+) -> None:
+    from jobs.spec import MAX_EVAL_LENGTH, PROTOCOLS  # no evaluation is longer: no factor larger
+
+    _check_id(study, "--study")
+    if output not in ("table", "csv", "json"):
+        fail(f"--format must be table, csv or json, got {output!r}", code=2)
+    if view not in RESULT_VIEWS:
+        fail(f"--view must be one of {', '.join(RESULT_VIEWS)}, got {view!r}", code=2)
+    if factor is not None and view != "pairwise":
+        fail("--factor applies to --view pairwise only", code=2)
+    if factor is not None and not (math.isfinite(factor) and 0 < factor <= MAX_EVAL_LENGTH):
+        fail(f"--factor must be a number from 0 to {MAX_EVAL_LENGTH}, got {factor:g}", code=2)
+    if protocol is not None and protocol not in PROTOCOLS:
+        fail(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}", code=2)
+
+
+def _view_frame(url: str, row, view: str, protocol: str | None, factor: float | None):
+    """The frame a view shows, and its title."""
+    from db import queries
+    from jobs import analysis
+
+    study = int(row["id"])
     frame = queries.curves(url, study_ids=[study], protocol=protocol)
     if view in ("summaries", "pairwise") and protocol is None and not frame.empty:
         # One protocol at a time: its curves are the ones summarised and compared.
@@ -175,25 +190,28 @@ def results(
         frame = frame[frame["protocol"] == protocol]
     if view == "summaries":
         stored = analysis.with_lines(queries.run_summaries(url, [study], protocol))
-        frame = analysis.summary_statistics(stored)
-        title = f"summaries across seeds ({protocol})"
-    elif view == "pairwise":
-        frame = _pairwise(frame, row, factor)
-        title = f"pairwise ({protocol}): P(a beats b) across seeds"
-    elif view == "groups":
-        frame = analysis.group_accuracy(analysis.with_lines(frame))
-        title = "accuracy by group"
-    elif view == "train":
+        return analysis.summary_statistics(stored), f"summaries across seeds ({protocol})"
+    if view == "pairwise":
+        return _pairwise(frame, row, factor), f"pairwise ({protocol}): P(a beats b) across seeds"
+    if view == "groups":
+        return analysis.group_accuracy(analysis.with_lines(frame)), "accuracy by group"
+    if view == "train":
         runs = queries.runs(url, study_id=study)
         frame = analysis.training_curves(queries.train_points(url, runs["id"].tolist()), runs)
-        title = "training (one row per run; --format csv or json for every point)"
+        return frame, "training (one row per run; --format csv or json for every point)"
+    return frame, "curves"
+
+
+def _print_results(frame, row, view: str, output: str, title: str) -> None:
+    from jobs import analysis
+    from jobs.render.watch import curve_table, frame_table
+
+    study = int(row["id"])
     if output == "csv":
         typer.echo(frame.drop(columns=["groups"], errors="ignore").to_csv(index=False), nl=False)
     elif output == "json":
         typer.echo(frame.to_json(orient="records"))
     elif view == "curves":
-        from jobs.render.watch import curve_table
-
         console.print(curve_table(frame, row))
     elif frame.empty:
         if int(row["queued"] or 0) + int(row["running"] or 0) == 0:
@@ -206,8 +224,6 @@ def results(
                 f"study {study} ({row['name']}): no {view} yet (they come as runs finish)"
             )
     else:
-        from jobs.render.watch import frame_table
-
         if view == "summaries":  # the key ones; --format json has them all
             frame = analysis.summary_grid(frame, analysis.KEY_SUMMARIES).reset_index()
         elif view == "train":
