@@ -1,6 +1,6 @@
 """The results database: every status and every result lives here.
 
-Tables (documented for plain SQL in the README):
+Tables (documented for plain SQL in docs/results-database.md):
 
 - ``studies``: what a user submitted (the validated spec as JSON);
 - ``runs``: one trained model of a study, (encoding label, seed), with its status,

@@ -80,7 +80,7 @@ def _run_benchmark(module: str, args: list[str], out: Path) -> dict:
 
 
 def test_the_cpu_benchmarks_run_and_report_every_promised_column(tmp_path: Path) -> None:
-    # One round, both implementations, real models: what the README's tables come from.
+    # One round, both implementations, real models: what docs/performance.md's tables come from.
     train = _run_benchmark(
         "benchmarks.train_step",
         ["--rounds", "1", "--steps", "1", "--encodings", "alibi"],
