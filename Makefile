@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # itself accepts any torch >= 2.4.
 TORCH  ?= torch==2.13.0
 
-.PHONY: run test lint install clean
+.PHONY: run test lint docs install clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports --no-cache
+
+# The generated parts of the docs (the catalogue table of docs/encodings.md).
+docs: $(STAMP)
+	$(PY) -m jobs.render.catalog docs/encodings.md
 
 test: $(STAMP) lint
 	$(PY) -m pytest -n 2 -q
