@@ -6,14 +6,17 @@ import json
 from pathlib import Path
 
 import pytest
+from annotated_types import Ge, Le
 from dashboard_seed import seed_study
 from sqlalchemy import update
 from streamlit.testing.v1 import AppTest
 
+from dashboard.submit_form import parse_seeds, spec_bounds
 from db.engine import transaction
 from db.migrate import upgrade
 from db.models import Run
 from jobs.settings import Settings, get_settings
+from jobs.spec import EvalSpec, ModelSpec, TrainSpec
 from worker.encodings import REGISTRY
 
 APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
@@ -133,6 +136,58 @@ def test_encoding_parameters_come_from_the_registry(settings) -> None:
     assert not app.error
 
 
+# Every bounded number input of the Submit form (its key) and the spec field it stands
+# for; encoding and task parameters are bounded by their registry entries instead.
+SPEC_BOUNDED = {
+    "d": (ModelSpec, "d_model"),
+    "layers": (ModelSpec, "n_layers"),
+    "heads": (ModelSpec, "n_heads"),
+    "length": (TrainSpec, "length"),
+    "steps": (TrainSpec, "steps"),
+    "batch": (TrainSpec, "batch_size"),
+    "warmup": (TrainSpec, "warmup"),
+    "val_every": (TrainSpec, "val_every"),
+    "min_length": (TrainSpec, "min_length"),
+    "stride": (EvalSpec, "stride"),
+    "tokens": (EvalSpec, "tokens"),
+}
+
+
+def form_bounds(app: AppTest) -> dict[str, tuple[float | None, float | None]]:
+    """(min, max) of every bounded number input the custom form shows, all sections open."""
+    app.selectbox(key="custom:model").set_value("custom").run()
+    app.multiselect(key="custom:protocols").set_value(["nonoverlapping", "sliding"]).run()
+    assert not app.exception, app.exception
+    return {
+        widget.key.removeprefix("custom:"): (widget.min, widget.max)
+        for widget in app.number_input
+        if "." not in widget.key and (widget.min is not None or widget.max is not None)
+    }
+
+
+def test_submit_form_bounds_are_the_specs(settings) -> None:
+    bounds = form_bounds(AppTest.from_file(APP, default_timeout=60).run())
+    assert set(bounds) == set(SPEC_BOUNDED)
+    for key, (model, name) in SPEC_BOUNDED.items():
+        rules = model.model_fields[name].metadata
+        low = next(rule.ge for rule in rules if isinstance(rule, Ge))
+        high = next(rule.le for rule in rules if isinstance(rule, Le))
+        assert bounds[key] == (low, high), (key, name)
+    # The learning rate's bound is strict (> 0): a number input cannot show it, so the
+    # widget stays unbounded (it is not among the bounded ones above).
+    with pytest.raises(TypeError, match="strict bound"):
+        spec_bounds(TrainSpec, "lr")
+
+
+def test_a_bound_changed_in_the_spec_changes_the_form(
+    settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(TrainSpec.model_fields["steps"], "metadata", [Ge(ge=10), Le(le=5000)])
+    monkeypatch.setattr(ModelSpec.model_fields["n_heads"], "metadata", [Ge(ge=2), Le(le=32)])
+    bounds = form_bounds(AppTest.from_file(APP, default_timeout=60).run())
+    assert bounds["steps"] == (10, 5000) and bounds["heads"] == (2, 32)
+
+
 def test_queue_shows_progress_failures_and_provenance(settings) -> None:
     study = seed_study(settings)
     app = page("queue")
@@ -162,8 +217,6 @@ def test_queue_shows_a_study_whose_runs_are_all_still_queued(settings) -> None:
 
 
 def test_seeds_may_be_separated_by_commas_or_spaces() -> None:
-    from dashboard.submit_page import parse_seeds
-
     assert parse_seeds("0 1") == [0, 1]
     assert parse_seeds(" 1, 2  3,4 ") == [1, 2, 3, 4]
     with pytest.raises(ValueError):

@@ -1,5 +1,6 @@
 """The dashboard with real parts: a valid submit through AppTest reaches Redis, and a real
-headless Chromium drives `posbench up` from the Submit form to the Compare page."""
+headless Chromium drives `posbench up` from the Submit form to the Compare page, and opens
+every page by its own URL."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import redis
@@ -22,6 +24,9 @@ from db.migrate import upgrade
 from jobs.settings import get_settings
 
 from .conftest import IN_CI, ROOT
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Browser, Playwright
 
 APP = str(ROOT / "dashboard" / "app.py")
 SCREENSHOTS = ROOT / ".posbench" / "screenshots"
@@ -58,6 +63,31 @@ def _chromium() -> str | None:
     return None
 
 
+def _require_chromium() -> str:
+    found = _chromium()
+    if found is None:
+        message = "no Chromium: apt-get install chromium (or run .ci/run, which installs it)"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+    return found
+
+
+def _launch(playwright: Playwright, browser_path: str) -> Browser:
+    return playwright.chromium.launch(
+        executable_path=browser_path,
+        headless=True,
+        args=[
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--no-first-run",
+        ],
+    )
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -79,12 +109,7 @@ def _wait_http(url: str, timeout: float) -> None:
 
 
 def test_browser_submit_watch_compare() -> None:
-    browser_path = _chromium()
-    if browser_path is None:
-        message = "no Chromium: apt-get install chromium (or run .ci/run, which installs it)"
-        if IN_CI:
-            pytest.fail(message)
-        pytest.skip(message)
+    browser_path = _require_chromium()
     from playwright.sync_api import expect, sync_playwright
 
     home = Path(tempfile.mkdtemp(prefix="pb-ui-"))
@@ -103,18 +128,7 @@ def test_browser_submit_watch_compare() -> None:
     try:
         _wait_http(f"{base}/_stcore/health", timeout=90)
         with sync_playwright() as playwright:
-            browser = playwright.chromium.launch(
-                executable_path=browser_path,
-                headless=True,
-                args=[
-                    "--no-sandbox",
-                    "--disable-gpu",
-                    "--disable-dev-shm-usage",
-                    "--disable-background-networking",
-                    "--disable-component-update",
-                    "--no-first-run",
-                ],
-            )
+            browser = _launch(playwright, browser_path)
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.set_default_timeout(60_000)
             # Assertions wait as long as actions: on a loaded 2-core machine the
@@ -149,3 +163,69 @@ def test_browser_submit_watch_compare() -> None:
         up.send_signal(signal.SIGINT)
         up.wait(timeout=60)
     assert (SCREENSHOTS / "compare.png").stat().st_size > 10_000
+
+
+# Every page by its own URL, and the heading it shows; "/" is the Submit page too.
+PAGE_URLS = {
+    "/": ("Submit", "Submit a study"),
+    "/submit": ("Submit", "Submit a study"),
+    "/queue": ("Queue", "Queue"),
+    "/compare": ("Compare", "Compare"),
+    "/explore": ("Explore", "Explore"),
+}
+
+
+def test_every_page_answers_at_its_own_url(tmp_path: Path) -> None:
+    browser_path = _require_chromium()
+    from playwright.sync_api import expect, sync_playwright
+
+    database = f"sqlite:///{tmp_path}/posbench.db"
+    upgrade(database)
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("POSBENCH_")}
+    # PYTHONPATH: the dashboard of this checkout, whatever copy of posbench is installed.
+    env.update(
+        {"POSBENCH_HOME": str(tmp_path), "POSBENCH_DATABASE_URL": database, "PYTHONPATH": str(ROOT)}
+    )
+    dashboard = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jobs.cli",
+            "dashboard",
+            "--port",
+            str(port),
+            "--address",
+            "127.0.0.1",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_http(f"{base}/_stcore/health", timeout=90)
+        with sync_playwright() as playwright:
+            browser = _launch(playwright, browser_path)
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.set_default_timeout(60_000)
+            expect.set_options(timeout=60_000)
+            navigation = page.get_by_test_id("stSidebarNav").get_by_role("link")
+            for path, (title, heading) in PAGE_URLS.items():
+                page.goto(base + path)
+                expect(page.get_by_role("heading", name=heading, level=1)).to_be_visible()
+                # Streamlit says "Page not found" while the page runs: wait until it ran.
+                expect(page.get_by_test_id("stApp")).to_have_attribute(
+                    "data-test-script-state", "notRunning"
+                )
+                expect(page.get_by_text("Page not found")).to_have_count(0)
+                expect(page).to_have_url(f"{base}/{title.lower()}")  # "/" shows /submit
+                # Each page is listed once, and the one shown is marked.
+                expect(navigation).to_have_text(["Submit", "Queue", "Compare", "Explore"])
+                expect(navigation.and_(page.locator("[aria-current=page]"))).to_have_text(title)
+            browser.close()
+    finally:
+        expect.set_options(timeout=5_000)
+        dashboard.send_signal(signal.SIGINT)
+        dashboard.wait(timeout=60)

@@ -1,0 +1,371 @@
+"""The Submit form: widgets built from the encodings and tasks registries and the spec
+schema, read back into a spec mapping (``form``).
+
+Each section draws its widgets and returns its part of the spec. Number inputs take
+their bounds from the spec models' fields (``spec_bounds``): a bound changed in the spec
+changes the form. What spans fields (min_length <= length) is left to ``parse_spec``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any, get_args
+
+import streamlit as st
+from pydantic import BaseModel
+
+from jobs.spec import QUEUES, EvalSpec, ModelSpec, TrainSpec
+from worker.catalog.encodings import REGISTRY, SCALINGS
+from worker.catalog.models import MODEL_PRESETS
+from worker.catalog.params import Param
+from worker.catalog.tasks import TASKS
+
+LENGTHS = [2**k for k in range(4, 18)]
+VARIANTS = ["pi:auto", "ntk:auto", "dynamic_ntk", "yarn:auto"]
+Keys = Callable[[str], str]  # a widget's name -> its key under the chosen preset
+
+
+def parse_seeds(text: str) -> list[int]:
+    """'0, 1 2' -> [0, 1, 2]: integers separated by commas and/or spaces."""
+    return [int(part) for part in re.split(r"[\s,]+", text.strip()) if part]
+
+
+def _names(items: list[Any]) -> list[str]:
+    return [item if isinstance(item, str) else item["name"] for item in items]
+
+
+def _param_input(param: Param, key: str, given: Any = None) -> Any:
+    """An input for one parameter, starting from ``given`` (the preset's value) or the
+    default. Returns None for a derived default left as it is."""
+    label = f"{param.name}"
+    start = param.default if given is None else given
+    if param.choices is not None:
+        return st.selectbox(
+            label, param.choices, index=param.choices.index(start), key=key, help=param.help
+        )
+    derived = f" (default: {param.derived})" if param.derived else ""
+    if param.type is int:
+        shown = start if start is not None else int(param.low or 1)
+        value = st.number_input(
+            label,
+            value=int(shown),
+            step=1,
+            key=key,
+            min_value=int(param.low) if param.low is not None else None,
+            help=param.help + derived,
+        )
+        return None if start is None and value == shown else int(value)
+    if param.type is float:
+        shown = start if start is not None else float(param.low or 1.0)
+        value = st.number_input(
+            label,
+            value=float(shown),
+            key=key,
+            format="%g",
+            min_value=float(param.low) if param.low is not None else None,
+            help=param.help + derived,
+        )
+        return None if start is None and value == shown else float(value)
+    return st.text_input(label, value=str(start), key=key, help=param.help)
+
+
+def spec_bounds(model: type[BaseModel], name: str) -> dict[str, Any]:
+    """``min_value`` / ``max_value`` for a number input, read from the spec field's
+    bounds, so that a bound changed in the spec changes the form."""
+    field = model.model_fields[name]
+    number = float if float in (field.annotation, *get_args(field.annotation)) else int
+    bounds: dict[str, Any] = {}
+    for rule in field.metadata:
+        if getattr(rule, "gt", None) is not None or getattr(rule, "lt", None) is not None:
+            # A number input's bounds are inclusive: a strict bound has no widget form.
+            raise TypeError(f"{model.__name__}.{name} has a strict bound; show it unbounded")
+        if getattr(rule, "ge", None) is not None:
+            bounds["min_value"] = number(rule.ge)
+        if getattr(rule, "le", None) is not None:
+            bounds["max_value"] = number(rule.le)
+    return bounds
+
+
+def _header(base: dict[str, Any], key: Keys) -> dict[str, Any]:
+    name_column, queue_column = st.columns([3, 1])
+    return {
+        "name": name_column.text_input("Study name", base.get("name", "study"), key=key("name")),
+        "queue": queue_column.selectbox(
+            "Queue",
+            QUEUES,
+            index=QUEUES.index(base.get("queue", "gpu")),
+            key=key("queue"),
+            help="the workers that train it (posbench worker --queues)",
+        ),
+    }
+
+
+def _task_inputs(base: dict[str, Any], key: Keys) -> dict[str, Any]:
+    """The task and its parameters (only those that differ from the defaults)."""
+    task_names = list(TASKS)
+    task_default = base.get("task", "lm")
+    task_default = task_default if isinstance(task_default, str) else task_default["name"]
+    task = st.selectbox(
+        "Task",
+        task_names,
+        index=task_names.index(task_default),
+        key=key("task"),
+        format_func=lambda n: f"{n}: {TASKS[n].summary}",
+    )
+    chosen: dict[str, Any] = {"name": task}
+    base_task = base.get("task")
+    same = isinstance(base_task, dict) and base_task.get("name", "lm") == task
+    given = base_task if same else {}
+    for param in TASKS[task].params:
+        value = _param_input(param, key(f"{task}.{param.name}"), given.get(param.name))
+        if value is not None and value != param.default:
+            chosen[param.name] = value
+    return chosen
+
+
+def _model_input(base: dict[str, Any], key: Keys) -> str | dict[str, int]:
+    """A preset's name, or custom sizes."""
+    sizes = [*MODEL_PRESETS, "custom"]
+    model = st.selectbox(
+        "Model",
+        sizes,
+        index=sizes.index(base.get("model", "small")),
+        key=key("model"),
+        format_func=lambda n: (
+            n
+            if n == "custom"
+            else f"{n} (d={MODEL_PRESETS[n]['d_model']}, "
+            f"{MODEL_PRESETS[n]['n_layers']} layers, "
+            f"{MODEL_PRESETS[n]['n_heads']} heads)"
+        ),
+    )
+    if model != "custom":
+        return model
+    a, b, c = st.columns(3)
+    return {
+        "d_model": int(
+            a.number_input(
+                "d_model", value=128, step=16, key=key("d"), **spec_bounds(ModelSpec, "d_model")
+            )
+        ),
+        "n_layers": int(
+            b.number_input(
+                "layers", value=4, key=key("layers"), **spec_bounds(ModelSpec, "n_layers")
+            )
+        ),
+        "n_heads": int(
+            c.number_input("heads", value=4, key=key("heads"), **spec_bounds(ModelSpec, "n_heads"))
+        ),
+    }
+
+
+def _step_inputs(train: dict[str, Any], key: Keys) -> dict[str, Any]:
+    """What each optimizer step trains on, how many there are, and the learning rate."""
+    a, b, c = st.columns(3)
+    chosen = {
+        "length": int(
+            a.number_input(
+                "Train length",
+                value=train.get("length", 128),
+                key=key("length"),
+                **spec_bounds(TrainSpec, "length"),
+            )
+        ),
+        "steps": int(
+            b.number_input(
+                "Steps",
+                value=train.get("steps", 600),
+                key=key("steps"),
+                **spec_bounds(TrainSpec, "steps"),
+            )
+        ),
+        "batch_size": int(
+            c.number_input(
+                "Batch size",
+                value=train.get("batch_size", 16),
+                key=key("batch"),
+                **spec_bounds(TrainSpec, "batch_size"),
+            )
+        ),
+    }
+    a, b = st.columns(2)
+    # lr is bounded strictly above 0: left to the spec's validation, not the widget.
+    chosen["lr"] = float(
+        a.number_input(
+            "Peak learning rate", value=float(train.get("lr", 2e-3)), format="%g", key=key("lr")
+        )
+    )
+    chosen["warmup"] = float(
+        b.number_input(
+            "Warmup fraction",
+            value=float(train.get("warmup", 0.05)),
+            key=key("warmup"),
+            **spec_bounds(TrainSpec, "warmup"),
+        )
+    )
+    return chosen
+
+
+def _training_inputs(train: dict[str, Any], key: Keys) -> dict[str, Any]:
+    """The training setup; what the form does not show (a preset's checkpoint cadence)
+    stays as the preset has it."""
+    chosen = {**train, **_step_inputs(train, key)}
+    a, b = st.columns(2)
+    chosen["val_every"] = int(
+        a.number_input(
+            "Validate every (steps; 0: never)",
+            value=int(train.get("val_every", 100)),
+            key=key("val_every"),
+            help="the held-out loss at the training length, drawn with the training loss",
+            **spec_bounds(TrainSpec, "val_every"),
+        )
+    )
+    shortest = b.number_input(
+        "Shortest training length (optional)",
+        value=train.get("min_length"),
+        key=key("min_length"),
+        placeholder="every step at the train length",
+        help="each step draws its length from [this, train length]: training on every "
+        "length up to the train length (length-generalisation studies)",
+        **spec_bounds(TrainSpec, "min_length"),
+    )
+    chosen.pop("min_length", None)
+    if shortest is not None:
+        chosen["min_length"] = int(shortest)
+    return chosen
+
+
+def _seeds_input(base: dict[str, Any], key: Keys) -> tuple[list[int] | None, list[str]]:
+    """The seeds, or None and the problem when the text is not a list of integers."""
+    seeds = st.text_input(
+        "Seeds",
+        ", ".join(str(s) for s in base.get("seeds", [0])),
+        key=key("seeds"),
+        help="integers separated by commas or spaces",
+    )
+    try:
+        return parse_seeds(seeds), []
+    except ValueError:
+        return None, [f"seeds: {seeds!r} is not a comma-separated list of integers"]
+
+
+def _encoding_inputs(base: dict[str, Any], key: Keys) -> list[Any]:
+    """The chosen encodings: a name, or a mapping with the parameters that differ from
+    the defaults."""
+    chosen = st.multiselect(
+        "Encodings",
+        list(REGISTRY),
+        default=_names(base["encodings"]),
+        key=key("encodings"),
+        format_func=lambda n: f"{n} ({REGISTRY[n].family})",
+    )
+    encodings: list[Any] = []
+    for name in chosen:
+        entry = REGISTRY[name]
+        if not entry.params:
+            encodings.append(name)
+            continue
+        with st.expander(f"{name} parameters"):
+            st.caption(entry.reference)
+            given = next(
+                (e for e in base["encodings"] if isinstance(e, dict) and e["name"] == name), {}
+            )
+            params = {
+                p.name: _param_input(p, key(f"{name}.{p.name}"), given.get(p.name))
+                for p in entry.params
+            }
+        changed = {k: v for k, v in params.items() if v is not None and v != entry.param(k).default}
+        encodings.append({"name": name, **changed} if changed else name)
+    return encodings
+
+
+def _variant_inputs(evaluation: dict[str, Any], key: Keys) -> list[str]:
+    """RoPE inference variants: the training-free ones, then fine-tuned ones as text."""
+    variants = st.multiselect(
+        "RoPE inference variants (rotary encodings)",
+        VARIANTS,
+        default=[v for v in evaluation.get("variants", []) if v in VARIANTS],
+        key=key("variants"),
+        help=" · ".join(f"{n}: {s.summary}" for n, s in SCALINGS.items()),
+    )
+    listed = [v for v in evaluation.get("variants", []) if isinstance(v, str) and "+" in v]
+    tuned = st.text_input(
+        "Fine-tuned RoPE variants",
+        ", ".join(listed),
+        key=key("finetuned"),
+        placeholder="yarn:4+ft200, pi:4+ft200@512",
+        help="method:factor+ftSTEPS[@LENGTH]: the trained model fine-tuned under the "
+        "scaling for STEPS steps at LENGTH tokens (default: factor x the training "
+        "length) at a tenth of the peak learning rate, then evaluated (the PI and YaRN "
+        "papers' recipe)",
+    )
+    return variants + [v.strip() for v in tuned.split(",") if v.strip()]
+
+
+def _evaluation_inputs(evaluation: dict[str, Any], key: Keys) -> dict[str, Any]:
+    """Lengths, protocols, how much is scored, the order probe and RoPE variants."""
+    chosen: dict[str, Any] = {
+        "lengths": st.multiselect(
+            "Evaluation lengths",
+            LENGTHS,
+            default=evaluation.get("lengths", [128, 256, 512]),
+            key=key("lengths"),
+        ),
+        "protocols": st.multiselect(
+            "Protocols",
+            ["nonoverlapping", "sliding"],
+            default=evaluation.get("protocols", ["nonoverlapping"]),
+            key=key("protocols"),
+        ),
+    }
+    if "sliding" in chosen["protocols"]:
+        chosen["stride"] = int(
+            st.number_input(
+                "Sliding stride", value=64, key=key("stride"), **spec_bounds(EvalSpec, "stride")
+            )
+        )
+    chosen["tokens"] = int(
+        st.number_input(
+            "Scored tokens per length",
+            value=evaluation.get("tokens", 65536),
+            key=key("tokens"),
+            **spec_bounds(EvalSpec, "tokens"),
+        )
+    )
+    chosen["order_probe"] = st.checkbox(
+        "Order probe (language modelling)",
+        value=evaluation.get("order_probe", True),
+        key=key("order_probe"),
+        help="Also score each window's second half with its first half shuffled: "
+        "how much each model relies on word order.",
+    )
+    variants = _variant_inputs(evaluation, key)
+    if variants:
+        chosen["variants"] = variants
+    return chosen
+
+
+def form(base: dict[str, Any], prefix: str) -> tuple[dict[str, Any], list[str]]:
+    """Draw the form; return the spec as a mapping and any problems found while reading it."""
+
+    def key(name: str) -> str:
+        return f"{prefix}:{name}"
+
+    spec = _header(base, key)
+    left, right = st.columns(2)
+    with left:
+        st.subheader("Task and model")
+        spec["task"] = _task_inputs(base, key)
+        spec["model"] = _model_input(base, key)
+        st.subheader("Training")
+        spec["train"] = _training_inputs(base.get("train", {}), key)
+        seeds, problems = _seeds_input(base, key)
+        if seeds is not None:
+            spec["seeds"] = seeds
+    with right:
+        st.subheader("Encodings")
+        spec["encodings"] = _encoding_inputs(base, key)
+        st.subheader("Evaluation")
+        spec["eval"] = _evaluation_inputs(base.get("eval", {}), key)
+    return spec, problems
