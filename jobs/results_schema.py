@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from functools import cache
 from typing import Annotated, Any
 
 from pydantic import ConfigDict, Field, TypeAdapter, with_config
@@ -155,10 +156,12 @@ class StudyResults:
         return json.dumps(self.to_dict(), indent=indent)
 
 
-_READER = TypeAdapter(StudyResults)
+@cache
+def _reader() -> TypeAdapter[StudyResults]:
+    return TypeAdapter(StudyResults)  # built on first use: the engine never reads a file
 
 
 def parse_results(text: str | bytes) -> StudyResults:
     """A results.json validated against the declaration (pydantic's ValidationError
     when it does not conform)."""
-    return _READER.validate_json(text)
+    return _reader().validate_json(text)
