@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from jobs.render.report import markdown_rows
+from jobs.render.tables import markdown_rows
 from worker.encodings import REGISTRY
 from worker.model import PRESETS, build_model
 

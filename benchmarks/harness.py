@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from jobs.render.report import markdown_rows
+from jobs.render.tables import markdown_rows
 from worker.memory import peak_resident_bytes, reset_peak_resident, resident_bytes
 from worker.model import build_model
 

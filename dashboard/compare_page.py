@@ -18,11 +18,9 @@ from dashboard.curves import (
 )
 from db import queries
 from jobs import analysis
+from jobs.metrics import Kind, headline, kind_of, metric_named, shown_with
+from jobs.render.tables import seed_summary_table
 
-METRICS = {
-    "perplexity": ["perplexity", "loss", "bits_per_byte"],
-    "accuracy": ["accuracy", "token_accuracy"],
-}
 MAX_LENGTHS = 48
 
 
@@ -42,8 +40,9 @@ def render() -> None:
     if not selected:
         return
     chosen = studies[studies["id"].isin(selected)]
-    kinds = sorted(set(chosen["metric"]))
-    metric_options = [m for kind in kinds for m in METRICS[kind]]
+    # Each study's metric, then the others of its kind (jobs.metrics).
+    scored_by = sorted(set(chosen["metric"]))
+    metric_options = [m.name for name in scored_by for m in shown_with(name)]
     frame = queries.curves(database(), study_ids=selected, max_lengths=MAX_LENGTHS)
     if frame.empty:
         st.info("No evaluation stored yet for this selection: curves appear as runs finish.")
@@ -77,7 +76,7 @@ def render() -> None:
     train_lengths = dict(zip(chosen["id"], chosen["train_length"], strict=True))
     if normalise:
         summary = normalize(summary, train_lengths)
-    log_y = metric == "perplexity" and not normalise
+    log_y = metric_named(metric).log_scale and not normalise
     label = f"{metric} / value at the training length" if normalise else metric
     st.plotly_chart(
         curve_figure(
@@ -103,29 +102,15 @@ def render() -> None:
                 )[:6]
             )
         )
-    if "perplexity" in kinds:
-        lengths = sorted(view["eval_length"].unique())
-        length = st.select_slider(
-            "Loss by position at length", lengths, value=lengths[-1], key="position_length"
-        )
-        at_length = view[(view["eval_length"] == length) & view["not_applicable"].isna()]
-        bins = queries.position_bins(database(), at_length["evaluation_id"].tolist())
-        if not bins.empty:
-            lines = analysis.with_lines(at_length)[["evaluation_id", "line"]]
-            merged = bins.merge(lines, on="evaluation_id")
-            averaged = merged.groupby(["line", "start", "end"], sort=False)["loss"].mean()
-            st.plotly_chart(
-                position_figure(averaged.reset_index(), line_colors(summary)),
-                key="positions",
-                width="stretch",
-            )
+    if any(kind_of(name) is Kind.LANGUAGE_MODELLING for name in scored_by):
+        _positions(view, line_colors(summary))
     _training(view, line_colors(summary))
     st.subheader("Results")
-    table = summary.pivot_table(index="line", columns="eval_length", values="mean")
+    table = seed_summary_table(summary, metric).frame()
     st.dataframe(table, width="stretch", key="results")
     _summaries(selected, protocol, shown)
     _pairwise(view, metric, train_lengths)
-    if metric in ("accuracy", "token_accuracy"):
+    if kind_of(metric) is Kind.ANSWER:  # synthetic tasks report accuracy by group
         _groups(view)
     st.download_button(
         "Download CSV",
@@ -134,6 +119,26 @@ def render() -> None:
         mime="text/csv",
         key="csv",
     )
+
+
+def _positions(view, colors: dict[str, str]) -> None:
+    """The loss by position in the window at one length (language modelling: every
+    byte is scored)."""
+    lengths = sorted(view["eval_length"].unique())
+    length = st.select_slider(
+        "Loss by position at length", lengths, value=lengths[-1], key="position_length"
+    )
+    at_length = view[(view["eval_length"] == length) & view["not_applicable"].isna()]
+    bins = queries.position_bins(database(), at_length["evaluation_id"].tolist())
+    if not bins.empty:
+        lines = analysis.with_lines(at_length)[["evaluation_id", "line"]]
+        merged = bins.merge(lines, on="evaluation_id")
+        averaged = merged.groupby(["line", "start", "end"], sort=False)["loss"].mean()
+        st.plotly_chart(
+            position_figure(averaged.reset_index(), colors),
+            key="positions",
+            width="stretch",
+        )
 
 
 def _summaries(selected: list[int], protocol: str, shown: list[str]) -> None:
@@ -207,7 +212,10 @@ def _groups(view) -> None:
     for key, part in groups.groupby("key", sort=False):
         st.caption(f"by {key} (mean over the other groups and over seeds)")
         table = part.pivot_table(
-            index=["line", "value"], columns="eval_length", values="accuracy", sort=False
+            index=["line", "value"],
+            columns="eval_length",
+            values=headline(Kind.ANSWER).name,
+            sort=False,
         )
         st.dataframe(table, width="stretch", key=f"groups_{key}")
 

@@ -10,6 +10,7 @@ from sqlalchemy import Select, case, func, select
 from db.engine import engine_for, normalize_url
 from db.models import Evaluation, PositionBin, Run, RunSummary, Study, TrainPoint
 from jobs.analysis import ANY_PROTOCOL
+from jobs.metrics import METRICS, metric_named
 
 
 def _frame(url: str, statement: Select) -> pd.DataFrame:
@@ -115,11 +116,7 @@ def curves(
             Evaluation.protocol,
             Evaluation.eval_length,
             Evaluation.factor,
-            Evaluation.loss,
-            Evaluation.perplexity,
-            Evaluation.bits_per_byte,
-            Evaluation.accuracy,
-            Evaluation.token_accuracy,
+            *(getattr(Evaluation, metric.column) for metric in METRICS.values()),
             Evaluation.tokens,
             Evaluation.tokens_per_second,
             Evaluation.peak_memory_bytes,
@@ -161,9 +158,10 @@ def run_points(run_id: int, metric: str) -> Select:
     where not applicable): what its summaries are computed from, whichever attempt
     evaluated each point. A statement, for the writers to run inside their own
     transaction."""
-    return select(
-        Evaluation.variant, Evaluation.protocol, Evaluation.eval_length, getattr(Evaluation, metric)
-    ).where(Evaluation.run_id == run_id)
+    value = getattr(Evaluation, metric_named(metric).column)
+    return select(Evaluation.variant, Evaluation.protocol, Evaluation.eval_length, value).where(
+        Evaluation.run_id == run_id
+    )
 
 
 def position_bins(url: str, evaluation_ids: Sequence[int]) -> pd.DataFrame:

@@ -1,15 +1,28 @@
 """The records a run produces, shared by whoever writes them and whoever reads them.
 
 A worker builds these while it trains and evaluates; the store writes them to the
-database, ``posbench run`` writes them into ``results.json`` and ``posbench import``
-reads them back from it. One declaration, so the format cannot drift between writer
-and reader. Torch-free: the importer and the CLI load it without the engine.
+database, ``posbench run`` writes them into ``results.json`` (``StudyResults``) and
+``posbench import`` reads them back from it (``parse_results``). One declaration, so
+the format cannot drift between writer and reader. Torch-free: the importer and the CLI
+load it without the engine.
+
+The records are plain dataclasses: the writer builds them without checks (a run's
+numbers are what they are), and the reader validates a file against the same classes
+with pydantic, as strict JSON: no strings for numbers, no NaN or infinities.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from functools import cache
+from typing import Annotated, Any
+
+from pydantic import ConfigDict, Field, TypeAdapter, with_config
+
+# JSON as posbench run writes it: no strings for numbers, no NaN or infinities.
+STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 @dataclass(frozen=True)
@@ -56,3 +69,99 @@ class Evaluation:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# ---------------------------------------------------------------------------------------
+# results.json: what posbench run writes and posbench import reads
+
+
+@dataclass(kw_only=True)
+class TrainRecord:
+    """A run's training: the steps it trained and its curve."""
+
+    steps: Annotated[int, Field(ge=0)]
+    final_loss: float | None = None
+    resumed_from: int = 0  # the step it resumed from a checkpoint at (0: from scratch)
+    seconds: float | None = None
+    curve: list[TrainPoint] = field(default_factory=list)
+
+
+# A ratio over an accuracy of 0 is infinite: a summary may be, and the reader checks
+# the ones it takes (the order probe's) itself.
+@with_config(ConfigDict(extra="ignore", strict=True, allow_inf_nan=True))
+@dataclass
+class SummaryRecord:
+    """One number a run's curve (or its order probe) is turned into."""
+
+    variant: str
+    protocol: str
+    name: Annotated[str, Field(max_length=40)]
+    value: float | None
+
+
+@dataclass(kw_only=True)
+class RunRecord:
+    """One run of the study: who it is, its training, its evaluations and summaries."""
+
+    label: str
+    encoding: str = ""
+    params: dict[str, Any] = field(default_factory=dict)
+    seed: int
+    config_hash: str
+    train: TrainRecord
+    evaluations: list[Evaluation]
+    summaries: list[SummaryRecord] = field(default_factory=list)
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RunRecord:
+        """The record of the engine's own dict (no checks; an unknown or missing key is a
+        bug and raises TypeError)."""
+        train = dict(data["train"])
+        train["curve"] = [TrainPoint(**point) for point in train.get("curve", [])]
+        evaluations = []
+        for values in data["evaluations"]:
+            values = dict(values)
+            values["position_bins"] = [PositionBin(**b) for b in values.get("position_bins", [])]
+            evaluations.append(Evaluation(**values))
+        return cls(
+            **{
+                **data,
+                "train": TrainRecord(**train),
+                "evaluations": evaluations,
+                "summaries": [SummaryRecord(**s) for s in data.get("summaries", [])],
+            }
+        )
+
+
+@with_config(STRICT)
+@dataclass(kw_only=True)
+class StudyResults:
+    """``results.json``: the study's spec, its metric and every run."""
+
+    spec: dict[str, Any]
+    metric: str | None = None
+    runs: Annotated[list[RunRecord], Field(min_length=1)]
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> StudyResults:
+        """The document of the engine's own dict (``worker.study.StudyResult.to_dict``)."""
+        return cls(**{**data, "runs": [RunRecord.from_dict(run) for run in data["runs"]]})
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self, indent: int | None = None) -> str:
+        """The file's text (``indent=1`` in results.json, one line on stdout)."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+
+@cache
+def _reader() -> TypeAdapter[StudyResults]:
+    return TypeAdapter(StudyResults)  # built on first use: the engine never reads a file
+
+
+def parse_results(text: str | bytes) -> StudyResults:
+    """A results.json validated against the declaration (pydantic's ValidationError
+    when it does not conform)."""
+    return _reader().validate_json(text)

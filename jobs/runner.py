@@ -13,33 +13,21 @@ import pandas as pd
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from jobs import analysis
-from jobs.render.report import (
-    format_value,
-    markdown_frame,
-    markdown_table,
-    plot_curves,
-    seed_bands,
-)
+from jobs.metrics import kind_of, reported
+from jobs.render.report import plot_curves, seed_bands
+from jobs.render.tables import CurveTable, curve_table, markdown_frame
+from jobs.results_schema import StudyResults
 from jobs.spec import DEFAULT_NAME, StudySpec
 from worker.catalog.params import short_repr
 
 
-def _table(
-    curves: dict[str, dict[int, float | None]], metric: str, train_length: int, protocol: str
-) -> Table:
-    lengths = sorted({n for points in curves.values() for n in points})
-    table = Table(title=f"{metric} by evaluation length ({protocol}, train length {train_length})")
-    table.add_column("encoding")
-    for n in lengths:
-        table.add_column(
-            f"{n}" + ("" if n == train_length else f" ({n / train_length:g}x)"), justify="right"
-        )
-    for label, points in curves.items():
-        table.add_row(label, *(format_value(points.get(n), metric) for n in lengths))
-    return table
+def _title(table: CurveTable, protocol: str) -> str:
+    """The terminal title of one of posbench run's curve tables."""
+    return (
+        f"{table.metric.name} by evaluation length ({protocol}, train length {table.train_length})"
+    )
 
 
 def _summary_grid(result) -> pd.DataFrame:
@@ -198,6 +186,13 @@ def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: 
     except TrainingDiverged as err:
         Console(stderr=True).print(f"[bold red]run failed:[/] {err}")
         raise typer.Exit(1) from None
+    _report(result, out, console, as_json=as_json)
+
+
+def _report(result, out: Path, console: Console, *, as_json: bool) -> None:
+    """Write results.json, table.md and the plots into ``out``, then print the tables
+    (or, with ``as_json``, the results on stdout)."""
+    spec = result.spec
     # One table and one plot per protocol: curves.png for the first, curves-<name>.png
     # for the others (sliding windows score differently; their lines are not comparable).
     protocols = spec.eval.protocols
@@ -206,19 +201,26 @@ def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: 
         protocol: out / ("curves.png" if i == 0 else f"curves-{protocol}.png")
         for i, protocol in enumerate(protocols)
     }
-    payload = result.to_dict()
+    document = StudyResults.from_dict(result.to_dict())  # the declared results.json
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(payload, indent=1))
+    (out / "results.json").write_text(document.to_json(indent=1))
+    tables = {
+        protocol: curve_table(curves[protocol], result.metric, spec.train.length)
+        for protocol in protocols
+    }
     sections = [
-        (f"## {protocol}\n\n" if len(protocols) > 1 else "")
-        + markdown_table(curves[protocol], result.metric, spec.train.length)
+        (f"## {protocol}\n\n" if len(protocols) > 1 else "") + tables[protocol].markdown()
         for protocol in protocols
     ]
-    # Exact match hides partial success (a copy right but for one byte scores 0): the
-    # answer bytes right, too.
-    partial = result.curves(protocols[0], "token_accuracy") if result.metric == "accuracy" else {}
-    if partial:
-        sections.append(markdown_table(partial, "token_accuracy", spec.train.length))
+    # The other metrics the registry reports for the task, for the first protocol: exact
+    # match hides partial success (a copy right but for one byte scores 0), so the answer
+    # bytes right, too.
+    extra = [
+        curve_table(partial, metric.name, spec.train.length)
+        for metric in reported(kind_of(result.metric))[1:]
+        if (partial := result.curves(protocols[0], metric.name))
+    ]
+    sections += [table.markdown() for table in extra]
     (out / "table.md").write_text("\n\n".join(sections) + "\n")
     for protocol in protocols:
         title = spec.name if len(protocols) == 1 else f"{spec.name} ({protocol})"
@@ -231,12 +233,12 @@ def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: 
         with (out / "table.md").open("a") as table:
             table.write("\n" + markdown_frame(grid.reset_index()) + "\n")
     if as_json:
-        sys.stdout.write(json.dumps(payload) + "\n")
+        sys.stdout.write(document.to_json() + "\n")
         return
     for protocol in protocols:
-        console.print(_table(curves[protocol], result.metric, spec.train.length, protocol))
-    if partial:
-        console.print(_table(partial, "token_accuracy", spec.train.length, protocols[0]))
+        console.print(tables[protocol].rich(_title(tables[protocol], protocol)))
+    for table in extra:
+        console.print(table.rich(_title(table, protocols[0])))
     if not grid.empty:
         from jobs.render.watch import frame_table
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from jobs.metrics import Kind, kind_of
 from jobs.results_schema import Evaluation, PositionBin
 from jobs.spec import EvalSpec, VariantSpec
 from worker import liveness
@@ -249,7 +250,7 @@ def evaluate_length(
     row.tokens_per_second = result.inputs / max(elapsed, 1e-9)
     row.peak_memory_bytes = _peak_memory(device)
     row.loss = result.loss_sum / max(1, result.tokens)
-    if task.metric == "perplexity":
+    if kind_of(task.metric) is Kind.LANGUAGE_MODELLING:
         row.perplexity = math.exp(row.loss)
         row.bits_per_byte = row.loss / math.log(2)
         row.position_bins = result.bins()

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from jobs import analysis
+from jobs.metrics import Kind, kind_of
 from jobs.results_schema import Evaluation, TrainPoint
 from jobs.settings import get_settings
 from jobs.spec import RunSpec, StudySpec, VariantSpec
@@ -297,7 +298,7 @@ def run_one(
     order = None
     if should_stop is not None and should_stop():
         raise RunCancelled("cancelled after evaluation, before the order probe")
-    if spec.eval.order_probe and task.metric == "perplexity":
+    if spec.eval.order_probe and kind_of(task.metric) is Kind.LANGUAGE_MODELLING:
         order = order_probe(
             model,
             task,

@@ -5,13 +5,9 @@ from __future__ import annotations
 
 import pandas as pd
 
-LOWER_IS_BETTER = {
-    "loss": True,
-    "perplexity": True,
-    "bits_per_byte": True,
-    "accuracy": False,
-    "token_accuracy": False,
-}
+from jobs.metrics import METRICS, metric_named
+
+LOWER_IS_BETTER = {metric.name: metric.lower_is_better for metric in METRICS.values()}
 FACTORS = (2, 4, 8, 16, 32)
 RESAMPLES = 2000
 SUMMARY_COLUMNS = ["line", "study_id", "eval_length", "mean", "low", "high", "seeds"]
@@ -29,10 +25,8 @@ PAIRWISE_COLUMNS = [
 
 
 def lower_is_better_for(metric: str) -> bool:
-    """Whether a smaller value of ``metric`` is better (accuracy is the only "higher")."""
-    if metric not in LOWER_IS_BETTER:
-        raise ValueError(f"unknown metric {metric!r}; expected one of {sorted(LOWER_IS_BETTER)}")
-    return LOWER_IS_BETTER[metric]
+    """Whether a smaller value of ``metric`` is better (the registry's direction)."""
+    return metric_named(metric).lower_is_better
 
 
 def line_name(label: str, variant: str, study_id: int | None = None) -> str:

@@ -17,6 +17,7 @@ import pandas as pd
 from jobs.analysis.base import (
     FACTORS,
 )
+from jobs.metrics import METRICS, headlines
 
 Curve = Mapping[int, float | None] | Iterable[tuple[int, float | None]]
 
@@ -58,9 +59,11 @@ def effective_context_length(
 ) -> int | None:
     """The longest evaluated length the model holds up to, starting from the training length.
 
-    perplexity: the longest evaluated L >= train_length such that every evaluated length
-    in [train_length, L] has ``value <= (1 + tolerance) * value(train_length)``.
-    accuracy: the same with ``value >= accuracy_threshold``.
+    Defined for the metrics tasks are scored by (``jobs.metrics``: headline).
+    Lower is better (perplexity): the longest evaluated L >= train_length such that
+    every evaluated length in [train_length, L] has
+    ``value <= (1 + tolerance) * value(train_length)``.
+    Higher is better (accuracy): the same with ``value >= accuracy_threshold``.
     "Stays within" means contiguously: once a length fails, a later recovery does not
     count. None when train_length was not evaluated, or (accuracy) when the accuracy at
     the training length is already below the threshold. Lengths below train_length are
@@ -71,15 +74,15 @@ def effective_context_length(
     values = points(curve)
     if train_length not in values:
         return None
-    if metric == "perplexity":
+    scored = METRICS.get(metric)
+    if scored is None or not scored.headline:
+        names = " or ".join(m.name for m in headlines())
+        raise ValueError(f"effective context length is defined for {names}, not {metric!r}")
+    if scored.lower_is_better:
         bound = (1 + tolerance) * values[train_length]
         holds = {n: v <= bound for n, v in values.items()}
-    elif metric == "accuracy":
-        holds = {n: v >= accuracy_threshold for n, v in values.items()}
     else:
-        raise ValueError(
-            f"effective context length is defined for perplexity or accuracy, not {metric!r}"
-        )
+        holds = {n: v >= accuracy_threshold for n, v in values.items()}
     longest = None
     for length in (n for n in holds if n >= train_length):
         if not holds[length]:
@@ -148,8 +151,8 @@ def summarize_run(
     ``effective_length_censored`` (1.0 when that is the longest evaluated length, so
     only a lower bound; 0.0 when the run failed at the next length), ``log_ppl_area`` and
     ``mean_log_ppl`` (over every evaluated length). Keys whose definition does not apply
-    to ``metric`` are present with None: effective_length for metrics other than
-    perplexity/accuracy, the log-perplexity pair for metrics other than perplexity.
+    to ``metric`` are present with None: effective_length for metrics tasks are not
+    scored by (not headline), the log-perplexity pair for metrics not on a log scale.
 
     A point given with value None is a length evaluated but without a value (a learned
     table past its end): the log-perplexity pair is then None too, since an average over
@@ -163,7 +166,8 @@ def summarize_run(
         f"ratio_{factor:g}x": extrapolation_ratio(values, train_length, factor)
         for factor in factors
     }
-    applies = metric in ("perplexity", "accuracy")
+    scored = METRICS.get(metric)
+    applies = scored is not None and scored.headline
     effective = effective_context_length(values, train_length, metric) if applies else None
     out["effective_length"] = effective
     # 1: the run held up to its longest evaluated length (one without a value counts: a
@@ -171,7 +175,7 @@ def summarize_run(
     # bound set by the grid, not a length where it failed.
     longest = max((length for length, _ in given), default=None)
     out["effective_length_censored"] = None if effective is None else float(effective == longest)
-    whole = metric == "perplexity" and not censored
+    whole = scored is not None and scored.log_scale and not censored
     out["log_ppl_area"] = log_perplexity_area(values) if whole else None
     out["mean_log_ppl"] = mean_log_perplexity(values) if whole else None
     return out

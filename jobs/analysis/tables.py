@@ -24,6 +24,7 @@ from jobs.analysis.statistics import (
     applicable,
     bootstrap_interval,
 )
+from jobs.metrics import Kind, headline
 
 TRAINING_COLUMNS = [
     "line",
@@ -104,12 +105,13 @@ def group_accuracy(frame: pd.DataFrame, line: str = "line") -> pd.DataFrame:
                 rows.append(
                     (getattr(record, line), record.eval_length, record.run_id, key, value, accuracy)
                 )
-    columns = ["line", "eval_length", "run_id", "key", "value", "accuracy"]
+    scored = headline(Kind.ANSWER).name  # a group's exact-match accuracy
+    columns = ["line", "eval_length", "run_id", "key", "value", scored]
     data = pd.DataFrame(rows, columns=columns)
     keys = ["line", "eval_length", "key", "value"]
-    per_run = data.groupby([*keys, "run_id"], sort=False)["accuracy"].mean().reset_index()
-    out = per_run.groupby(keys, sort=False)["accuracy"].agg(["mean", "count"]).reset_index()
-    return out.rename(columns={"mean": "accuracy", "count": "seeds"})
+    per_run = data.groupby([*keys, "run_id"], sort=False)[scored].mean().reset_index()
+    out = per_run.groupby(keys, sort=False)[scored].agg(["mean", "count"]).reset_index()
+    return out.rename(columns={"mean": scored, "count": "seeds"})
 
 
 def run_summaries(

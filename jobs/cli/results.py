@@ -132,6 +132,7 @@ def results(
 ) -> None:
     """A study's results: its curves, their summaries, or pairwise comparisons."""
     from db import queries
+    from jobs.metrics import Kind, kind_of
 
     _check_results_options(study, output, view, factor, protocol)
     url = _database()
@@ -146,7 +147,7 @@ def results(
                 f"study {study} is evaluated with {', '.join(evaluated)}, not {protocol!r}",
                 code=2,
             )
-    if view == "groups" and row["metric"] != "accuracy":
+    if view == "groups" and kind_of(row["metric"]) is not Kind.ANSWER:
         fail(
             f"--view groups applies to synthetic tasks; study {study} ({row['task']}) is "
             "language modelling",

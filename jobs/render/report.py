@@ -1,44 +1,17 @@
-"""Turn curves into what a person reads: a table and a PNG of extrapolation curves.
+"""Turn curves into a picture: a PNG of extrapolation curves, with the seeds' bands.
 
-Works on plain ``{line: {length: value}}`` dictionaries; no torch.
+Works on plain ``{line: {length: value}}`` dictionaries; no torch. The curve table
+is ``jobs.render.tables``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from jobs.metrics import metric_named
+
 Curves = dict[str, dict[int, float | None]]
 Bands = dict[str, dict[int, tuple[float, float]]]  # line -> length -> (low, high)
-
-
-def format_value(value: float | None, metric: str) -> str:
-    if value is None:
-        return "n/a"
-    return f"{value:.3f}" if metric in ("accuracy", "token_accuracy") else f"{value:.2f}"
-
-
-def markdown_table(curves: Curves, metric: str, train_length: int) -> str:
-    lengths = sorted({length for points in curves.values() for length in points})
-    header = [f"{metric} by length"] + [
-        f"{n}" + (" (L)" if n == train_length else f" ({n / train_length:g}x)") for n in lengths
-    ]
-    rows = [
-        [label, *(format_value(points.get(n), metric) for n in lengths)]
-        for label, points in curves.items()
-    ]
-    return markdown_rows(header, rows)
-
-
-def markdown_frame(frame) -> str:
-    """A DataFrame of short cells as a markdown table (the index is not shown)."""
-    return markdown_rows(list(frame.columns), list(frame.itertuples(index=False)))
-
-
-def markdown_rows(header: list, rows: list) -> str:
-    """A markdown table: a header row, the separator, then one row per sequence of cells."""
-    lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def seed_bands(values: dict[str, dict[int, list[float]]]) -> Bands:
@@ -80,7 +53,8 @@ def plot_curves(
     title: str,
     bands: Bands | None = None,
 ) -> Path:
-    """Metric against evaluation length (log2 axis; log scale for perplexity). One colour
+    """Metric against evaluation length (log2 axis; a log scale for a metric the registry
+    puts on one, perplexity). One colour
     per encoding, one line style and marker per variant ("rope + yarn:4" is rope's colour,
     dashed), the seeds' 95% interval as a band where ``bands`` has one, the legend
     beside the plot."""
@@ -120,7 +94,7 @@ def plot_curves(
     lengths = sorted({n for points in curves.values() for n in points})
     axis.set_xticks(lengths, [str(n) for n in lengths])
     axis.minorticks_off()
-    if metric == "perplexity":
+    if metric_named(metric).log_scale:
         from matplotlib.ticker import FuncFormatter
 
         axis.set_yscale("log")

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from jobs.render.report import format_value
+from jobs.render.tables import seed_means
 
 FINISHED = ("done", "failed", "cancelled")
 
@@ -31,26 +31,11 @@ def _cell(value: object) -> str:
 
 
 def curve_table(frame: pd.DataFrame, study: pd.Series) -> Table:
-    """Metric by length: one row per (encoding label, variant, protocol), mean over seeds."""
+    """A study's metric by length (``db.queries.curves`` of it): one row per (encoding
+    label, variant, protocol), mean over seeds (``jobs.render.tables.seed_means``)."""
     metric = study["metric"]
-    train_length = int(study["train_length"])
-    lengths = sorted(frame["eval_length"].unique()) if not frame.empty else []
-    table = Table(title=f"study {study['id']} ({study['name']}): {metric} by evaluation length")
-    for column in ("encoding", "variant", "protocol", "seeds"):
-        table.add_column(column)
-    for n in lengths:
-        table.add_column(
-            str(n) + ("" if n == train_length else f" ({n / train_length:g}x)"), justify="right"
-        )
-    for (label, variant, protocol), group in frame.groupby(
-        ["label", "variant", "protocol"], sort=False
-    ):
-        cells = []
-        for n in lengths:
-            values = group.loc[group["eval_length"] == n, metric].dropna()
-            cells.append(format_value(values.mean() if len(values) else None, metric))
-        table.add_row(label, variant, protocol, str(group["seed"].nunique()), *cells)
-    return table
+    table = seed_means(frame, metric, int(study["train_length"]))
+    return table.rich(f"study {study['id']} ({study['name']}): {metric} by evaluation length")
 
 
 def watch(study_id: int, *, console: Console, every: float = 1.0) -> int:

@@ -9,6 +9,7 @@ from pydantic import (
     model_validator,
 )
 
+from jobs.metrics import Kind
 from jobs.spec.base import (
     MAX_PARAMETERS,
     MAX_STEPS,
@@ -46,6 +47,10 @@ class TaskSpec(_Strict):
     @property
     def metric(self) -> str:
         return TASKS[self.name].metric
+
+    @property
+    def kind(self) -> Kind:
+        return TASKS[self.name].kind
 
 
 class ModelSpec(_Strict):

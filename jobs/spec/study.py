@@ -15,6 +15,7 @@ from pydantic import (
     model_validator,
 )
 
+from jobs.metrics import Kind
 from jobs.spec.base import (
     DEFAULT_NAME,
     MAX_EVAL_LENGTH,
@@ -197,7 +198,7 @@ class StudySpec(_Strict):
             return []
         problems = []
         task = TASKS[self.task.name]
-        if task.metric != "perplexity":
+        if task.kind is not Kind.LANGUAGE_MODELLING:
             problems.append(
                 "eval.protocols: 'sliding' applies to language modelling, not "
                 f"{short_repr(task.name)}"
@@ -308,7 +309,7 @@ class StudySpec(_Strict):
         """Tokens one run's evaluation feeds the model, at most (every variant counted):
         a sliding window of ``length`` scores ``stride`` of them."""
         spec, total = self.eval, 0
-        language_model = self.task.metric == "perplexity"
+        language_model = self.task.kind is Kind.LANGUAGE_MODELLING
         for length in spec.lengths:
             scored = spec.tokens if language_model else spec.examples * length
             for protocol in spec.protocols:

@@ -17,57 +17,22 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 from sqlalchemy import select
 
 from db.engine import transaction
 from db.models import Evaluation, PositionBin, Run, RunSummary, TrainPoint, utcnow
+from jobs.metrics import METRICS, measured, metric_named
 from jobs.results_schema import Evaluation as Row
-from jobs.results_schema import TrainPoint as Point
+from jobs.results_schema import RunRecord, parse_results
 from jobs.service import new_run, new_study
 from jobs.settings import Settings, get_settings
-from jobs.spec import MAX_STEPS, MAX_VARIANT_LABEL, SpecError, parse_spec
+from jobs.spec import MAX_VARIANT_LABEL, SpecError, parse_spec
 from worker.encodings import REGISTRY
 
 
 class ImportProblem(ValueError):
     """The file cannot be imported: what is wrong with it, and nothing was written."""
-
-
-class _Loose(BaseModel):
-    # JSON as posbench run writes it: no strings for numbers, no NaN or infinities.
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
-
-
-class _Train(_Loose):
-    steps: int = Field(ge=0, le=MAX_STEPS)
-    curve: list[Point] = Field(default_factory=list)  # the worker's own records
-
-
-class _Summary(_Loose):
-    # A ratio over an accuracy of 0 is infinite: the file's curve summaries are not
-    # used anyway (computed here), and the probe's are checked finite below.
-    model_config = ConfigDict(allow_inf_nan=True)
-
-    variant: str = Field(max_length=MAX_VARIANT_LABEL)
-    protocol: str
-    name: str = Field(max_length=40)
-    value: float | None
-
-
-class _Run(_Loose):
-    label: str
-    seed: int
-    config_hash: str
-    train: _Train
-    evaluations: list[Row]
-    summaries: list[_Summary] = Field(default_factory=list)
-    provenance: dict[str, Any] = Field(default_factory=dict)
-
-
-class _Results(_Loose):
-    spec: dict[str, Any]
-    runs: list[_Run] = Field(min_length=1)
 
 
 @dataclass
@@ -99,7 +64,7 @@ def _where(error: dict[str, Any]) -> str:
     return ".".join(str(part) for part in error["loc"]) or "the file"
 
 
-def _check_complete(path: Path, index: int, run: _Run, spec, planned) -> None:
+def _check_complete(path: Path, index: int, run: RunRecord, spec, planned) -> None:
     """A run is stored as done only when it is whole: trained for the spec's steps, and
     evaluated at exactly the points its spec plans for it."""
     where = f"{path}: runs[{index}] ({run.label}, seed {run.seed})"
@@ -121,7 +86,7 @@ def _bad(value: float | int | None, low: float, high: float = math.inf) -> bool:
     return value is not None and not low <= value <= high
 
 
-def _check_values(where: str, run: _Run, spec) -> None:
+def _check_values(where: str, run: RunRecord, spec) -> None:
     """Every number is one a run can have measured: in range, consistent with the
     others (perplexity is exp(loss)), and of the study's metric; a file edited by hand
     or written by something else is refused here, not stored and averaged."""
@@ -136,29 +101,14 @@ def _check_values(where: str, run: _Run, spec) -> None:
                 raise ImportProblem(f"{at}.{name}: must be at least 0")
         if _bad(point.elapsed, 0, MAX_SECONDS):
             raise ImportProblem(f"{at}.elapsed: must be 0..{MAX_SECONDS} seconds")
-    metric = spec.task.metric
-    other = ("accuracy", "token_accuracy") if metric == "perplexity" else ("perplexity",)
     for i, row in enumerate(run.evaluations):
         at = f"{where}.evaluations[{i}] ({row.variant}, {row.protocol}, {row.length})"
-        scores = ("loss", "perplexity", "bits_per_byte", "accuracy", "token_accuracy")
         if row.not_applicable is not None:
-            given = [name for name in scores if getattr(row, name) is not None]
+            given = [m.name for m in METRICS.values() if getattr(row, m.column) is not None]
             if given:
                 raise ImportProblem(f"{at}: not applicable, yet has a {given[0]}")
             continue
-        if getattr(row, metric) is None or row.loss is None:
-            raise ImportProblem(f"{at}: has no {metric if row.loss is not None else 'loss'}")
-        given = [name for name in other if getattr(row, name) is not None]
-        if given:
-            raise ImportProblem(f"{at}: {given[0]} is not a metric of task {spec.task.name}")
-        if _bad(row.loss, 0) or _bad(row.perplexity, 1) or _bad(row.bits_per_byte, 0):
-            raise ImportProblem(f"{at}: loss and bits_per_byte must be >= 0, perplexity >= 1")
-        if row.perplexity is not None and not math.isclose(
-            math.log(row.perplexity), row.loss, rel_tol=1e-6, abs_tol=1e-9
-        ):
-            raise ImportProblem(f"{at}: perplexity is not exp(loss)")
-        if _bad(row.accuracy, 0, 1) or _bad(row.token_accuracy, 0, 1):
-            raise ImportProblem(f"{at}: accuracies must be within 0..1")
+        _check_metrics(at, row, spec.task)
         if any(_bad(value, 0, 1) for value in row.groups.values()):
             raise ImportProblem(f"{at}: group accuracies must be within 0..1")
         if _bad(row.tokens, 0, MAX_COUNT) or _bad(row.peak_memory_bytes, 0, MAX_COUNT):
@@ -204,33 +154,57 @@ def _check_values(where: str, run: _Run, spec) -> None:
         raise ImportProblem(f"{where}.provenance: larger than 1 MiB (fine-tuning curves aside)")
 
 
-def _summaries(spec, run: _Run) -> list:
+def _check_metrics(at: str, row: Row, task) -> None:
+    """The metrics of an evaluation point (``jobs.metrics``): the loss and the task's
+    metric present, no metric of another kind of task, each within its range, and those
+    that follow from the loss consistent with it."""
+    kind = task.kind
+    required = [m for m in measured(kind) if m.every_task or m.headline]
+    missing = [m.name for m in required if getattr(row, m.column) is None]
+    if missing:
+        raise ImportProblem(f"{at}: has no {missing[0]}")
+    other = [m for m in METRICS.values() if not m.measured_by(kind)]
+    given = [m.name for m in other if getattr(row, m.column) is not None]
+    if given:
+        raise ImportProblem(f"{at}: {given[0]} is not a metric of task {task.name}")
+    for metric in METRICS.values():
+        value = getattr(row, metric.column)
+        if _bad(value, metric.low, metric.high):
+            raise ImportProblem(
+                f"{at}: expected {metric.name} {metric.range_text()}, got {value:g}"
+            )
+    for metric in METRICS.values():
+        value = getattr(row, metric.column)
+        if metric.to_loss is None or value is None:
+            continue
+        if not math.isclose(metric.to_loss(value), row.loss, rel_tol=1e-6, abs_tol=1e-9):
+            raise ImportProblem(f"{at}: {metric.name} is not {metric.from_loss}")
+
+
+def _summaries(spec, run: RunRecord) -> list:
     """The run's curve summaries computed from its points here (not taken from the file,
     so they always match the curve), and the order probe's as the file has them."""
     from jobs.analysis import ANY_PROTOCOL, summarize_points
 
     metric = spec.task.metric
-    points = ((e.variant, e.protocol, e.length, getattr(e, metric)) for e in run.evaluations)
+    column = metric_named(metric).column
+    points = ((e.variant, e.protocol, e.length, getattr(e, column)) for e in run.evaluations)
     probe = {s.name: s.value for s in run.summaries if s.protocol == ANY_PROTOCOL}
     return summarize_points(
         points, train_length=spec.train.length, metric=metric, extra=probe or None
     )
 
 
-def import_results(path: Path, *, settings: Settings | None = None, force: bool = False):
-    """Store ``posbench run``'s ``results.json`` at ``path`` as a finished study; refused
-    (ImportProblem, nothing written) when a run's results are already in the database
-    (by config hash), unless ``force``."""
-    settings = settings or get_settings()
-    path = path.expanduser().resolve()
+def _parse(path: Path):
+    """The file read and validated against the results schema, and its spec."""
     text = _read(path)
     try:
-        results = _Results.model_validate_json(text)
+        results = parse_results(text)
     except ValidationError as err:
         first = err.errors()[0]
         if first["type"] == "json_invalid":
             raise ImportProblem(f"{path}: not JSON ({first['msg']})") from None
-        if first["type"] == "model_type" and not first["loc"]:
+        if first["type"] == "dataclass_type" and not first["loc"]:
             raise ImportProblem(
                 f"{path}: not the results.json of posbench run (a JSON object)"
             ) from None
@@ -239,7 +213,12 @@ def import_results(path: Path, *, settings: Settings | None = None, force: bool 
         spec = parse_spec(results.spec)
     except SpecError as err:
         raise ImportProblem(f"{path}: its spec: {err}") from None
-    planned = {run.config_hash: run for run in spec.runs()}
+    return results, spec
+
+
+def _check_runs(path: Path, results, spec, planned) -> dict[str, list]:
+    """Every run checked whole (one of the spec's, once, complete, its numbers ones a
+    run can have measured); its summaries computed, by config hash."""
     seen = set()
     summaries = {}
     for index, run in enumerate(results.runs):
@@ -252,7 +231,8 @@ def import_results(path: Path, *, settings: Settings | None = None, force: bool 
         if run.config_hash in seen:
             raise ImportProblem(f"{path}: runs[{index}] ({run.label}) appears twice")
         seen.add(run.config_hash)
-        long = [e.variant for e in run.evaluations if len(e.variant) > MAX_VARIANT_LABEL]
+        variants = [e.variant for e in run.evaluations] + [s.variant for s in run.summaries]
+        long = [variant for variant in variants if len(variant) > MAX_VARIANT_LABEL]
         if long:
             raise ImportProblem(
                 f"{path}: runs[{index}]: variant {long[0]!r} is longer than "
@@ -276,6 +256,19 @@ def import_results(path: Path, *, settings: Settings | None = None, force: bool 
         raise ImportProblem(
             f"{path}: its spec has {len(planned)} runs, the file {len(seen)}; missing: {names}"
         )
+    return summaries
+
+
+def import_results(path: Path, *, settings: Settings | None = None, force: bool = False):
+    """Store ``posbench run``'s ``results.json`` at ``path`` as a finished study; refused
+    (ImportProblem, nothing written) when a run's results are already in the database
+    (by config hash), unless ``force``."""
+    settings = settings or get_settings()
+    path = path.expanduser().resolve()
+    results, spec = _parse(path)
+    planned = {run.config_hash: run for run in spec.runs()}
+    summaries = _check_runs(path, results, spec, planned)
+    seen = set(summaries)
     with transaction(settings.database) as session:
         if not force:
             there = session.execute(

@@ -43,8 +43,9 @@ from sqlalchemy import select
 
 from db.engine import transaction
 from db.models import Evaluation, Run, RunSummary, Study, TrainPoint
+from jobs.metrics import METRICS
 
-CURVE_METRICS = ("loss", "perplexity", "bits_per_byte", "accuracy", "token_accuracy")
+CURVE_METRICS = tuple(METRICS.values())  # every metric an evaluation point can carry
 TRAIN_METRICS = ("loss", "val_loss", "lr", "tokens_per_second")
 BATCH = 900  # MLflow accepts at most 1000 metrics in one log_batch call
 _UNSAFE = re.compile(r"[^A-Za-z0-9_\-./]")
@@ -149,10 +150,10 @@ def run_metrics(
             if value is not None and math.isfinite(value):
                 metrics.append((key("train", name), float(value), at, point.step))
     for row in evaluations:
-        for name in CURVE_METRICS:
-            value = getattr(row, name)
+        for curve in CURVE_METRICS:
+            value = getattr(row, curve.column)
             if value is not None and math.isfinite(value):
-                metric = key("eval", name, row.variant, row.protocol)
+                metric = key("eval", curve.name, row.variant, row.protocol)
                 metrics.append((metric, float(value), stamp, row.eval_length))
     for summary in summaries:
         if summary.value is not None and math.isfinite(summary.value):
@@ -170,10 +171,10 @@ def variant_metrics(
 
     out: dict[str, list[tuple[str, float, int, int]]] = {}
     for row in evaluations:
-        for name in CURVE_METRICS:
-            value = getattr(row, name)
+        for curve in CURVE_METRICS:
+            value = getattr(row, curve.column)
             if value is not None and math.isfinite(value):
-                metric = key("eval", name, row.protocol)
+                metric = key("eval", curve.name, row.protocol)
                 out.setdefault(row.variant, []).append(
                     (metric, float(value), stamp, row.eval_length)
                 )

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
+from jobs.metrics import Kind, headline
 from worker.catalog.params import EncodingConfigError, Param
-
-Metric = Literal["perplexity", "accuracy"]
 
 
 class TaskConfigError(EncodingConfigError):
@@ -22,7 +21,7 @@ class TaskConfigError(EncodingConfigError):
 @dataclass(frozen=True)
 class TaskInfo:
     name: str
-    metric: Metric
+    kind: Kind  # what it is scored on: its metric is that kind's headline (jobs.metrics)
     summary: str
     reference: str
     implementation: str
@@ -34,6 +33,11 @@ class TaskInfo:
     # What keeps the task's examples from being built at a length (torch-free, for the
     # spec: a run must not fail after training).
     fits: Callable[[Mapping[str, Any], int], list[str]] | None = None
+
+    @property
+    def metric(self) -> str:
+        """The metric the task is scored by (its study's metric)."""
+        return headline(self.kind).name
 
     def resolve(self, params: Mapping[str, Any]) -> dict[str, Any]:
         known = {p.name for p in self.params}
@@ -111,7 +115,7 @@ TASKS: dict[str, TaskInfo] = {
     for info in (
         TaskInfo(
             name="lm",
-            metric="perplexity",
+            kind=Kind.LANGUAGE_MODELLING,
             summary="Byte-level language modelling; loss, perplexity and bits per byte.",
             reference="Press et al. 2022 (ALiBi) evaluate extrapolation this way on WikiText-103",
             implementation="worker.data.lm:LanguageModelling",
@@ -129,7 +133,7 @@ TASKS: dict[str, TaskInfo] = {
         ),
         TaskInfo(
             name="passkey",
-            metric="accuracy",
+            kind=Kind.ANSWER,
             summary="Retrieve a 5-digit pass key hidden at some depth in filler text.",
             reference="Mohtashami & Jaggi 2023, Landmark Attention (arXiv:2305.16300)",
             implementation="worker.data.synthetic:Passkey",
@@ -138,7 +142,7 @@ TASKS: dict[str, TaskInfo] = {
         ),
         TaskInfo(
             name="copy",
-            metric="accuracy",
+            kind=Kind.ANSWER,
             summary="Copy a random string after a separator; exact match of the copy.",
             reference="Ruoss et al. 2023; Delétang et al. 2023, Neural Networks and the Chomsky "
             "Hierarchy (arXiv:2207.02098)",
@@ -148,7 +152,7 @@ TASKS: dict[str, TaskInfo] = {
         ),
         TaskInfo(
             name="assoc_recall",
-            metric="accuracy",
+            kind=Kind.ANSWER,
             summary="Key-value pairs, then a query key; answer its value.",
             reference="Ba et al. 2016, Using Fast Weights to Attend to the Recent Past; "
             "Arora et al. 2023, Zoology (arXiv:2312.04927)",
@@ -159,7 +163,7 @@ TASKS: dict[str, TaskInfo] = {
         ),
         TaskInfo(
             name="sov_tr",
-            metric="accuracy",
+            kind=Kind.ANSWER,
             summary="Who gave what to whom in a Turkish sentence among distractors: roles from "
             "case suffixes (scrambled order) or from position (bare nouns, fixed SOV).",
             reference="Göksel & Kerslake 2005, Turkish: A Comprehensive Grammar; word-order "

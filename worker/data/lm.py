@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from jobs.metrics import Kind, headline
 from worker.catalog.tasks import TaskConfigError
 from worker.data.base import Batch, Task, from_sequences
 
@@ -309,7 +310,7 @@ def window_plan(
 
 class LanguageModelling(Task):
     name = "lm"
-    metric = "perplexity"
+    metric = headline(Kind.LANGUAGE_MODELLING).name
     protocols = ("nonoverlapping", "sliding")
 
     def __init__(self, corpus: str = "pystdlib") -> None:

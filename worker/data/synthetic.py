@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
+from jobs.metrics import Kind, headline
 from worker.catalog.tasks import assoc_recall_pairs
 from worker.data.base import Batch, Task, from_sequences
 
@@ -33,7 +34,7 @@ def _digits(count: int, generator: torch.Generator) -> str:
 
 
 class _Synthetic(Task):
-    metric = "accuracy"
+    metric = headline(Kind.ANSWER).name
 
     def example(
         self, length: int, generator: torch.Generator, group: int | None

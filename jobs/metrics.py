@@ -1,0 +1,170 @@
+"""The metric registry: every number an evaluation point carries, declared once.
+
+A ``Metric`` says which kind of task measures it, which way is better, how a table
+prints it, the column that holds it (the ``evaluations`` table, ``results.json``,
+``db.queries.curves``), the range a measured value lies in and how it follows from the
+loss. Analysis, the import checks, the MLflow export, the renderers, the dashboard and
+the read queries all read it instead of naming metrics. Adding a metric is an entry
+here, its column (``db/models.py`` and a migration, ``jobs/results_schema.py``) and the
+code that computes it (``worker/evaluate.py``).
+
+The lowest layer: the standard library only, so that the task catalogue can say which
+metric a task is scored by.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Kind(str, Enum):
+    """What a task is scored on, and so which metrics an evaluation of it carries."""
+
+    LANGUAGE_MODELLING = "language_modelling"  # every next byte of a corpus
+    ANSWER = "answer"  # the answer bytes of a synthetic example, right or wrong
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    kind: Kind
+    lower_is_better: bool
+    fmt: str  # a table cell's format spec
+    column: str  # the Evaluation column / results.json field that holds it
+    description: str
+    # The metric a task of its kind is scored by: its study's metric, its curves'
+    # summaries (effective length), the first choice of every view.
+    headline: bool = False
+    # Measured by every task whatever its kind (the loss of the scored bytes).
+    every_task: bool = False
+    # Shown in posbench run's tables (beside the headline, when not it).
+    reported: bool = False
+    # Spans orders of magnitude: drawn on a log axis, summarised by the area under its
+    # logarithm over log-length (``mean_log_ppl``).
+    log_scale: bool = False
+    low: float = 0.0  # the range a measured value lies in
+    high: float = math.inf
+    # The loss a value implies, where the metric is a function of the loss (checked
+    # on import), and that function in words.
+    to_loss: Callable[[float], float] | None = None
+    from_loss: str = ""
+
+    def format(self, value: float | None) -> str:
+        """A table cell: the value in the metric's format, ``n/a`` without one."""
+        return "n/a" if value is None else f"{value:{self.fmt}}"
+
+    def measured_by(self, kind: Kind) -> bool:
+        """Whether an evaluation of a task of ``kind`` carries this metric."""
+        return self.every_task or self.kind is kind
+
+    def range_text(self) -> str:
+        if self.high == math.inf:
+            return f">= {self.low:g}"
+        return f"within {self.low:g}..{self.high:g}"
+
+
+METRICS: dict[str, Metric] = {
+    metric.name: metric
+    for metric in (
+        Metric(
+            name="loss",
+            kind=Kind.LANGUAGE_MODELLING,
+            lower_is_better=True,
+            fmt=".2f",
+            column="loss",
+            description="mean next-byte cross-entropy of the scored bytes (nats per byte)",
+            every_task=True,
+        ),
+        Metric(
+            name="perplexity",
+            kind=Kind.LANGUAGE_MODELLING,
+            lower_is_better=True,
+            fmt=".2f",
+            column="perplexity",
+            description="exp(loss): the effective number of equally likely next bytes",
+            headline=True,
+            reported=True,
+            log_scale=True,
+            low=1.0,
+            to_loss=math.log,
+            from_loss="exp(loss)",
+        ),
+        Metric(
+            name="bits_per_byte",
+            kind=Kind.LANGUAGE_MODELLING,
+            lower_is_better=True,
+            fmt=".2f",
+            column="bits_per_byte",
+            description="loss / ln 2: the bits a byte costs to encode",
+            to_loss=lambda value: value * math.log(2),
+            from_loss="loss / ln 2",
+        ),
+        Metric(
+            name="accuracy",
+            kind=Kind.ANSWER,
+            lower_is_better=False,
+            fmt=".3f",
+            column="accuracy",
+            description="the fraction of examples whose whole answer is right (exact match)",
+            headline=True,
+            reported=True,
+            high=1.0,
+        ),
+        Metric(
+            name="token_accuracy",
+            kind=Kind.ANSWER,
+            lower_is_better=False,
+            fmt=".3f",
+            column="token_accuracy",
+            description="the fraction of answer bytes that are right (partial success)",
+            reported=True,
+            high=1.0,
+        ),
+    )
+}
+
+
+def metric_named(name: str) -> Metric:
+    """The registered metric called ``name``; ValueError for an unknown one."""
+    try:
+        return METRICS[name]
+    except KeyError:
+        raise ValueError(f"unknown metric {name!r}; expected one of {sorted(METRICS)}") from None
+
+
+def headline(kind: Kind) -> Metric:
+    """The metric tasks of ``kind`` are scored by."""
+    return next(m for m in METRICS.values() if m.kind is kind and m.headline)
+
+
+def headlines() -> tuple[Metric, ...]:
+    return tuple(m for m in METRICS.values() if m.headline)
+
+
+def kind_of(name: str) -> Kind:
+    """The kind of task scored by (or measuring) the metric ``name``."""
+    return metric_named(name).kind
+
+
+def shown_with(name: str) -> tuple[Metric, ...]:
+    """The metrics a view of a study scored by ``name`` offers: that one first, then the
+    others of its kind in registry order."""
+    first = metric_named(name)
+    return (first, *(m for m in METRICS.values() if m.kind is first.kind and m is not first))
+
+
+def measured(kind: Kind) -> tuple[Metric, ...]:
+    """Every metric an evaluation of a task of ``kind`` carries, in registry order."""
+    return tuple(m for m in METRICS.values() if m.measured_by(kind))
+
+
+def reported(kind: Kind) -> tuple[Metric, ...]:
+    """What posbench run's tables show for a task of ``kind``: the headline first."""
+    first = headline(kind)
+    return (
+        first,
+        *(m for m in METRICS.values() if m.reported and m.kind is kind and not m.headline),
+    )
