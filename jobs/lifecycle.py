@@ -280,15 +280,18 @@ def release(claimed: ClaimedRun, waiting_for: int | None = None) -> RunStatus | 
 # --- cancel, retry: a user asks (rows locked by the caller's transaction) -------------
 
 
+STOPPING = "stopping"  # a cancel asked of a running run, which stops at its next check
+
+
 def cancel(run: Run) -> str | None:
-    """Cancel a queued run at once ("cancelled"); ask a running one to stop ("stopping":
-    it stops within a heartbeat or a progress report); None for a finished run."""
+    """Cancel a queued run at once (CANCELLED); ask a running one to stop (STOPPING: it
+    stops within a heartbeat or a progress report); None for a finished run."""
     if run.status == RunStatus.QUEUED:
         run.status, run.finished_at = RunStatus.CANCELLED, utcnow()
-        return "cancelled"
+        return RunStatus.CANCELLED.value
     if run.status == RunStatus.RUNNING:
         run.cancel_requested = True
-        return "stopping"
+        return STOPPING
     return None
 
 

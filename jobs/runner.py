@@ -24,6 +24,7 @@ from jobs.render.report import (
     seed_bands,
 )
 from jobs.spec import DEFAULT_NAME, StudySpec
+from jobs.status import RunStatus
 from worker.catalog.params import short_repr
 
 
@@ -153,7 +154,9 @@ def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: 
     )
     bars = {
         run.config_hash: progress.add_task(
-            f"{run.encoding.label} seed {run.seed}", total=spec.train.steps, status="queued"
+            f"{run.encoding.label} seed {run.seed}",
+            total=spec.train.steps,
+            status=RunStatus.QUEUED.value,
         )
         for run in runs
     }

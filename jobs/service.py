@@ -11,6 +11,7 @@ harmless because a worker must *claim* a queued run before it trains it.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import functools
 import logging
@@ -256,7 +257,7 @@ def cancel(
     progress report, whichever comes first) while training, and before the next point
     while evaluating."""
     settings = settings or get_settings()
-    counts = {"cancelled": 0, "stopping": 0}
+    counts = dict.fromkeys((RunStatus.CANCELLED.value, lifecycle.STOPPING), 0)
     with transaction(settings.database) as session:
         for run in _select_runs(session, study_id, run_id):
             outcome = lifecycle.cancel(run)
@@ -333,13 +334,13 @@ def reconcile(
     """
     settings = settings or get_settings()
     stale_before = utcnow() - dt.timedelta(seconds=settings.stale_after_seconds)
-    if revive_stale:
-        stale = lifecycle.reconcile(
+    stale = (
+        lifecycle.reconcile(
             settings.database, stale_before=stale_before, max_attempts=settings.max_attempts
         )
-        revived, exhausted, cancelled = stale.revived, stale.failed, stale.cancelled
-    else:
-        revived, exhausted, cancelled = [], [], []
+        if revive_stale
+        else lifecycle.Reconciled([], [], [])
+    )
     with transaction(settings.database) as session:
         never_sent = list(
             session.scalars(
@@ -362,7 +363,7 @@ def reconcile(
             lost.append(run_id)
     resent = sorted(set(never_sent) | set(lost))
     enqueue(resent, settings=settings, send=send)
-    return {"revived": revived, "failed": exhausted, "cancelled": cancelled, "resent": resent}
+    return {**dataclasses.asdict(stale), "resent": resent}
 
 
 def backfill_summaries(url: str) -> int:

@@ -226,7 +226,7 @@ def wait_for(claimed: ClaimedRun, trainer: int, seconds: float) -> str:
     if outcome is None:
         return "lease lost: another worker owns the run now"
     if outcome == RunStatus.CANCELLED:
-        return "cancelled"
+        return outcome.value
     seconds *= random.uniform(0.8, 1.2)  # runs released together come back apart
     enqueue([claimed.run_id], send=functools.partial(celery_send, countdown=seconds))
     log.info("run %s waits for run %s, which trains the same model", claimed.run_id, trainer)

@@ -106,7 +106,7 @@ def _train_and_evaluate(claimed: ClaimedRun, spec, run, beat) -> str:
         if shutting_down.is_set() and not cancel_asked():
             return release_for_shutdown(claimed, str(err))
         lifecycle.finish(claimed, RunStatus.CANCELLED, reason=str(err))
-        return "cancelled"
+        return RunStatus.CANCELLED.value
     except torch.OutOfMemoryError as err:
         raise MemoryError(f"out of memory: {str(err).splitlines()[0]}") from err
     # Summaries from every stored point: a resumed attempt evaluated only the rest.
@@ -128,7 +128,7 @@ def _train_and_evaluate(claimed: ClaimedRun, spec, run, beat) -> str:
     lifecycle.finish(
         claimed, RunStatus.DONE, provenance=provenance, checkpoint_uri=checkpoint.as_uri()
     )
-    return "done"
+    return RunStatus.DONE.value
 
 
 def release_for_shutdown(claimed: ClaimedRun, where: str) -> str:
@@ -140,7 +140,7 @@ def release_for_shutdown(claimed: ClaimedRun, where: str) -> str:
     if outcome is None:
         return "lease lost: another worker owns the run now"
     if outcome == RunStatus.CANCELLED:
-        return "cancelled"
+        return outcome.value
     enqueue([claimed.run_id])  # a failed send is retried by the reconciler (never sent)
     stopped = where.removeprefix("cancelled ")
     log.info("run %s released to the queue (worker shutting down, %s)", claimed.run_id, stopped)
