@@ -34,6 +34,7 @@ from db.engine import transaction, with_retry
 from db.models import Run, Study, TrainPoint, utcnow
 from db.upsert import upsert
 from jobs.results_schema import TrainPoint as Point
+from jobs.spec import RunSpec, StudySpec
 from jobs.status import FINISHED, RETRYABLE, RunStatus
 
 
@@ -56,9 +57,8 @@ class ClaimedRun:
 # --- submit, reuse, import: a run comes into being -------------------------------------
 
 
-def new_run(study: Study, spec: Any, run_spec: Any, **values: object) -> Run:
-    """The row of one of ``study``'s runs (``spec``: its StudySpec; ``run_spec``: the
-    run's RunSpec; ``values``: its status and what else is known)."""
+def new_run(study: Study, spec: StudySpec, run_spec: RunSpec, **values: object) -> Run:
+    """The row of one of ``study``'s runs (``values``: its status and what else is known)."""
     return Run(
         study_id=study.id,
         encoding=run_spec.encoding.name,
@@ -72,7 +72,7 @@ def new_run(study: Study, spec: Any, run_spec: Any, **values: object) -> Run:
     )
 
 
-def submit(study: Study, spec: Any, run_spec: Any, *, skip_cache: bool = False) -> Run:
+def submit(study: Study, spec: StudySpec, run_spec: RunSpec, *, skip_cache: bool = False) -> Run:
     """A new queued run. ``skip_cache`` (``--force``): it trains afresh and takes no
     model from the result cache; the model it trains can serve later studies."""
     return new_run(study, spec, run_spec, status=RunStatus.QUEUED, skip_cache=skip_cache)
@@ -89,7 +89,7 @@ def reuse(run: Run, cached: Run) -> None:
     run.started_at, run.finished_at = now, now
 
 
-def import_run(study: Study, spec: Any, run_spec: Any, **values: object) -> Run:
+def import_run(study: Study, spec: StudySpec, run_spec: RunSpec, **values: object) -> Run:
     """A run imported with its results (``posbench import``): done as it is written."""
     return new_run(study, spec, run_spec, status=RunStatus.DONE, **values)
 
