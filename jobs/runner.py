@@ -201,6 +201,12 @@ def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: 
     except TrainingDiverged as err:
         Console(stderr=True).print(f"[bold red]run failed:[/] {err}")
         raise typer.Exit(1) from None
+    _report(spec, result, out, console, as_json)
+
+
+def _report(spec: StudySpec, result, out: Path, console: Console, as_json: bool) -> None:
+    """Write the study's results.json, table.md and curve plots to ``out``; then print
+    the payload (``as_json``) or the tables and where the files are."""
     # One table and one plot per protocol: curves.png for the first, curves-<name>.png
     # for the others (sliding windows score differently; their lines are not comparable).
     protocols = spec.eval.protocols

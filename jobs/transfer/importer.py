@@ -219,12 +219,8 @@ def _summaries(spec, run: _Run) -> list:
     )
 
 
-def import_results(path: Path, *, settings: Settings | None = None, force: bool = False):
-    """Store ``posbench run``'s ``results.json`` at ``path`` as a finished study; refused
-    (ImportProblem, nothing written) when a run's results are already in the database
-    (by config hash), unless ``force``."""
-    settings = settings or get_settings()
-    path = path.expanduser().resolve()
+def _parse(path: Path) -> tuple[_Results, Any]:
+    """The file's results and its spec, validated (ImportProblem when either is not)."""
     text = _read(path)
     try:
         results = _Results.model_validate_json(text)
@@ -241,6 +237,16 @@ def import_results(path: Path, *, settings: Settings | None = None, force: bool 
         spec = parse_spec(results.spec)
     except SpecError as err:
         raise ImportProblem(f"{path}: its spec: {err}") from None
+    return results, spec
+
+
+def import_results(path: Path, *, settings: Settings | None = None, force: bool = False):
+    """Store ``posbench run``'s ``results.json`` at ``path`` as a finished study; refused
+    (ImportProblem, nothing written) when a run's results are already in the database
+    (by config hash), unless ``force``."""
+    settings = settings or get_settings()
+    path = path.expanduser().resolve()
+    results, spec = _parse(path)
     planned = {run.config_hash: run for run in spec.runs()}
     seen = set()
     summaries = {}
