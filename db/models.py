@@ -4,7 +4,8 @@ Tables (documented for plain SQL in docs/results-database.md):
 
 - ``studies``: what a user submitted (the validated spec as JSON);
 - ``runs``: one trained model of a study, (encoding label, seed), with its status,
-  progress, heartbeat, lease, config hash, failure reason and provenance;
+  progress, heartbeat, lease, config hash, control state (skip_cache, waiting_for,
+  phase), failure reason and provenance (an audit record);
 - ``train_points``: the training curve (step, loss, learning rate, tokens/s, and the
   validation loss at the steps that validate);
 - ``evaluations``: one point of an extrapolation curve, (run, variant, protocol,
@@ -35,13 +36,13 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
     func,
     inspect,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-RUN_STATUSES = ("queued", "running", "done", "failed", "cancelled")
-FINISHED = ("done", "failed", "cancelled")
+from jobs.status import RunStatus
 
 
 def utcnow() -> dt.datetime:
@@ -95,7 +96,7 @@ class Run(Base):
     seed: Mapped[int]
     config_hash: Mapped[str] = mapped_column(String(32), index=True)
     train_hash: Mapped[str | None] = mapped_column(String(32), index=True)
-    status: Mapped[str] = mapped_column(String(16), default="queued")
+    status: Mapped[str] = mapped_column(String(16), default=RunStatus.QUEUED)
     step: Mapped[int] = mapped_column(default=0)
     total_steps: Mapped[int]
     latest_loss: Mapped[float | None]
@@ -110,6 +111,15 @@ class Run(Base):
     finished_at: Mapped[dt.datetime | None]
     failure_reason: Mapped[str | None] = mapped_column(Text)
     checkpoint_uri: Mapped[str | None] = mapped_column(Text)
+    # The run's control state (``jobs.lifecycle``), apart from its audit record below:
+    # skip the result cache (``posbench submit --force``: train afresh, adopt no model);
+    # the run whose training this queued run waits for (the same model); what the
+    # running run does that its step does not show (fine-tuning a variant).
+    skip_cache: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    waiting_for: Mapped[int | None]
+    phase: Mapped[str | None] = mapped_column(Text)
+    # Audit only: how the results came about (versions, device, data, a model taken from
+    # the result cache, fine-tunings); never read to decide what the run does next.
     provenance: Mapped[dict[str, Any] | None]
     reused_from_run_id: Mapped[int | None] = mapped_column(
         ForeignKey("runs.id", ondelete="SET NULL")

@@ -11,6 +11,7 @@ from db.engine import engine_for, normalize_url
 from db.models import Evaluation, PositionBin, Run, RunSummary, Study, TrainPoint
 from jobs.analysis import ANY_PROTOCOL
 from jobs.metrics import METRICS, metric_named
+from jobs.status import RUN_STATUSES
 
 
 def _frame(url: str, statement: Select) -> pd.DataFrame:
@@ -21,8 +22,8 @@ def _frame(url: str, statement: Select) -> pd.DataFrame:
 def studies(url: str, study_ids: Sequence[int] | None = None) -> pd.DataFrame:
     """One row per study with its run counts by status."""
     counts = [
-        func.sum(case((Run.status == status, 1), else_=0)).label(status)
-        for status in ("queued", "running", "done", "failed", "cancelled")
+        func.sum(case((Run.status == status, 1), else_=0)).label(status.value)
+        for status in RUN_STATUSES
     ]
     statement = (
         select(
@@ -74,6 +75,9 @@ def runs(
         Run.config_hash,
         Run.reused_from_run_id,
         Run.checkpoint_uri,
+        Run.skip_cache,
+        Run.waiting_for,
+        Run.phase,
         Run.provenance,
     ).order_by(Run.id)
     if study_id is not None:

@@ -20,6 +20,7 @@ from jobs.render.report import plot_curves, seed_bands
 from jobs.render.tables import CurveTable, curve_table, markdown_frame
 from jobs.results_schema import StudyResults
 from jobs.spec import DEFAULT_NAME, StudySpec
+from jobs.status import RunStatus
 from worker.catalog.params import short_repr
 
 
@@ -141,7 +142,9 @@ def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: 
     )
     bars = {
         run.config_hash: progress.add_task(
-            f"{run.encoding.label} seed {run.seed}", total=spec.train.steps, status="queued"
+            f"{run.encoding.label} seed {run.seed}",
+            total=spec.train.steps,
+            status=RunStatus.QUEUED.value,
         )
         for run in runs
     }

@@ -1,4 +1,7 @@
-"""Submit, cancel, retry and reconcile: every change of a run's state outside the worker.
+"""Submit, cancel, retry and reconcile: the use cases that change runs outside the worker.
+
+Each calls its transition in ``jobs.lifecycle``, the only code that changes a run's
+status.
 
 The database is the source of truth. A submission writes the study and its runs in
 one transaction and only then enqueues ``posbench.train_run(run_id)`` by name; a
@@ -8,6 +11,7 @@ harmless because a worker must *claim* a queued run before it trains it.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import functools
 import logging
@@ -28,9 +32,11 @@ from db.models import (
     TrainPoint,
     utcnow,
 )
+from jobs import lifecycle
 from jobs.celery_app import TRAIN_RUN
 from jobs.settings import Settings, get_settings
-from jobs.spec import RunSpec, StudySpec
+from jobs.spec import StudySpec
+from jobs.status import ACTIVE, RunStatus
 
 log = logging.getLogger(__name__)
 
@@ -113,21 +119,6 @@ def new_study(spec: StudySpec) -> Study:
     )
 
 
-def new_run(study: Study, spec: StudySpec, run_spec: RunSpec, **values: object) -> Run:
-    """The row of one of ``study``'s runs (``values``: its status and what else is known)."""
-    return Run(
-        study_id=study.id,
-        encoding=run_spec.encoding.name,
-        label=run_spec.encoding.label,
-        params=run_spec.encoding.resolved_params,
-        seed=run_spec.seed,
-        config_hash=run_spec.config_hash,
-        train_hash=run_spec.train_hash,
-        total_steps=spec.train.steps,
-        **values,
-    )
-
-
 def submit(
     spec: StudySpec,
     *,
@@ -137,8 +128,9 @@ def submit(
 ) -> Submitted:
     """Store the study and its runs in one transaction, then enqueue the queued runs.
 
-    A run whose config hash already finished (status done) in any study reuses those
-    results, unless ``force`` asks to train again.
+    The result cache: a run whose config hash already finished (status done) in any
+    study reuses those results, unless ``force`` asks to train again (and to take no
+    trained model from the cache either).
     """
     settings = settings or get_settings()
     queued, reused = [], []
@@ -147,15 +139,7 @@ def submit(
         session.add(study)
         session.flush()
         for run_spec in spec.runs():
-            run = new_run(
-                study,
-                spec,
-                run_spec,
-                status="queued",
-                # --force trains afresh (adopts no trained model); the model it trains
-                # can serve later studies. The worker replaces this at the finish.
-                provenance={"train_afresh": True} if force else None,
-            )
+            run = lifecycle.submit(study, spec, run_spec, skip_cache=force)
             session.add(run)
             session.flush()
             previous = (
@@ -163,17 +147,13 @@ def submit(
                 if force
                 else session.scalars(
                     select(Run)
-                    .where(Run.config_hash == run_spec.config_hash, Run.status == "done")
+                    .where(Run.config_hash == run_spec.config_hash, Run.status == RunStatus.DONE)
                     .order_by(Run.finished_at.desc())
                     .limit(1)
                 ).first()
             )
             if previous is not None:
-                now = utcnow()
-                run.status, run.step = "done", previous.step
-                run.latest_loss, run.provenance = previous.latest_loss, previous.provenance
-                run.reused_from_run_id = previous.reused_from_run_id or previous.id
-                run.started_at, run.finished_at = now, now
+                lifecycle.reuse(run, previous)
                 _copy_results(session, previous, run)
                 reused.append(run.id)
             else:
@@ -248,7 +228,7 @@ def delete_study(study_id: int, *, settings: Settings | None = None) -> Deleted:
     settings = settings or get_settings()
     with transaction(settings.database) as session:
         runs = _select_runs(session, study_id, None)  # NotFound for an unknown id
-        busy = sum(run.status in ("queued", "running") for run in runs)
+        busy = sum(run.status in ACTIVE for run in runs)
         if busy:
             raise Busy(busy_message(study_id, busy))
         name = session.scalar(select(Study.name).where(Study.id == study_id))
@@ -277,15 +257,12 @@ def cancel(
     progress report, whichever comes first) while training, and before the next point
     while evaluating."""
     settings = settings or get_settings()
-    counts = {"cancelled": 0, "stopping": 0}
+    counts = dict.fromkeys((RunStatus.CANCELLED.value, lifecycle.STOPPING), 0)
     with transaction(settings.database) as session:
         for run in _select_runs(session, study_id, run_id):
-            if run.status == "queued":
-                run.status, run.finished_at = "cancelled", utcnow()
-                counts["cancelled"] += 1
-            elif run.status == "running":
-                run.cancel_requested = True
-                counts["stopping"] += 1
+            outcome = lifecycle.cancel(run)
+            if outcome is not None:
+                counts[outcome] += 1
     return counts
 
 
@@ -301,12 +278,7 @@ def retry(
     requeued = []
     with transaction(settings.database) as session:
         for run in _select_runs(session, study_id, run_id):
-            if run.status in ("failed", "cancelled"):
-                run.status, run.cancel_requested = "queued", False
-                # attempts counts claims since the user last queued it: a retry starts
-                # the worker-death budget (POSBENCH_MAX_ATTEMPTS) afresh.
-                run.attempts = 0
-                run.failure_reason = run.finished_at = run.lease = run.enqueued_at = None
+            if lifecycle.retry(run):
                 requeued.append(run.id)
     enqueue(requeued, settings=settings, send=send)
     return requeued
@@ -361,62 +333,24 @@ def reconcile(
     every heartbeat looks stale though the workers are alive (see jobs.reconciler).
     """
     settings = settings or get_settings()
-    now = utcnow()
-    stale_before = now - dt.timedelta(seconds=settings.stale_after_seconds)
-
-    def revive() -> tuple[list[int], list[int], list[int]]:
-        with transaction(settings.database) as session:
-            stale = session.execute(
-                select(Run.id, Run.attempts, Run.cancel_requested).where(
-                    Run.status == "running", Run.heartbeat_at < stale_before
-                )
-            ).all()
-            # A cancel asked of a run whose worker then died is honoured, not lost.
-            cancelled = [run_id for run_id, _, asked in stale if asked]
-            revived = [
-                run_id
-                for run_id, attempts, asked in stale
-                if not asked and attempts < settings.max_attempts
-            ]
-            exhausted = [
-                run_id
-                for run_id, attempts, asked in stale
-                if not asked and attempts >= settings.max_attempts
-            ]
-            guard = (Run.status == "running", Run.heartbeat_at < stale_before)
-
-            def end(ids: list[int], status: str, reason: str) -> None:
-                if ids:
-                    session.execute(
-                        update(Run)
-                        .where(Run.id.in_(ids), *guard)
-                        .values(status=status, lease=None, finished_at=now, failure_reason=reason)
-                    )
-
-            end(cancelled, "cancelled", "cancelled (its worker stopped before it could stop)")
-            end(
-                exhausted,
-                "failed",
-                f"the worker stopped responding {settings.max_attempts} times while running it "
-                "(killed, out of memory, or its node was lost)",
-            )
-            if revived:
-                session.execute(
-                    update(Run)
-                    .where(Run.id.in_(revived), *guard)
-                    .values(status="queued", lease=None, enqueued_at=None)
-                )
-            return revived, exhausted, cancelled
-
-    revived, exhausted, cancelled = with_retry(revive) if revive_stale else ([], [], [])
+    stale_before = utcnow() - dt.timedelta(seconds=settings.stale_after_seconds)
+    stale = (
+        lifecycle.reconcile(
+            settings.database, stale_before=stale_before, max_attempts=settings.max_attempts
+        )
+        if revive_stale
+        else lifecycle.Reconciled([], [], [])
+    )
     with transaction(settings.database) as session:
         never_sent = list(
-            session.scalars(select(Run.id).where(Run.status == "queued", Run.enqueued_at.is_(None)))
+            session.scalars(
+                select(Run.id).where(Run.status == RunStatus.QUEUED, Run.enqueued_at.is_(None))
+            )
         )
         waiting = session.execute(
             select(Run.id, Study.spec)
             .join(Study, Study.id == Run.study_id)
-            .where(Run.status == "queued", Run.enqueued_at < stale_before)
+            .where(Run.status == RunStatus.QUEUED, Run.enqueued_at < stale_before)
         ).all()
     # A message is lost when its run still waits but its own queue is empty.
     empty: dict[str, bool | None] = {}
@@ -429,7 +363,7 @@ def reconcile(
             lost.append(run_id)
     resent = sorted(set(never_sent) | set(lost))
     enqueue(resent, settings=settings, send=send)
-    return {"revived": revived, "failed": exhausted, "cancelled": cancelled, "resent": resent}
+    return {**dataclasses.asdict(stale), "resent": resent}
 
 
 def backfill_summaries(url: str) -> int:
@@ -456,7 +390,7 @@ def backfill_summaries(url: str) -> int:
             pending = session.execute(
                 select(Run.id, Study.metric, Study.train_length)
                 .join(Study, Study.id == Run.study_id)
-                .where(Run.status == "done", Run.id.not_in(complete))
+                .where(Run.status == RunStatus.DONE, Run.id.not_in(complete))
             ).all()
             filled = 0
             for run_id, metric, train_length in pending:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import math
 
+from jobs import lifecycle
 from jobs.analysis import summarize_points
 from jobs.results_schema import Evaluation, PositionBin, TrainPoint
 from jobs.service import submit
 from jobs.settings import Settings
 from jobs.spec import parse_spec
-from worker import store
+from jobs.status import RunStatus
 from worker.probes import OrderProbe
+from worker.runtime import store
 
 LENGTHS = [32, 64, 128]
 
@@ -31,31 +33,27 @@ def seed_study(settings: Settings) -> int:
     submitted = submit(SEEDED_SPEC, settings=settings, send=lambda run_id: None)
     url = settings.database
     for index, run_id in enumerate(submitted.queued):
-        lease = store.claim(url, run_id, "seed")[0]
+        claimed = lifecycle.claim(url, run_id, "seed")
         if index == 4:  # t5 seed 0: still running, halfway
-            store.record_progress(url, run_id, lease, TrainPoint(20, 2.9, 1e-3, 5000.0, 3.0))
+            lifecycle.progress(claimed, TrainPoint(20, 2.9, 1e-3, 5000.0, 3.0))
             continue
         if index == 5:  # t5 seed 1: failed
-            store.finish(
-                url,
-                run_id,
-                lease,
-                "failed",
+            lifecycle.finish(
+                claimed,
+                RunStatus.FAILED,
                 reason="the training loss became nan "
                 "between steps 11 and 15 (lr 0.003); try a lower learning rate",
             )
             continue
         halfway = TrainPoint(20, 3.0 + 0.2 * (index % 2), 1e-3, 5000.0, 3.0)  # seeds differ
-        store.record_progress(url, run_id, lease, halfway)
+        lifecycle.progress(claimed, halfway)
         validated = TrainPoint(40, 2.5, 1e-4, 6000.0, 6.0, val_loss=2.6 + 0.1 * (index % 2))
-        store.record_progress(url, run_id, lease, validated)
+        lifecycle.progress(claimed, validated)
         growth = 0.02 if index < 2 else 0.0005  # rope degrades, alibi stays flat
         for length in LENGTHS:
             loss = 2.5 + growth * (length - 32) + 0.01 * (index % 2)
             store.record_evaluation(
-                url,
-                run_id,
-                lease,
+                claimed,
                 Evaluation(
                     "none",
                     "nonoverlapping",
@@ -79,6 +77,6 @@ def seed_study(settings: Settings) -> int:
             metric="perplexity",
             extra=order.as_summaries(),
         )
-        store.record_summaries(url, run_id, lease, summaries)
-        store.finish(url, run_id, lease, "done", provenance={"torch_version": "2.13.0"})
+        store.record_summaries(claimed, summaries)
+        lifecycle.finish(claimed, RunStatus.DONE, provenance={"torch_version": "2.13.0"})
     return submitted.study_id

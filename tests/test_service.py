@@ -9,6 +9,7 @@ import datetime as dt
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,13 +18,17 @@ from sqlalchemy import func, select, update
 from db.engine import transaction
 from db.migrate import current, upgrade
 from db.models import Evaluation, PositionBin, Run, Study, TrainPoint
+from jobs import lifecycle
 from jobs.results_schema import Evaluation as Row
 from jobs.results_schema import PositionBin as Bin
 from jobs.results_schema import TrainPoint as Point
 from jobs.service import Busy, NotFound, cancel, delete_study, reconcile, retry, submit
 from jobs.settings import Settings
 from jobs.spec import parse_spec
-from worker import liveness, store
+from jobs.status import RunStatus
+from worker import liveness
+from worker.runtime import cache, store
+from worker.runtime.heartbeat import Heartbeat
 
 SPEC = {
     "model": "tiny",
@@ -63,7 +68,7 @@ def count(settings: Settings, model: type) -> int:
 
 
 def test_migrations_create_the_schema(settings: Settings) -> None:
-    assert current(settings.database) == "0007"
+    assert current(settings.database) == "0008"
     upgrade(settings.database)  # idempotent
 
 
@@ -94,14 +99,11 @@ def test_broker_down_keeps_the_runs_for_the_reconciler(settings: Settings) -> No
 
 
 def _finish_run(settings: Settings, run_id: int) -> None:
-    claimed = store.claim(settings.database, run_id, "test")
+    claimed = lifecycle.claim(settings.database, run_id, "test")
     assert claimed is not None
-    lease = claimed[0]
-    store.record_progress(settings.database, run_id, lease, Point(4, 2.5, 1e-3, 100.0, 1.0))
+    lifecycle.progress(claimed, Point(4, 2.5, 1e-3, 100.0, 1.0))
     store.record_evaluation(
-        settings.database,
-        run_id,
-        lease,
+        claimed,
         Row(
             "none",
             "nonoverlapping",
@@ -112,7 +114,7 @@ def _finish_run(settings: Settings, run_id: int) -> None:
             position_bins=[Bin(0, 1, 2.5, 4), Bin(1, 16, 2.0, 60)],
         ),
     )
-    assert store.finish(settings.database, run_id, lease, "done", provenance={"seed": 0})
+    assert lifecycle.finish(claimed, RunStatus.DONE, provenance={"seed": 0})
 
 
 def test_a_finished_config_hash_is_reused_unless_forced(settings: Settings) -> None:
@@ -142,42 +144,46 @@ def test_a_finished_config_hash_is_reused_unless_forced(settings: Settings) -> N
     assert forced.reused == [] and len(forced.queued) == 4
     with transaction(settings.database) as session:
         run = session.get(Run, forced.queued[0])
-        # It trains afresh (adopts no trained model), and can serve as one later.
-        assert run.provenance == {"train_afresh": True} and run.train_hash is not None
+        # It trains afresh (takes no trained model), and can serve as one later; the
+        # flag is the run's control state, not its audit record.
+        assert run.skip_cache is True and run.provenance is None and run.train_hash is not None
+        first_run = session.get(Run, first.queued[1])
+        assert first_run.skip_cache is False
 
 
 def test_claim_is_exclusive_and_guards_every_write(settings: Settings) -> None:
     run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder()).queued[0]
-    first = store.claim(settings.database, run_id, "a")
-    assert first is not None
-    assert store.claim(settings.database, run_id, "b") is None  # a duplicate message
-    lease = first[0]
-    assert store.heartbeat(settings.database, run_id, "not-the-lease") == (False, False)
-    with pytest.raises(store.LeaseLost):
-        store.record_progress(settings.database, run_id, "not-the-lease", Point(1, 1, 1, 1, 1))
-    assert store.heartbeat(settings.database, run_id, lease) == (True, False)
+    first = lifecycle.claim(settings.database, run_id, "a")
+    assert first is not None and (first.run_id, first.run.status) == (run_id, "running")
+    assert first.spec["encodings"][0]["name"] == "rope"  # its study's spec, as stored
+    assert lifecycle.claim(settings.database, run_id, "b") is None  # a duplicate message
+    stolen = replace(first, lease="not-the-lease")
+    assert lifecycle.heartbeat(stolen) == (False, False)
+    with pytest.raises(lifecycle.LeaseLost):
+        lifecycle.progress(stolen, Point(1, 1, 1, 1, 1))
+    assert lifecycle.heartbeat(first) == (True, False)
     cancel(run_id=run_id, settings=settings)
     # The heartbeat carries a cancel to the run in every phase.
-    assert store.heartbeat(settings.database, run_id, lease) == (True, True)
+    assert lifecycle.heartbeat(first) == (True, True)
 
 
 def test_a_released_run_is_queued_unsent_and_its_claim_given_back(settings: Settings) -> None:
     run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder()).queued[0]
-    lease = store.claim(settings.database, run_id, "a")[0]
-    assert store.release(settings.database, run_id, "not-the-lease") is None
-    assert store.release(settings.database, run_id, lease) == "queued"
-    assert store.release(settings.database, run_id, lease) is None  # once only
+    claimed = lifecycle.claim(settings.database, run_id, "a")
+    assert lifecycle.release(replace(claimed, lease="not-the-lease")) is None
+    assert lifecycle.release(claimed) == "queued"
+    assert lifecycle.release(claimed) is None  # once only
     with transaction(settings.database) as session:
         run = session.get(Run, run_id)
         assert (run.status, run.lease, run.attempts, run.enqueued_at) == ("queued", None, 0, None)
     # The reconciler sends a released run whose worker could not (never sent).
     sent = Recorder()
     assert reconcile(settings=settings, send=sent)["resent"] == [run_id]
-    lease = store.claim(settings.database, run_id, "b")[0]
+    claimed = lifecycle.claim(settings.database, run_id, "b")
     # A cancel the run had not yet seen when its worker shut down: it ends cancelled,
     # not back in the queue.
     cancel(run_id=run_id, settings=settings)
-    assert store.release(settings.database, run_id, lease) == "cancelled"
+    assert lifecycle.release(claimed) == "cancelled"
     with transaction(settings.database) as session:
         assert session.get(Run, run_id).status == "cancelled"
 
@@ -189,11 +195,9 @@ def _heartbeat_at(settings: Settings, run_id: int) -> dt.datetime:
 
 def test_the_heartbeat_stops_when_the_run_makes_no_progress(settings: Settings) -> None:
     run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder()).queued[0]
-    lease = store.claim(settings.database, run_id, "a")[0]
+    claimed = lifecycle.claim(settings.database, run_id, "a")
     verdicts: list[float] = []
-    with store.Heartbeat(
-        settings.database, run_id, lease, 0.05, hang_seconds=1.0, on_hang=verdicts.append
-    ) as beat:
+    with Heartbeat(claimed, 0.05, hang_seconds=1.0, on_hang=verdicts.append) as beat:
         for _ in range(30):  # a run that moves: 1.5 s of steps 0.05 s apart
             time.sleep(0.05)
             liveness.touch()
@@ -210,19 +214,19 @@ def test_the_heartbeat_stops_when_the_run_makes_no_progress(settings: Settings) 
 def test_a_hung_worker_process_dumps_its_stacks_and_exits(settings: Settings) -> None:
     # The real verdict in a real process: its main thread blocks for good.
     run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder()).queued[0]
-    lease = store.claim(settings.database, run_id, "a")[0]
+    lease = lifecycle.claim(settings.database, run_id, "a").lease
     script = f"""
 import io, sys, threading
-from worker import store
-from worker.tasks import _hung
+from jobs.lifecycle import ClaimedRun
+from worker.runtime.heartbeat import Heartbeat, exit_hung
 
 sys.stderr = io.StringIO()  # as in a Celery pool process: a logger, not a file
 
 def stuck_in_a_device_call():
     threading.Event().wait()
 
-with store.Heartbeat({settings.database!r}, {run_id}, {lease!r}, 0.1, hang_seconds=1,
-                     on_hang=_hung):
+with Heartbeat(ClaimedRun({settings.database!r}, {run_id}, {lease!r}), 0.1, hang_seconds=1,
+               on_hang=exit_hung):
     stuck_in_a_device_call()
 """
     started = time.monotonic()
@@ -275,16 +279,16 @@ def test_a_hang_that_holds_the_gil_is_caught_by_the_hard_deadline(settings: Sett
     # lets go of the GIL (here a regular expression that backtracks for ages), so the
     # heartbeat cannot judge; faulthandler's C watchdog does.
     run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder()).queued[0]
-    lease = store.claim(settings.database, run_id, "a")[0]
+    lease = lifecycle.claim(settings.database, run_id, "a").lease
     script = f"""
 import io, re, sys
-from worker import store
-from worker.tasks import _hung
+from jobs.lifecycle import ClaimedRun
+from worker.runtime.heartbeat import Heartbeat, exit_hung
 
 sys.stderr = io.StringIO()  # as in a Celery pool process: a logger, not a file
 
-with store.Heartbeat({settings.database!r}, {run_id}, {lease!r}, 0.1, hang_seconds=1,
-                     on_hang=_hung, hard_deadline=True):
+with Heartbeat(ClaimedRun({settings.database!r}, {run_id}, {lease!r}), 0.1, hang_seconds=1,
+               on_hang=exit_hung, hard_deadline=True):
     re.match(r"(a+)+$", "a" * 64 + "b")
 """
     started = time.monotonic()
@@ -301,7 +305,6 @@ def test_a_trained_model_is_adopted_only_from_a_final_checkpoint_of_the_same_tra
 ) -> None:
     import torch
 
-    from worker.tasks import _adopt
     from worker.train import CHECKPOINT_VERSION
 
     first = submit(parse_spec(SPEC), settings=settings, send=Recorder())
@@ -320,7 +323,7 @@ def test_a_trained_model_is_adopted_only_from_a_final_checkpoint_of_the_same_tra
     with transaction(settings.database) as session:
         session.get(Run, donor).checkpoint_uri = source.as_uri()
         session.get(Run, donor).provenance = trained
-    lease = store.claim(settings.database, run_id, "w")[0]
+    claimed = lifecycle.claim(settings.database, run_id, "w")
     target = folder / f"{run_id}.pt"
 
     def stamp(step: int, fingerprint: str) -> None:
@@ -329,7 +332,7 @@ def test_a_trained_model_is_adopted_only_from_a_final_checkpoint_of_the_same_tra
         )
 
     def adopt(data: str = "lm:pystdlib:abc"):
-        return _adopt(settings.database, run_id, lease, hashes[run_id], 4, data, target)
+        return cache.take_model(claimed, hashes[run_id], 4, data, target)
 
     assert adopt() is None  # no file: trained on another machine
     stamp(2, hashes[donor])
@@ -337,11 +340,11 @@ def test_a_trained_model_is_adopted_only_from_a_final_checkpoint_of_the_same_tra
     stamp(4, "another configuration")
     assert adopt() is None
     stamp(4, hashes[donor])
-    real = store.trained_models
+    real = cache.cached_models
     stale = [(10_000, source.as_uri(), "lm:pystdlib:abc", "done")]
-    monkeypatch.setattr(store, "trained_models", lambda *a: stale)
+    monkeypatch.setattr(cache, "cached_models", lambda *a: stale)
     assert adopt() is None  # a donor row deleted meanwhile
-    monkeypatch.setattr(store, "trained_models", real)
+    monkeypatch.setattr(cache, "cached_models", real)
     assert not target.exists() and not list(folder.glob("*.tmp"))
     assert adopt(data="lm:pystdlib:edited") is None  # trained on other bytes
     marker = adopt()
@@ -359,7 +362,6 @@ def test_a_twin_still_evaluating_gives_its_final_checkpoint_by_its_data_stamp(
 ) -> None:
     import torch
 
-    from worker.tasks import _adopt
     from worker.train import CHECKPOINT_VERSION
 
     first = submit(parse_spec(SPEC), settings=settings, send=Recorder())
@@ -371,9 +373,9 @@ def test_a_twin_still_evaluating_gives_its_final_checkpoint_by_its_data_stamp(
         train_hash = session.get(Run, donor).train_hash
     folder = settings.artifacts_dir / "runs"
     folder.mkdir(parents=True)
-    donor_lease = store.claim(url, donor, "n1:1")[0]  # trained, now evaluating
-    store.record_progress(url, donor, donor_lease, Point(4, 2.5, 1e-3, 100.0, 1.0))
-    lease = store.claim(url, run_id, "n1:2")[0]
+    donor_claim = lifecycle.claim(url, donor, "n1:1")  # trained, now evaluating
+    lifecycle.progress(donor_claim, Point(4, 2.5, 1e-3, 100.0, 1.0))
+    claimed = lifecycle.claim(url, run_id, "n1:2")
     target = folder / f"{run_id}.pt"
 
     def stamp(data: str | None) -> None:
@@ -381,11 +383,11 @@ def test_a_twin_still_evaluating_gives_its_final_checkpoint_by_its_data_stamp(
         torch.save({**state, "data": data}, folder / f"{donor}.pt")
 
     stamp("lm:pystdlib:other")
-    assert _adopt(url, run_id, lease, train_hash, 4, "lm:pystdlib:abc", target) is None
+    assert cache.take_model(claimed, train_hash, 4, "lm:pystdlib:abc", target) is None
     stamp(None)  # no stamp and no stored fingerprint: the data cannot be told
-    assert _adopt(url, run_id, lease, train_hash, 4, "lm:pystdlib:abc", target) is None
+    assert cache.take_model(claimed, train_hash, 4, "lm:pystdlib:abc", target) is None
     stamp("lm:pystdlib:abc")
-    marker = _adopt(url, run_id, lease, train_hash, 4, "lm:pystdlib:abc", target)
+    marker = cache.take_model(claimed, train_hash, 4, "lm:pystdlib:abc", target)
     assert marker == {"trained_by_run": donor, "training": None}
     assert target.stat().st_ino == (folder / f"{donor}.pt").stat().st_ino
     with transaction(url) as session:
@@ -395,7 +397,6 @@ def test_a_twin_still_evaluating_gives_its_final_checkpoint_by_its_data_stamp(
 def test_a_run_waits_only_for_a_twin_whose_model_it_can_adopt(settings: Settings) -> None:
     import torch
 
-    from worker.tasks import _twin_training
     from worker.train import CHECKPOINT_VERSION
 
     first = submit(parse_spec(SPEC), settings=settings, send=Recorder())
@@ -412,14 +413,14 @@ def test_a_run_waits_only_for_a_twin_whose_model_it_can_adopt(settings: Settings
         with transaction(url) as session:
             run = session.get(Run, run_id)
             session.expunge(run)
-        return _twin_training(url, run, node, folder, steps=4)
+        return cache.training_run(url, run, node, folder, steps=4)
 
     def checkpoint(run_id: int, step: int) -> None:
         state = {"version": CHECKPOINT_VERSION, "fingerprint": train_hash, "step": step}
         torch.save(state, folder / f"{run_id}.pt")
 
     assert waits(newer, "n1") is None  # the twin is only queued
-    older_lease = store.claim(url, older, "n2:7")[0]
+    older_claim = lifecycle.claim(url, older, "n2:7")
     assert waits(newer, "n1") is None  # on another node, no checkpoint here: can't read it
     checkpoint(older, 2)
     assert waits(newer, "n1") == older  # its checkpoint is in this artifacts folder
@@ -429,26 +430,29 @@ def test_a_run_waits_only_for_a_twin_whose_model_it_can_adopt(settings: Settings
     assert waits(newer, "n2") == older  # on this node, and the older run
     # Two twins that start together on one node: only the newer waits, whatever the
     # older has trained in an earlier attempt, so they never wait for each other.
-    newer_lease = store.claim(url, newer, "n2:8")[0]
-    store.record_progress(url, newer, newer_lease, Point(3, 2.5, 1e-3, 100.0, 1.0))
+    newer_claim = lifecycle.claim(url, newer, "n2:8")
+    lifecycle.progress(newer_claim, Point(3, 2.5, 1e-3, 100.0, 1.0))
     assert waits(older, "n2") is None
-    assert store.release(url, newer, newer_lease, waiting_for=older) == "queued"
+    assert lifecycle.release(newer_claim, waiting_for=older) == "queued"
     # Said where people look: the Queue page's and `posbench status`'s note.
     from db import queries
     from jobs.analysis import run_notes
 
     notes = run_notes(queries.runs(url, run_ids=[older, newer]))  # by run id
     assert notes == ["", f"waiting for run {older}, which trains the same model"]
+    with transaction(url) as session:  # control state, not the audit record
+        waiting = session.get(Run, newer)
+        assert waiting.waiting_for == older and waiting.provenance is None
     (folder / f"{newer}.pt").write_bytes(b"checkpoint")
     assert waits(newer, "n2") is None  # a checkpoint of its own: it resumes that
     (folder / f"{newer}.pt").unlink()
     with transaction(url) as session:
-        session.get(Run, newer).provenance = {"train_afresh": True}
+        session.get(Run, newer).skip_cache = True
     assert waits(newer, "n2") is None  # --force: trains afresh
     with transaction(url) as session:
-        session.get(Run, newer).provenance = None
-    assert store.queued_twins(url, train_hash, older) == [newer]  # woken when it ends
-    store.finish(url, older, older_lease, "done", checkpoint_uri=(folder / "x.pt").as_uri())
+        session.get(Run, newer).skip_cache = False
+    assert cache.waiting_runs(url, train_hash, older) == [newer]  # woken when it ends
+    lifecycle.finish(older_claim, RunStatus.DONE, checkpoint_uri=(folder / "x.pt").as_uri())
     assert waits(newer, "n2") is None  # a finished twin: adopted (or trained) now, no wait
 
 
@@ -457,31 +461,34 @@ def test_fine_tuning_records_are_kept_as_they_come(settings: Settings) -> None:
     # them; merged under provenance.finetune; only by the lease holder.
     run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder()).queued[0]
     url = settings.database
-    lease = store.claim(url, run_id, "w")[0]
-    store.note_provenance(url, run_id, lease, "finetune", "yarn:4+ft9", {"steps": 9})
-    merged = store.note_provenance(url, run_id, lease, "finetune", "pi:4+ft9", {"steps": 9})
+    claimed = lifecycle.claim(url, run_id, "w")
+    store.note_provenance(claimed, "finetune", "yarn:4+ft9", {"steps": 9})
+    merged = store.note_provenance(claimed, "finetune", "pi:4+ft9", {"steps": 9})
     assert merged == {"finetune": {"yarn:4+ft9": {"steps": 9}, "pi:4+ft9": {"steps": 9}}}
     with transaction(url) as session:
         assert session.get(Run, run_id).provenance == merged
-    with pytest.raises(store.LeaseLost):
-        store.note_provenance(url, run_id, "stolen", "finetune", "x", {})
+    with pytest.raises(lifecycle.LeaseLost):
+        store.note_provenance(replace(claimed, lease="stolen"), "finetune", "x", {})
     # While it fine-tunes, the run's note says where it is; cleared when it is done.
     from db import queries
     from jobs.analysis import run_notes
 
-    store.note_phase(url, run_id, lease, "fine-tuning pi:4+ft9: step 5 of 9, loss 2.100")
+    lifecycle.set_phase(claimed, "fine-tuning pi:4+ft9: step 5 of 9, loss 2.100")
     assert run_notes(queries.runs(url, run_ids=[run_id])) == [
         "fine-tuning pi:4+ft9: step 5 of 9, loss 2.100"
     ]
-    store.note_phase(url, run_id, lease, None)
+    with pytest.raises(lifecycle.LeaseLost):
+        lifecycle.set_phase(replace(claimed, lease="stolen"), None)
+    lifecycle.set_phase(claimed, None)
     assert run_notes(queries.runs(url, run_ids=[run_id])) == [""]
     with transaction(url) as session:
-        assert session.get(Run, run_id).provenance["finetune"] == merged["finetune"]
+        # The phase is the run's control state, never part of its audit record.
+        assert session.get(Run, run_id).provenance == merged
 
 
 def test_evaluations_are_idempotent_upserts(settings: Settings) -> None:
     run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder()).queued[0]
-    lease = store.claim(settings.database, run_id, "a")[0]
+    claimed = lifecycle.claim(settings.database, run_id, "a")
     row = Row(
         "none",
         "nonoverlapping",
@@ -492,8 +499,8 @@ def test_evaluations_are_idempotent_upserts(settings: Settings) -> None:
         position_bins=[Bin(0, 32, 3.0, 64)],
     )
     for _ in range(3):
-        store.record_evaluation(settings.database, run_id, lease, row)
-        store.record_progress(settings.database, run_id, lease, Point(2, 3.0, 1e-3, 1.0, 1.0))
+        store.record_evaluation(claimed, row)
+        lifecycle.progress(claimed, Point(2, 3.0, 1e-3, 1.0, 1.0))
     assert count(settings, Evaluation) == 1 and count(settings, PositionBin) == 1
     assert count(settings, TrainPoint) == 1
     assert store.stored_evaluations(settings.database, run_id) == {("none", "nonoverlapping", 32)}
@@ -502,10 +509,10 @@ def test_evaluations_are_idempotent_upserts(settings: Settings) -> None:
 def test_cancel_is_immediate_for_queued_and_cooperative_for_running(settings: Settings) -> None:
     submitted = submit(parse_spec(SPEC), settings=settings, send=Recorder())
     running = submitted.queued[0]
-    lease = store.claim(settings.database, running, "w")[0]
+    claimed = lifecycle.claim(settings.database, running, "w")
     assert cancel(study_id=submitted.study_id, settings=settings) == {"cancelled": 3, "stopping": 1}
-    assert store.claim(settings.database, submitted.queued[1], "w") is None  # never trained
-    asked = store.record_progress(settings.database, running, lease, Point(2, 1, 1, 1, 1))
+    assert lifecycle.claim(settings.database, submitted.queued[1], "w") is None  # never trained
+    asked = lifecycle.progress(claimed, Point(2, 1, 1, 1, 1))
     assert asked is True
     with pytest.raises(NotFound, match="no study with id 99"):
         cancel(study_id=99, settings=settings)
@@ -532,14 +539,14 @@ def test_reconciler_revives_stale_runs_and_fails_them_after_max_attempts(
         with transaction(settings.database) as session:
             session.execute(update(Run).where(Run.id == run_id).values(heartbeat_at=long_ago))
 
-    assert store.claim(settings.database, run_id, "w1") is not None
+    assert lifecycle.claim(settings.database, run_id, "w1") is not None
     go_silent()
     send = Recorder()
     assert reconcile(settings=settings, send=send, queue_empty=lambda queue: True)["revived"] == [
         run_id
     ]
     assert run_id in send.sent
-    assert store.claim(settings.database, run_id, "w2") is not None  # attempt 2
+    assert lifecycle.claim(settings.database, run_id, "w2") is not None  # attempt 2
     go_silent()
     outcome = reconcile(settings=settings, send=Recorder(), queue_empty=lambda queue: True)
     assert outcome["failed"] == [run_id]
@@ -582,8 +589,8 @@ def test_a_lost_message_is_resent_when_its_own_queue_is_empty(settings: Settings
 
 def test_a_retry_starts_the_worker_death_budget_afresh(settings: Settings) -> None:
     run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder()).queued[0]
-    lease = store.claim(settings.database, run_id, "w1")[0]
-    store.finish(settings.database, run_id, lease, "failed", reason="boom")
+    claimed = lifecycle.claim(settings.database, run_id, "w1")
+    lifecycle.finish(claimed, RunStatus.FAILED, reason="boom")
     assert retry(run_id=run_id, settings=settings, send=Recorder()) == [run_id]
     with transaction(settings.database) as session:
         assert session.get(Run, run_id).attempts == 0
@@ -593,7 +600,7 @@ def test_a_cancel_outlives_the_worker_that_was_asked(settings: Settings) -> None
     # Cancel a running run, then its worker dies before reading the flag: the
     # reconciler ends it as cancelled instead of queueing it to train again.
     run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder()).queued[0]
-    assert store.claim(settings.database, run_id, "w1") is not None
+    assert lifecycle.claim(settings.database, run_id, "w1") is not None
     assert cancel(run_id=run_id, settings=settings) == {"cancelled": 0, "stopping": 1}
     long_ago = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=5)
     with transaction(settings.database) as session:
@@ -613,7 +620,7 @@ def test_a_worker_finds_a_run_stored_by_an_earlier_version() -> None:
     # and seed.
     from types import SimpleNamespace
 
-    from worker.tasks import matching_run
+    from worker.runtime.execute import matching_run
 
     spec = parse_spec({**SPEC, "encodings": [{"name": "rope", "base": 500000.0}, "alibi"]})
     old = SimpleNamespace(

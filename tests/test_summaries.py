@@ -18,10 +18,13 @@ from db import queries
 from db.engine import engine_for, transaction
 from db.migrate import current, downgrade, upgrade
 from db.models import Base, Run, RunSummary
+from jobs import lifecycle
 from jobs.analysis import ANY_PROTOCOL, Summary, summarize_points
+from jobs.lifecycle import ClaimedRun
 from jobs.settings import Settings
-from worker import store
+from jobs.status import RunStatus
 from worker.probes import OrderProbe
+from worker.runtime import store
 
 
 @pytest.fixture
@@ -32,7 +35,7 @@ def settings(tmp_path: Path) -> Settings:
 
 
 def test_the_migrations_build_exactly_the_models_schema(settings: Settings) -> None:
-    assert current(settings.database) == "0007"
+    assert current(settings.database) == "0008"
     with engine_for(settings.database).connect() as connection:
         differences = compare_metadata(MigrationContext.configure(connection), Base.metadata)
     assert differences == []
@@ -108,10 +111,11 @@ def test_summaries_are_stored_once_per_key_even_when_a_finish_is_retried(
     points = store.stored_points(url, run_id, "perplexity")
     assert sorted(n for _, _, n, _ in points) == [32, 64, 128]
     again = summarize_points(points, train_length=32, metric="perplexity")
-    store.record_summaries(url, run_id, "again", again)
+    store.record_summaries(ClaimedRun(url, run_id, "again"), again)
     assert stored(settings) == 4 * 12
-    with pytest.raises(store.LeaseLost):
-        store.record_summaries(url, run_id, "someone else", [Summary("none", "x", "y", 1.0)])
+    with pytest.raises(lifecycle.LeaseLost):
+        stolen = ClaimedRun(url, run_id, "someone else")
+        store.record_summaries(stolen, [Summary("none", "x", "y", 1.0)])
 
 
 def posbench(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
@@ -187,7 +191,7 @@ def test_results_groups_gives_accuracy_by_word_order_variant(settings: Settings)
     submitted = submit(spec, settings=settings, send=lambda run_id: None)
     url = settings.database
     for index, run_id in enumerate(submitted.queued):  # nope, then rope
-        lease = store.claim(url, run_id, "test")[0]
+        claimed = lifecycle.claim(url, run_id, "test")
         for length in (96, 192):
             bare = 0.9 if index == 1 else 0.2  # rope reads position, nope barely
             groups = {
@@ -197,8 +201,8 @@ def test_results_groups_gives_accuracy_by_word_order_variant(settings: Settings)
                 "variant=bare depth=1": bare,
             }
             row = Evaluation("none", "nonoverlapping", length, accuracy=0.6, groups=groups)
-            store.record_evaluation(url, run_id, lease, row)
-        store.finish(url, run_id, lease, "done")
+            store.record_evaluation(claimed, row)
+        lifecycle.finish(claimed, RunStatus.DONE)
     args = ("--study", str(submitted.study_id), "--view", "groups", "--format", "json")
     done = posbench(settings, "results", *args)
     assert done.returncode == 0, done.stderr

@@ -2,7 +2,7 @@
 
 The heartbeat thread keeps beating while the run's own thread is stuck (a hung device,
 a dead network mount), so a beat alone does not prove the run is moving; the heartbeat
-reads this clock too (``worker.store.Heartbeat``).
+reads this clock too (``worker.runtime.heartbeat.Heartbeat``).
 """
 
 from __future__ import annotations

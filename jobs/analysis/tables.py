@@ -25,6 +25,7 @@ from jobs.analysis.statistics import (
     bootstrap_interval,
 )
 from jobs.metrics import Kind, headline
+from jobs.status import RunStatus
 
 TRAINING_COLUMNS = [
     "line",
@@ -42,17 +43,24 @@ TRAINING_COLUMNS = [
 def run_notes(runs: pd.DataFrame) -> list[str]:
     """Per run (``db.queries.runs``), what it is doing that its status does not say: a
     queued run waiting for the run that trains the same model, a running one
-    fine-tuning a variant after its training (``worker.tasks``)."""
+    fine-tuning a variant after its training (its ``waiting_for`` and ``phase``,
+    ``jobs.lifecycle``)."""
     notes = []
-    for status, provenance in zip(runs["status"], runs["provenance"], strict=True):
-        noted = provenance if isinstance(provenance, Mapping) else {}
-        if status == "queued" and noted.get("waiting_for") is not None:
-            notes.append(f"waiting for run {noted['waiting_for']}, which trains the same model")
-        elif status == "running" and noted.get("phase"):
-            notes.append(str(noted["phase"]))
+    for status, waiting_for, phase in zip(
+        runs["status"], runs["waiting_for"], runs["phase"], strict=True
+    ):
+        if status == RunStatus.QUEUED and _given(waiting_for):
+            notes.append(f"waiting for run {int(waiting_for)}, which trains the same model")
+        elif status == RunStatus.RUNNING and _given(phase) and phase:
+            notes.append(str(phase))
         else:
             notes.append("")
     return notes
+
+
+def _given(value: Any) -> bool:
+    """Not NULL: a DataFrame holds a missing value as None or NaN."""
+    return value is not None and not (isinstance(value, float) and math.isnan(value))
 
 
 def training_curves(points: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:

@@ -22,12 +22,14 @@ from sqlalchemy import select
 
 from db.engine import transaction
 from db.models import Evaluation, PositionBin, Run, RunSummary, TrainPoint, utcnow
+from jobs.lifecycle import import_run
 from jobs.metrics import METRICS, measured, metric_named
 from jobs.results_schema import Evaluation as Row
 from jobs.results_schema import RunRecord, parse_results
-from jobs.service import new_run, new_study
+from jobs.service import new_study
 from jobs.settings import Settings, get_settings
 from jobs.spec import MAX_VARIANT_LABEL, SpecError, parse_spec
+from jobs.status import RunStatus
 from worker.encodings import REGISTRY
 
 
@@ -273,7 +275,7 @@ def import_results(path: Path, *, settings: Settings | None = None, force: bool 
         if not force:
             there = session.execute(
                 select(Run.id, Run.study_id)
-                .where(Run.config_hash.in_(seen), Run.status == "done")
+                .where(Run.config_hash.in_(seen), Run.status == RunStatus.DONE)
                 .order_by(Run.id)
             ).first()
             if there is not None:
@@ -288,14 +290,13 @@ def import_results(path: Path, *, settings: Settings | None = None, force: bool 
         evaluations = 0
         for run in results.runs:
             last = run.train.curve[-1]
-            row = new_run(
+            row = import_run(
                 study,
                 spec,
                 planned[run.config_hash],
                 step=run.train.steps,
                 latest_loss=last.loss,
                 tokens_per_second=last.tokens_per_second,
-                status="done",
                 # The file keeps durations, not times: it finished now, after training.
                 started_at=now - dt.timedelta(seconds=max(0.0, last.elapsed)),
                 finished_at=now,

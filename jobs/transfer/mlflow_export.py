@@ -44,6 +44,7 @@ from sqlalchemy import select
 from db.engine import transaction
 from db.models import Evaluation, Run, RunSummary, Study, TrainPoint
 from jobs.metrics import METRICS
+from jobs.status import RunStatus
 
 CURVE_METRICS = tuple(METRICS.values())  # every metric an evaluation point can carry
 TRAIN_METRICS = ("loss", "val_loss", "lr", "tokens_per_second")
@@ -268,7 +269,7 @@ def to_mlflow(
     )
     result = Exported(name, experiment_id)
     for run_id, status, config_hash in runs:
-        if status != "done":
+        if status != RunStatus.DONE:
             result.unfinished.append(run_id)
             continue
         # The same run: ids alone are not enough (another database, or ids handed out

@@ -83,7 +83,8 @@ def test_submit_train_evaluate_query(cluster_factory, database_url: str) -> None
     assert keys == sorted(planned)
     assert rope.provenance["finetune"]["pi:2+ft10"]["length"] == 64
     assert "finetune" not in alibi.provenance
-    assert "phase" not in rope.provenance  # the note while it fine-tuned, gone at the end
+    # The note while it fine-tuned (its phase), gone at the end; never in its provenance.
+    assert rope.phase is None and "phase" not in rope.provenance
     folder = cluster.settings.artifacts_dir / "runs"
     assert (folder / f"{rope.id}.pt").exists() and not list(folder.glob(f"{rope.id}.pt.ft-*"))
     curves = queries.curves(database_url, study_ids=[submitted.study_id])
@@ -233,7 +234,8 @@ def test_a_study_submitted_while_its_twin_trains_waits_and_trains_nothing(
     assert waited.provenance["trained_by_run"] == trained.id
     assert waited.provenance["resumed_from_step"] == 600  # no step trained again
     assert waited.attempts == 1  # waiting spends no attempt
-    assert "waiting_for" not in waited.provenance  # a note while it waited, gone at the end
+    # The note while it waited, gone at the end; never in its provenance.
+    assert waited.waiting_for is None and "waiting_for" not in waited.provenance
     assert [k[3] for k in evaluation_keys(cluster) if k[0] == waited.id] == [32, 64, 128]
 
 

@@ -1,0 +1,72 @@
+"""The structure the redesign made, kept: small functions and modules, one declaration
+of each metric and of each run status (docs/architecture.md, rules of thumb)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from jobs.metrics import METRICS
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("jobs", "worker", "db", "dashboard", "benchmarks", "lint")
+MAX_FUNCTION_LINES = 100
+MAX_MODULE_LINES = 500
+
+
+def _sources(*, history: bool = False) -> list[Path]:
+    """Our Python modules; Alembic revisions are history (they keep the names of their
+    day) unless ``history``."""
+    return [
+        path
+        for package in PACKAGES
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if history or "migrations" not in path.parts
+    ]
+
+
+def test_no_module_over_500_lines_and_no_function_over_100() -> None:
+    problems = []
+    for path in _sources():
+        text = path.read_text(encoding="utf-8")
+        name = path.relative_to(ROOT)
+        if (lines := len(text.splitlines())) > MAX_MODULE_LINES:
+            problems.append(f"{name}: {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    problems.append(f"{name}:{node.lineno} {node.name}(): {length} lines")
+    assert not problems, "\n".join(problems)
+
+
+def _string_literals(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return [
+        (node.lineno, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+    ]
+
+
+# "loss" also names the training loss (train_points.loss, the training curves' column),
+# which is not the evaluation metric; every other metric name is the registry's alone.
+@pytest.mark.parametrize("metric", sorted(set(METRICS) - {"loss"}))
+def test_metric_names_are_written_only_in_the_registry(metric: str) -> None:
+    found = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for path in _sources()
+        if path != ROOT / "jobs" / "metrics.py"
+        for line, value in _string_literals(path)
+        if value == metric and not _is_field_name(path, line, metric)
+    ]
+    assert not found, f"{metric!r} written outside jobs/metrics.py: {found}"
+
+
+def _is_field_name(path: Path, line: int, metric: str) -> bool:
+    """A metric's column declared in the schema (an attribute, not a switch)."""
+    text = path.read_text(encoding="utf-8").splitlines()[line - 1]
+    return bool(re.match(rf"\s*{metric}\s*:", text))

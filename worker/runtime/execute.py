@@ -1,0 +1,177 @@
+"""Execute a claimed run: train it (or take its model from the result cache), evaluate
+it, summarise it, and finish it.
+
+A run is idempotent: a duplicate message finds it claimed and does nothing
+(``jobs.lifecycle.claim``), and an execution resumes from the last checkpoint, skips
+evaluations already stored, and upserts the rest. A NaN loss, an out-of-memory error
+or a bad config ends the run as failed with a readable reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+
+from jobs import lifecycle
+from jobs.lifecycle import ClaimedRun, LeaseLost
+from jobs.settings import get_settings
+from jobs.status import RunStatus
+from worker.runtime import cache, store
+from worker.runtime.heartbeat import Heartbeat, exit_hung
+from worker.runtime.shutdown import shutting_down
+
+log = logging.getLogger(__name__)
+
+
+def execute(claimed: ClaimedRun, node: str) -> str:
+    """Run ``claimed`` to its end on this worker (``node``: its host name); returns what
+    became of it, for the task's result."""
+    from jobs.spec import parse_spec
+
+    settings = get_settings()
+    url, run = claimed.url, claimed.run
+    spec = parse_spec(claimed.spec)
+    trainer = cache.training_run(url, run, node, settings.artifacts_dir / "runs", spec.train.steps)
+    if trainer is not None:
+        return cache.wait_for(claimed, trainer, settings.stale_after_seconds / 2)
+    watchdog = {"hang_seconds": settings.hang_seconds, "on_hang": exit_hung, "hard_deadline": True}
+    with Heartbeat(claimed, settings.heartbeat_seconds, **watchdog) as beat:
+        try:
+            outcome = _train_and_evaluate(claimed, spec, run, beat)
+        except LeaseLost:
+            return "lease lost: another worker owns the run now"
+        except Exception as err:  # anything else is a failure the user must be able to read
+            reason = failure_reason(err)
+            log.exception("run %s failed", claimed.run_id)
+            lifecycle.finish(claimed, RunStatus.FAILED, reason=reason)
+            outcome = f"failed: {reason}"
+    if not outcome.startswith("released"):
+        cache.wake_waiting(url, run)  # finished or failed: a waiting run takes or trains now
+    return outcome
+
+
+def _train_and_evaluate(claimed: ClaimedRun, spec, run, beat) -> str:
+    import torch
+
+    from jobs.analysis import summarize_points
+    from worker.study import prepared_task, resolve_device, run_one
+    from worker.train import RunCancelled
+
+    settings = get_settings()
+    url, run_id = claimed.url, claimed.run_id
+    run_spec = matching_run(spec, run)
+    checkpoint = settings.artifacts_dir / "runs" / f"{run_id}.pt"
+    task = prepared_task(spec)  # first: a trained model is adopted only on the same data
+    # The run's provenance as stored: a model an earlier attempt adopted, fine-tuned
+    # variants' records of earlier attempts.
+    noted: dict = dict(run.provenance) if isinstance(run.provenance, dict) else {}
+    # A model trained by another run: adopted now, or by an earlier attempt of this one.
+    adopted = dict(noted)
+    if run.train_hash is not None and not checkpoint.exists() and not run.skip_cache:
+        trained = (run.train_hash, spec.train.steps, task.fingerprint)
+        adopted = cache.take_model(claimed, *trained, checkpoint) or {}
+    cancel = {"asked": False}
+
+    def on_progress(point) -> None:
+        cancel["asked"] = lifecycle.progress(claimed, point)
+
+    def cancel_asked() -> bool:  # by a progress report's answer or by the heartbeat's
+        return cancel["asked"] or beat.cancel_asked
+
+    try:
+        result = run_one(
+            spec,
+            run_spec,
+            device=resolve_device(),
+            checkpoint=checkpoint,
+            on_progress=on_progress,
+            on_evaluation=lambda row: store.record_evaluation(claimed, row),
+            should_stop=lambda: cancel_asked() or beat.lost or shutting_down.is_set(),
+            may_write=lambda: not beat.lost,
+            skip_evaluations=store.stored_evaluations(url, run_id),
+            task=task,
+            on_trained=lambda: cache.wake_waiting(url, run),  # they adopt the model now
+            on_finetuned=lambda label, record: (
+                noted.update(store.note_provenance(claimed, "finetune", label, record)),
+                lifecycle.set_phase(claimed, None),  # evaluating it now, as usual
+            ),
+            on_finetune_progress=lambda label, point, steps: lifecycle.set_phase(
+                claimed,
+                f"fine-tuning {label}: step {point.step} of {steps}, loss {point.loss:.3f}",
+            ),
+        )
+    except RunCancelled as err:
+        if beat.lost:
+            raise LeaseLost(str(err)) from None
+        if shutting_down.is_set() and not cancel_asked():
+            return release_for_shutdown(claimed, str(err))
+        lifecycle.finish(claimed, RunStatus.CANCELLED, reason=str(err))
+        return RunStatus.CANCELLED.value
+    except torch.OutOfMemoryError as err:
+        raise MemoryError(f"out of memory: {str(err).splitlines()[0]}") from err
+    # Summaries from every stored point: a resumed attempt evaluated only the rest.
+    metric = spec.task.metric
+    summaries = summarize_points(
+        store.stored_points(url, run_id, metric),
+        train_length=spec.train.length,
+        metric=metric,
+        extra=result.order.as_summaries() if result.order else None,
+    )
+    store.record_summaries(claimed, summaries)
+    provenance = {**result.provenance, "resumed_from_step": result.train.resumed_from}
+    provenance.update({k: adopted[k] for k in ("trained_by_run", "training") if k in adopted})
+    if "trained_by_run" in adopted and not adopted.get("training"):
+        # Adopted from a run still evaluating: its provenance, if it has finished since.
+        provenance["training"] = cache.finished_provenance(url, adopted["trained_by_run"])
+    if noted.get("finetune"):  # every attempt's fine-tunings, not only this one's
+        provenance["finetune"] = {**noted["finetune"], **provenance.get("finetune", {})}
+    lifecycle.finish(
+        claimed, RunStatus.DONE, provenance=provenance, checkpoint_uri=checkpoint.as_uri()
+    )
+    return RunStatus.DONE.value
+
+
+def release_for_shutdown(claimed: ClaimedRun, where: str) -> str:
+    """The worker is shutting down: the checkpoint is saved; queue the run again (or end
+    it cancelled, when a cancel arrived that the run had not yet seen)."""
+    from jobs.service import enqueue
+
+    outcome = lifecycle.release(claimed)
+    if outcome is None:
+        return "lease lost: another worker owns the run now"
+    if outcome == RunStatus.CANCELLED:
+        return outcome.value
+    enqueue([claimed.run_id])  # a failed send is retried by the reconciler (never sent)
+    stopped = where.removeprefix("cancelled ")
+    log.info("run %s released to the queue (worker shutting down, %s)", claimed.run_id, stopped)
+    return f"released: the worker is shutting down ({stopped}); the run is queued again"
+
+
+def matching_run(spec, run):
+    """The RunSpec of the stored ``run``: by config hash, or (a study stored by an
+    earlier version, whose hash or label format differed) by encoding, resolved
+    parameters and seed."""
+    runs = spec.runs()
+    for candidate in runs:
+        if candidate.config_hash == run.config_hash:
+            return candidate
+    for candidate in runs:
+        if (
+            candidate.seed == run.seed
+            and candidate.encoding.name == run.encoding
+            and candidate.encoding.resolved_params == run.params
+        ):
+            return candidate
+    raise ValueError(f"run {run.id} ({run.label}, seed {run.seed}) is not in its study's spec")
+
+
+def failure_reason(err: BaseException) -> str:
+    """The reason a failed run shows: the error's own words for the failures a user can
+    cause, and where it happened for the rest (bugs)."""
+    from worker.train import TrainingDiverged
+
+    if isinstance(err, TrainingDiverged | MemoryError | ValueError):
+        return str(err)
+    last = traceback.extract_tb(err.__traceback__)[-1:]
+    where = f" at {last[0].filename}:{last[0].lineno}" if last else ""
+    return f"internal error: {type(err).__name__}: {err}{where}"
