@@ -10,12 +10,14 @@ import streamlit as st
 from dashboard.common import database, query_ints, schema_ready, set_query
 from db import queries
 from jobs import analysis
+from jobs.lifecycle import STOPPING
+from jobs.status import ACTIVE, RUN_STATUSES, RunStatus
 
 REFRESH_SECONDS = 2
 
 
 def eta(row: pd.Series, tokens_per_step: int) -> str:
-    if row["status"] != "running" or not row["tokens_per_second"]:
+    if row["status"] != RunStatus.RUNNING or not row["tokens_per_second"]:
         return ""
     remaining = (row["total_steps"] - row["step"]) * tokens_per_step / row["tokens_per_second"]
     return str(dt.timedelta(seconds=round(remaining)))
@@ -48,9 +50,7 @@ def live_runs(study_id: int, tokens_per_step: int) -> None:
     view, runs = runs_view(study_id, tokens_per_step)
     counts = view["status"].value_counts().to_dict()
     st.caption(
-        " · ".join(
-            f"{counts.get(s, 0)} {s}" for s in ("queued", "running", "done", "failed", "cancelled")
-        )
+        " · ".join(f"{counts.get(status, 0)} {status}" for status in RUN_STATUSES)
         + f" · refreshed every {REFRESH_SECONDS}s"
     )
     st.dataframe(
@@ -65,7 +65,7 @@ def live_runs(study_id: int, tokens_per_step: int) -> None:
         },
     )
     for row in runs.itertuples():
-        if row.status == "failed":
+        if row.status == RunStatus.FAILED:
             st.error(f"run {row.id} ({row.label}, seed {row.seed}) failed: {row.failure_reason}")
     with st.expander("Provenance"):
         for row in runs.itertuples():
@@ -111,7 +111,7 @@ def render() -> None:
         from jobs.service import cancel
 
         counts = cancel(study_id=study_id)
-        st.toast(f"{counts['cancelled']} cancelled, {counts['stopping']} stopping")
+        st.toast(f"{counts[RunStatus.CANCELLED]} cancelled, {counts[STOPPING]} stopping")
     if right.button("Retry failed / cancelled", key="retry"):
         from jobs.service import retry
 
@@ -142,7 +142,7 @@ def _delete(study_id: int, study: pd.Series) -> None:
     from jobs.service import Busy, NotFound, busy_message, delete_study
 
     with st.expander("Delete study"):
-        busy = int(study["queued"] + study["running"])
+        busy = sum(int(study[status]) for status in ACTIVE)
         if busy:
             st.caption(busy_message(study_id, busy))
             return

@@ -20,6 +20,7 @@ from jobs.cli.common import (
     console,
     fail,
 )
+from jobs.status import ACTIVE
 
 
 @app.command("import")
@@ -215,7 +216,7 @@ def _print_results(frame, row, view: str, output: str, title: str) -> None:
     elif view == "curves":
         console.print(curve_table(frame, row))
     elif frame.empty:
-        if int(row["queued"] or 0) + int(row["running"] or 0) == 0:
+        if sum(int(row[status] or 0) for status in ACTIVE) == 0:
             console.print(
                 f"study {study} ({row['name']}): no {view}: every run has ended and none "
                 "could be computed (see posbench status)"

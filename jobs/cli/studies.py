@@ -21,6 +21,7 @@ from jobs.cli.common import (
     console,
     fail,
 )
+from jobs.status import ACTIVE, RUN_STATUSES, RunStatus
 
 
 @app.command()
@@ -129,7 +130,7 @@ def submit(
     submitted = submit_study(spec, force=force)
     payload = {
         "study": submitted.study_id,
-        "queued": submitted.queued,
+        RunStatus.QUEUED.value: submitted.queued,
         "reused": submitted.reused,
         "unsent": submitted.unsent,
     }
@@ -167,7 +168,7 @@ def status(
     url = _database()
     if study is None:
         frame = queries.studies(url)
-        shown = ["id", "name", "task", "runs", "queued", "running", "done", "failed", "cancelled"]
+        shown = ["id", "name", "task", "runs", *RUN_STATUSES]
     else:
         if queries.studies(url, [study]).empty:
             fail(f"no study with id {study}", code=2)
@@ -214,10 +215,11 @@ def _on_runs(action, study: int | None, run: int | None):
 @app.command()
 def cancel(study: StudyArgument = None, run: RunOption = None) -> None:
     """Cancel queued runs at once; running runs stop at their next progress report."""
+    from jobs.lifecycle import STOPPING
     from jobs.service import cancel as cancel_runs
 
     counts = _on_runs(cancel_runs, study, run)
-    console.print(f"{counts['cancelled']} cancelled, {counts['stopping']} stopping")
+    console.print(f"{counts[RunStatus.CANCELLED]} cancelled, {counts[STOPPING]} stopping")
 
 
 @app.command()
@@ -243,8 +245,8 @@ def delete(
     if found.empty:
         fail(f"no study with id {study}", code=2)
     row = found.iloc[0]
-    if row["queued"] + row["running"]:
-        fail(busy_message(study, int(row["queued"] + row["running"])), code=1)
+    if busy := sum(int(row[status]) for status in ACTIVE):
+        fail(busy_message(study, busy), code=1)
     if not yes and not typer.confirm(
         f"Delete study {study} ({row['name']}) with its {row['runs']} runs and their results?"
     ):

@@ -10,8 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from jobs.render.tables import seed_means
-
-FINISHED = ("done", "failed", "cancelled")
+from jobs.status import FINISHED, RunStatus
 
 
 def frame_table(frame: pd.DataFrame, title: str) -> Table:
@@ -63,12 +62,12 @@ def watch(study_id: int, *, console: Console, every: float = 1.0) -> int:
                         f"{run.label} seed {run.seed}", total=run.total_steps, status=""
                     )
                 note = run.status
-                if run.status == "running" and not pd.isna(run.latest_loss):
+                if run.status == RunStatus.RUNNING and not pd.isna(run.latest_loss):
                     note = f"running  loss {run.latest_loss:.3f}"
-                if run.status == "failed":
+                if run.status == RunStatus.FAILED:
                     note = f"failed: {run.failure_reason}"
                 progress.update(bars[run.id], completed=run.step, status=note)
             if len(runs) and runs["status"].isin(FINISHED).all():
                 break
             time.sleep(every)
-    return 0 if (runs["status"] == "done").all() else 1
+    return 0 if (runs["status"] == RunStatus.DONE).all() else 1
