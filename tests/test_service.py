@@ -302,7 +302,7 @@ def test_a_trained_model_is_adopted_only_from_a_final_checkpoint_of_the_same_tra
     import torch
 
     from worker.tasks import _adopt
-    from worker.train import CHECKPOINT_VERSION
+    from worker.training import CHECKPOINT_VERSION
 
     first = submit(parse_spec(SPEC), settings=settings, send=Recorder())
     donor = first.queued[0]
@@ -360,7 +360,7 @@ def test_a_twin_still_evaluating_gives_its_final_checkpoint_by_its_data_stamp(
     import torch
 
     from worker.tasks import _adopt
-    from worker.train import CHECKPOINT_VERSION
+    from worker.training import CHECKPOINT_VERSION
 
     first = submit(parse_spec(SPEC), settings=settings, send=Recorder())
     other_eval = {**SPEC, "name": "longer", "eval": {"lengths": [16, 32, 64]}}
@@ -396,7 +396,7 @@ def test_a_run_waits_only_for_a_twin_whose_model_it_can_adopt(settings: Settings
     import torch
 
     from worker.tasks import _twin_training
-    from worker.train import CHECKPOINT_VERSION
+    from worker.training import CHECKPOINT_VERSION
 
     first = submit(parse_spec(SPEC), settings=settings, send=Recorder())
     other_eval = {**SPEC, "name": "longer", "eval": {"lengths": [16, 32, 64]}}

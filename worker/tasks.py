@@ -20,6 +20,7 @@ from celery.signals import worker_init, worker_process_init
 
 from jobs.celery_app import TRAIN_RUN, app
 from jobs.settings import get_settings
+from worker.training.hooks import BaseHooks
 
 log = logging.getLogger(__name__)
 
@@ -71,13 +72,14 @@ def _train_and_evaluate(url: str, run_id: int, lease: str, spec, run, beat) -> s
 
     from jobs.analysis import summarize_points
     from worker import store
-    from worker.study import prepared_task, resolve_device, run_one
-    from worker.train import RunCancelled
+    from worker.run import prepared_task, resolve_device, run_one
+    from worker.training import RunCancelled
 
     settings = get_settings()
     run_spec = matching_run(spec, run)
     checkpoint = settings.artifacts_dir / "runs" / f"{run_id}.pt"
-    task = prepared_task(spec)  # first: a trained model is adopted only on the same data
+    # First: a trained model is adopted only on the same data.
+    task = prepared_task(spec, settings.corpus_cache)
     # The run's provenance as stored: a model an earlier attempt adopted, fine-tuned
     # variants' records of earlier attempts.
     noted: dict = dict(run.provenance) if isinstance(run.provenance, dict) else {}
@@ -86,42 +88,21 @@ def _train_and_evaluate(url: str, run_id: int, lease: str, spec, run, beat) -> s
     if run.train_hash is not None and not checkpoint.exists() and not adopted.get("train_afresh"):
         trained = (run.train_hash, spec.train.steps, task.fingerprint)
         adopted = _adopt(url, run_id, lease, *trained, checkpoint) or {}
-    cancel = {"asked": False}
-
-    def on_progress(point) -> None:
-        cancel["asked"] = store.record_progress(url, run_id, lease, point)
-
-    def cancel_asked() -> bool:  # by a progress report's answer or by the heartbeat's
-        return cancel["asked"] or beat.cancel_asked
-
+    hooks = _StoreHooks(url, run_id, lease, run, beat, noted)
     try:
         result = run_one(
             spec,
             run_spec,
-            device=resolve_device(),
-            checkpoint=checkpoint,
-            on_progress=on_progress,
-            on_evaluation=lambda row: store.record_evaluation(url, run_id, lease, row),
-            should_stop=lambda: cancel_asked() or beat.lost or shutting_down.is_set(),
-            may_write=lambda: not beat.lost,
-            skip_evaluations=store.stored_evaluations(url, run_id),
             task=task,
-            on_trained=lambda: _wake_twins(url, run),  # they adopt the model now
-            on_finetuned=lambda label, record: (
-                noted.update(store.note_provenance(url, run_id, lease, "finetune", label, record)),
-                store.note_phase(url, run_id, lease, None),  # evaluating it now, as usual
-            ),
-            on_finetune_progress=lambda label, point, steps: store.note_phase(
-                url,
-                run_id,
-                lease,
-                f"fine-tuning {label}: step {point.step} of {steps}, loss {point.loss:.3f}",
-            ),
+            device=resolve_device(settings.device),
+            checkpoint=checkpoint,
+            hooks=hooks,
+            skip_evaluations=store.stored_evaluations(url, run_id),
         )
     except RunCancelled as err:
         if beat.lost:
             raise store.LeaseLost(str(err)) from None
-        if shutting_down.is_set() and not cancel_asked():
+        if shutting_down.is_set() and not hooks.cancel_asked():
             return _release(url, run_id, lease, str(err))
         store.finish(url, run_id, lease, "cancelled", reason=str(err))
         return "cancelled"
@@ -147,6 +128,50 @@ def _train_and_evaluate(url: str, run_id: int, lease: str, spec, run, beat) -> s
         url, run_id, lease, "done", provenance=provenance, checkpoint_uri=checkpoint.as_uri()
     )
     return "done"
+
+
+class _StoreHooks(BaseHooks):
+    """The engine's hooks for a run this worker holds:
+    reports go to the database under the lease; the run stops when a cancel is asked
+    (by a progress report's answer or by the heartbeat's), when the lease is lost, or
+    when the worker shuts down."""
+
+    def __init__(self, url: str, run_id: int, lease: str, run, beat, noted: dict) -> None:
+        from worker import store
+
+        self.store, self.url, self.run_id, self.lease = store, url, run_id, lease
+        self.run, self.beat = run, beat
+        self.noted = noted  # the run's provenance as stored, kept up to date
+        self.asked = False
+
+    def cancel_asked(self) -> bool:
+        return self.asked or self.beat.cancel_asked
+
+    def on_progress(self, point) -> None:
+        self.asked = self.store.record_progress(self.url, self.run_id, self.lease, point)
+
+    def on_trained(self) -> None:
+        _wake_twins(self.url, self.run)  # they adopt the model now
+
+    def on_finetune_progress(self, label: str, point, steps: int) -> None:
+        phase = f"fine-tuning {label}: step {point.step} of {steps}, loss {point.loss:.3f}"
+        self.store.note_phase(self.url, self.run_id, self.lease, phase)
+
+    def on_finetuned(self, label: str, record: dict) -> None:
+        kept = self.store.note_provenance(
+            self.url, self.run_id, self.lease, "finetune", label, record
+        )
+        self.noted.update(kept)
+        self.store.note_phase(self.url, self.run_id, self.lease, None)  # evaluating it now
+
+    def on_evaluation(self, row) -> None:
+        self.store.record_evaluation(self.url, self.run_id, self.lease, row)
+
+    def should_stop(self) -> bool:
+        return self.cancel_asked() or self.beat.lost or shutting_down.is_set()
+
+    def may_write(self) -> bool:
+        return not self.beat.lost
 
 
 def _adopt(
@@ -277,7 +302,7 @@ def _final_checkpoint(path, train_hash: str, steps: int, data: str | None = None
     one passes on the donor's stored fingerprint alone: ``data`` None)."""
     import torch
 
-    from worker.train import checkpoint_problem
+    from worker.training import checkpoint_problem
 
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -338,7 +363,7 @@ def matching_run(spec, run):
 
 
 def _reason(err: BaseException) -> str:
-    from worker.train import TrainingDiverged
+    from worker.training import TrainingDiverged
 
     if isinstance(err, TrainingDiverged | MemoryError | ValueError):
         return str(err)
