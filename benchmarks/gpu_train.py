@@ -5,7 +5,7 @@
 
 The GPU half of the performance issue, prepared as one short script for a lent GPU:
 for each encoding, a posbench model of the preset trains under bf16 autocast with the
-fused AdamW (as ``worker.train`` does), eagerly and under torch.compile, and reports
+fused AdamW (as ``worker.training`` does), eagerly and under torch.compile, and reports
 tokens/s and utilisation = model FLOPs/s / the GPU's dense bf16 peak. The peak comes from
 ``--peak-tflops`` or a small table of known GPUs. Runs on the CPU too (``--device cpu``,
 fp32, no peak), which is how it is checked without a GPU.

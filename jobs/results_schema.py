@@ -145,7 +145,7 @@ class StudyResults:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> StudyResults:
-        """The document of the engine's own dict (``worker.study.StudyResult.to_dict``)."""
+        """The document of the engine's own dict (``worker.run.StudyResult.to_dict``)."""
         return cls(**{**data, "runs": [RunRecord.from_dict(run) for run in data["runs"]]})
 
     def to_dict(self) -> dict[str, Any]:

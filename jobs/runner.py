@@ -22,6 +22,7 @@ from jobs.results_schema import StudyResults
 from jobs.spec import DEFAULT_NAME, StudySpec
 from jobs.status import RunStatus
 from worker.catalog.params import short_repr
+from worker.training.hooks import BaseHooks
 
 
 def _title(table: CurveTable, protocol: str) -> str:
@@ -97,19 +98,76 @@ def _check_out(spec: StudySpec, out: Path) -> None:
         )
 
 
-def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: str | None) -> None:
+class _StudyView:
+    """``posbench run``'s view of a study: a progress bar per run. Not a terminal (a log
+    file, nohup, Slurm, CI): the bars are not drawn, so a plain line per run says where
+    it is: training at most every LOG_SECONDS and at its last step, and each evaluation."""
+
+    def __init__(self, spec: StudySpec, runs: list, console: Console) -> None:
+        self.steps, self.console, self.plain = spec.train.steps, console, not console.is_terminal
+        self.progress = Progress(
+            TextColumn("{task.description:<28}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[status]}"),
+            TimeElapsedColumn(),
+            console=console,
+        )
+        self.bars = {
+            run.config_hash: self.progress.add_task(
+                f"{run.encoding.label} seed {run.seed}",
+                total=spec.train.steps,
+                status=RunStatus.QUEUED.value,
+            )
+            for run in runs
+        }
+
+    def hooks_for(self, run) -> _RunView:
+        return _RunView(self, run)
+
+
+class _RunView(BaseHooks):
+    """One run's bar and log lines: the run's hooks."""
+
+    def __init__(self, study: _StudyView, run) -> None:
+        self.study, self.run, self.bar = study, run, study.bars[run.config_hash]
+        self.last_val = ""  # the last validation loss stays on the bar
+        self.logged_at = -LOG_SECONDS
+
+    def on_progress(self, point) -> None:
+        if point.val_loss is not None:
+            self.last_val = f"  val {point.val_loss:.3f}"
+        status = f"loss {point.loss:.3f}{self.last_val}  {point.tokens_per_second:,.0f} tok/s"
+        self.study.progress.update(self.bar, completed=point.step, status=status)
+        steps = self.study.steps
+        self._log(f"step {point.step}/{steps}  {status}", point.step == steps)
+
+    def on_evaluation(self, row) -> None:
+        self.study.progress.update(self.bar, status=f"evaluated {row.variant} @ {row.length}")
+        self._log(f"evaluated {row.variant} at {row.length}", last=True)
+
+    def _log(self, text: str, last: bool = False) -> None:
+        now = time.monotonic()
+        if self.study.plain and (last or now - self.logged_at >= LOG_SECONDS):
+            self.logged_at = now
+            run = self.run
+            self.study.console.print(
+                f"{run.encoding.label} seed {run.seed}: {text}", highlight=False
+            )
+
+
+def _prepare(spec: StudySpec, out: Path | None, device: str | None):
+    """The output folder, the checkpoint folder, the torch device and the prepared task,
+    from the settings where not given: everything that can be refused is checked before
+    the first progress bar."""
     from jobs.settings import get_settings
     from worker.catalog.tasks import TaskConfigError
-    from worker.cpu import flush_denormals
-    from worker.study import DeviceError, prepared_task, resolve_device, run_study
-    from worker.train import TrainingDiverged
+    from worker.run import DeviceError, prepared_task, resolve_device
 
-    flush_denormals()  # before torch's first parallel operation starts its threads
-    console = Console(stderr=as_json)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = out or get_settings().home / "runs" / f"{folder_name(spec.name)}-{stamp}"
-    checkpoints = get_settings().home / "checkpoints"
-    # Everything that can be refused is checked before the first progress bar.
+    settings = get_settings()
+    out = out or settings.home / "runs" / f"{folder_name(spec.name)}-{stamp}"
+    checkpoints = settings.home / "checkpoints"
     if out.exists() and not out.is_dir():
         _fail(f"--out {out} is a file; give a folder (created if missing)")
     _check_out(spec, out)
@@ -119,72 +177,39 @@ def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: 
         if problem:
             _fail(f"{what} {folder} cannot be written: {problem}")
     try:
-        torch_device = resolve_device(device)
-        task = prepared_task(spec)
+        torch_device = resolve_device(device, default=settings.device)
+        task = prepared_task(spec, settings.corpus_cache)
     except (DeviceError, TaskConfigError, OSError) as err:
         if created:
             out.rmdir()  # refused: leave no empty folder behind
         if isinstance(err, OSError):  # e.g. POSBENCH_CACHE_DIR is a file
             _fail(f"the task's data could not be prepared: {err}")
         _fail(str(err))
+    return out, checkpoints, torch_device, task
+
+
+def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: str | None) -> None:
+    from worker.cpu import flush_denormals
+    from worker.run import run_study
+    from worker.training import TrainingDiverged
+
+    flush_denormals()  # before torch's first parallel operation starts its threads
+    console = Console(stderr=as_json)
+    out, checkpoints, torch_device, task = _prepare(spec, out, device)
     runs = spec.runs()
     console.print(
         f"study [bold]{spec.name}[/]: {len(runs)} runs x {spec.train.steps} steps on "
         f"{torch_device}, evaluated at {', '.join(map(str, spec.eval.lengths))}"
     )
-    progress = Progress(
-        TextColumn("{task.description:<28}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[status]}"),
-        TimeElapsedColumn(),
-        console=console,
-    )
-    bars = {
-        run.config_hash: progress.add_task(
-            f"{run.encoding.label} seed {run.seed}",
-            total=spec.train.steps,
-            status=RunStatus.QUEUED.value,
-        )
-        for run in runs
-    }
-    last_val: dict[str, str] = {}
-
-    def validated(run, point) -> str:  # the last validation loss stays on the bar
-        if point.val_loss is not None:
-            last_val[run.config_hash] = f"  val {point.val_loss:.3f}"
-        return last_val.get(run.config_hash, "")
-
-    # Not a terminal (a log file, nohup, Slurm, CI): the bars are not drawn, so a plain
-    # line per run says where it is: training at most every LOG_SECONDS and at its last
-    # step, and each evaluation.
-    plain = not console.is_terminal
-    logged: dict[str, float] = {}
-
-    def log_line(run, text: str, last: bool = False) -> None:
-        now = time.monotonic()
-        if plain and (last or now - logged.get(run.config_hash, -LOG_SECONDS) >= LOG_SECONDS):
-            logged[run.config_hash] = now
-            console.print(f"{run.encoding.label} seed {run.seed}: {text}", highlight=False)
-
-    def trained(run, p) -> None:
-        status = f"loss {p.loss:.3f}{validated(run, p)}  {p.tokens_per_second:,.0f} tok/s"
-        progress.update(bars[run.config_hash], completed=p.step, status=status)
-        log_line(run, f"step {p.step}/{spec.train.steps}  {status}", p.step == spec.train.steps)
-
-    def evaluated(run, row) -> None:
-        progress.update(bars[run.config_hash], status=f"evaluated {row.variant} @ {row.length}")
-        log_line(run, f"evaluated {row.variant} at {row.length}", last=True)
-
+    view = _StudyView(spec, runs, console)
     try:
-        with progress:
+        with view.progress:
             result = run_study(
                 spec,
                 task=task,
                 device=torch_device,
                 checkpoint_dir=checkpoints,
-                on_progress=trained,
-                on_evaluation=evaluated,
+                hooks_for=view.hooks_for,
             )
     except TrainingDiverged as err:
         Console(stderr=True).print(f"[bold red]run failed:[/] {err}")

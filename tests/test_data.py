@@ -411,7 +411,7 @@ def test_assoc_recall_draws_distinct_keys_from_a_huge_key_space() -> None:
 
 def test_the_evaluation_plan_is_checked_before_training(tmp_path: Path) -> None:
     from jobs.spec import parse_spec
-    from worker.study import prepared_task
+    from worker.run import prepared_task
 
     small = tmp_path / "small.txt"
     small.write_text("x" * 3000)
@@ -425,4 +425,4 @@ def test_the_evaluation_plan_is_checked_before_training(tmp_path: Path) -> None:
         }
     )
     with pytest.raises(CorpusError, match="evaluating at length 4096 needs at least 4097"):
-        prepared_task(spec)
+        prepared_task(spec, tmp_path / "cache")

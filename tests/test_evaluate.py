@@ -7,13 +7,22 @@ import math
 import pytest
 import torch
 
+from jobs.settings import get_settings
 from jobs.spec import parse_spec
 from worker.encodings import REGISTRY
 from worker.evaluate import evaluate
 from worker.model import ModelConfig, build_model
-from worker.study import prepared_task, run_one
+from worker.run import prepared_task, resolve_device, run_one
+from worker.training import BaseHooks
 
 TINY = {"model": "tiny", "train": {"length": 16, "steps": 6, "batch_size": 4}}
+
+
+def run_here(spec, run):
+    """``run_one`` as this machine runs it: the settings' device and corpus cache."""
+    settings = get_settings()
+    task = prepared_task(spec, settings.corpus_cache)
+    return run_one(spec, run, task=task, device=resolve_device(default=settings.device))
 
 
 def test_learned_beyond_its_table_is_not_applicable_never_a_crash() -> None:
@@ -29,7 +38,7 @@ def test_learned_beyond_its_table_is_not_applicable_never_a_crash() -> None:
             },
         }
     )
-    result = run_one(spec, spec.runs()[0])
+    result = run_here(spec, spec.runs()[0])
     rows = {(r.protocol, r.length): r for r in result.evaluations}
     assert set(rows) == {
         ("nonoverlapping", 16),
@@ -52,7 +61,7 @@ def test_lm_metrics_are_consistent() -> None:
     spec = parse_spec(
         {**TINY, "encodings": ["alibi"], "eval": {"lengths": [16, 64], "tokens": 512}}
     )
-    rows = run_one(spec, spec.runs()[0]).evaluations
+    rows = run_here(spec, spec.runs()[0]).evaluations
     for row in rows:
         assert row.perplexity == pytest.approx(math.exp(row.loss))
         assert row.bits_per_byte == pytest.approx(row.loss / math.log(2))
@@ -76,7 +85,7 @@ def test_rope_variants_are_evaluated_for_rotary_encodings_only() -> None:
         }
     )
     rope_run, alibi_run = spec.runs()
-    rope = {(r.variant, r.length): r for r in run_one(spec, rope_run).evaluations}
+    rope = {(r.variant, r.length): r for r in run_here(spec, rope_run).evaluations}
     assert set(rope) == {
         (v, n) for v in ("none", "pi:auto", "yarn:4", "dynamic_ntk") for n in (16, 64)
     }
@@ -85,7 +94,7 @@ def test_rope_variants_are_evaluated_for_rotary_encodings_only() -> None:
     assert rope["pi:auto", 16].loss == pytest.approx(rope["none", 16].loss, rel=1e-6)
     assert rope["dynamic_ntk", 16].loss == pytest.approx(rope["none", 16].loss, rel=1e-6)
     assert rope["pi:auto", 64].loss != pytest.approx(rope["none", 64].loss, rel=1e-6)
-    alibi = run_one(spec, alibi_run).evaluations
+    alibi = run_here(spec, alibi_run).evaluations
     assert {r.variant for r in alibi} == {"none"}
 
 
@@ -99,7 +108,7 @@ def test_passkey_accuracy_by_depth() -> None:
             "eval": {"lengths": [128, 256], "examples": 10},
         }
     )
-    rows = run_one(spec, spec.runs()[0]).evaluations
+    rows = run_here(spec, spec.runs()[0]).evaluations
     for row in rows:
         assert 0.0 <= row.accuracy <= 1.0 and row.perplexity is None
         # An exact answer has every byte right: per-byte accuracy is never below it.
@@ -132,7 +141,7 @@ def test_every_encoding_evaluates_the_small_model_at_32x(encoding: str) -> None:
             "eval": {"lengths": [4096], "tokens": 4096},
         }
     )
-    row = run_one(spec, spec.runs()[0]).evaluations[0]
+    row = run_here(spec, spec.runs()[0]).evaluations[0]
     if encoding == "learned":
         assert row.not_applicable is not None
     else:
@@ -145,7 +154,7 @@ def test_randomized_positions_evaluate_reproducibly_per_run_seed() -> None:
     spec = parse_spec(
         {**TINY, "encodings": ["randomized"], "eval": {"lengths": [16, 32], "tokens": 256}}
     )
-    task = prepared_task(spec)
+    task = prepared_task(spec, get_settings().corpus_cache)
     model = build_model(ModelConfig(**spec.model.dims()), "randomized", train_length=16)
 
     def losses(seed: int, global_seed: int) -> list[float]:
@@ -169,21 +178,28 @@ def test_randomized_positions_evaluate_reproducibly_per_run_seed() -> None:
 def _evaluate_nope_until(evaluation: dict, should_stop, message: str) -> list:
     """Evaluate an untrained NoPE model with ``should_stop`` until it raises RunCancelled
     with ``message``; the points stored before."""
-    from worker.train import RunCancelled
+    from worker.training import RunCancelled
 
     spec = parse_spec({**TINY, "encodings": ["nope"], "eval": evaluation})
     model = build_model(ModelConfig(**spec.model.dims()), "nope", train_length=16)
     stored: list = []
+
+    class Hooks(BaseHooks):
+        def on_evaluation(self, row) -> None:
+            stored.append(row)
+
+        def should_stop(self) -> bool:
+            return should_stop(stored)
+
     with pytest.raises(RunCancelled, match=message):
         evaluate(
             model,
-            prepared_task(spec),
+            prepared_task(spec, get_settings().corpus_cache),
             spec.eval,
             train_length=16,
             scalable=False,
             device=torch.device("cpu"),
-            on_evaluation=stored.append,
-            should_stop=lambda: should_stop(stored),
+            hooks=Hooks(),
         )
     return stored
 
@@ -215,10 +231,10 @@ def test_a_cancel_stops_a_long_length_between_its_batches() -> None:
 def test_provenance_names_the_commit_in_a_checkout_and_in_an_image(monkeypatch) -> None:
     import subprocess
 
-    from worker import study
+    from worker import run as engine
 
-    study._git_commit.cache_clear()
-    commit = study.provenance(torch.device("cpu"), 0, "lm")["git_commit"]
+    engine._git_commit.cache_clear()
+    commit = engine.provenance(torch.device("cpu"), 0, "lm")["git_commit"]
     assert commit and len(commit.removesuffix("+dirty")) == 40
     # In an image there is no .git: the commit comes from the build argument.
     monkeypatch.setenv("POSBENCH_GIT_COMMIT", "abc123")
@@ -227,6 +243,6 @@ def test_provenance_names_the_commit_in_a_checkout_and_in_an_image(monkeypatch) 
         raise FileNotFoundError("git")
 
     monkeypatch.setattr(subprocess, "run", no_git)
-    study._git_commit.cache_clear()
-    assert study.provenance(torch.device("cpu"), 0, "lm")["git_commit"] == "abc123"
-    study._git_commit.cache_clear()
+    engine._git_commit.cache_clear()
+    assert engine.provenance(torch.device("cpu"), 0, "lm")["git_commit"] == "abc123"
+    engine._git_commit.cache_clear()

@@ -8,11 +8,29 @@ from pathlib import Path
 import pytest
 import torch
 
+from jobs.settings import get_settings
 from jobs.spec import parse_spec
-from worker.study import prepared_task, run_one
-from worker.train import RunCancelled
+from worker.run import prepared_task, run_one
+from worker.training import BaseHooks, RunCancelled
 
 CPU = torch.device("cpu")
+
+
+class Hooks(BaseHooks):
+    """Records evaluations and fine-tuning reports; stops when ``should_stop`` says so."""
+
+    def __init__(self, on_evaluation=None, should_stop=None) -> None:
+        self.evaluated, self.stop, self.reports = on_evaluation, should_stop, []
+
+    def on_evaluation(self, row) -> None:
+        if self.evaluated is not None:
+            self.evaluated(row)
+
+    def on_finetune_progress(self, label: str, point, steps: int) -> None:
+        self.reports.append((label, point.step, steps))
+
+    def should_stop(self) -> bool:
+        return self.stop is not None and self.stop()
 
 
 def study(variants: list) -> object:
@@ -28,7 +46,7 @@ def study(variants: list) -> object:
 
 @pytest.fixture(scope="module")
 def task():
-    return prepared_task(study(["yarn:4"]))
+    return prepared_task(study(["yarn:4"]), get_settings().corpus_cache)
 
 
 def losses(result, variant: str) -> list[float]:
@@ -38,15 +56,9 @@ def losses(result, variant: str) -> list[float]:
 def test_a_fine_tuned_variant_trains_a_copy_under_its_scaling(task) -> None:
     spec = study(["yarn:4", "yarn:4+ft20"])
     (run,) = spec.runs()
-    reports = []
-    tuned = run_one(
-        spec,
-        run,
-        device=CPU,
-        task=task,
-        on_finetune_progress=lambda label, point, steps: reports.append((label, point.step, steps)),
-    )
-    assert reports == [("yarn:4+ft20", 10, 20), ("yarn:4+ft20", 20, 20)]  # the run's note
+    hooks = Hooks()
+    tuned = run_one(spec, run, device=CPU, task=task, hooks=hooks)
+    assert hooks.reports == [("yarn:4+ft20", 10, 20), ("yarn:4+ft20", 20, 20)]  # the run's note
     plain_spec = study(["yarn:4"])
     plain = run_one(plain_spec, plain_spec.runs()[0], device=CPU, task=task)
     # The trained model and its inference-time scaling are untouched by the fine-tuning
@@ -87,8 +99,7 @@ def test_a_stopped_fine_tuning_resumes_from_its_checkpoint(task, tmp_path: Path)
             device=CPU,
             task=task,
             checkpoint=checkpoint,
-            on_evaluation=keep,
-            should_stop=stop_in_fine_tuning,
+            hooks=Hooks(on_evaluation=keep, should_stop=stop_in_fine_tuning),
         )
     tuned_files = list(tmp_path.glob("7.pt.ft-*"))
     assert len(tuned_files) == 1 and sorted(stored) == [
@@ -101,7 +112,7 @@ def test_a_stopped_fine_tuning_resumes_from_its_checkpoint(task, tmp_path: Path)
         device=CPU,
         task=task,
         checkpoint=checkpoint,
-        on_evaluation=keep,
+        hooks=Hooks(on_evaluation=keep),
         skip_evaluations=set(stored),
     )
     record = resumed.provenance["finetune"]["pi:4+ft12"]
@@ -154,24 +165,29 @@ def test_scaled_fine_tuning_is_for_rotary_encodings_unscaled_for_every_one(task)
     assert "finetune" not in learned.provenance
 
 
-def test_a_failed_fine_tuning_leaves_the_run_and_says_why(task) -> None:
+def test_a_failed_fine_tuning_leaves_the_run_and_says_why(task, monkeypatch) -> None:
     from worker.evaluate import evaluate
     from worker.model import build_model
-    from worker.train import TrainingDiverged
+    from worker.training import NO_HOOKS, TrainingDiverged
+    from worker.training.finetune import FineTuner
 
     spec = study(["yarn:4", "yarn:4+ft20"])
+    model = build_model("tiny", "rope", train_length=32)
+    (run,) = spec.runs()
+    tuner = FineTuner(model, task, spec, run, device=CPU, checkpoint=None, hooks=NO_HOOKS)
 
     def diverges(variant):
         raise TrainingDiverged("the training loss became nan between steps 3 and 4")
 
+    monkeypatch.setattr(tuner, "tune", diverges)
     rows = evaluate(
-        build_model("tiny", "rope", train_length=32),
+        model,
         task,
         spec.eval,
         train_length=32,
         scalable=True,
         device=CPU,
-        model_for=diverges,
+        model_for=tuner.model_for,
     )
     assert [(r.variant, r.loss is not None) for r in rows] == [
         ("none", True),

@@ -11,10 +11,10 @@ from conftest import isolated_env, posbench_cli
 from db import queries
 from db.migrate import upgrade
 from jobs.service import submit
-from jobs.settings import Settings
+from jobs.settings import Settings, get_settings
 from jobs.spec import parse_spec
 from jobs.transfer.importer import ImportProblem, import_results
-from worker.study import run_study
+from worker.run import prepared_task, resolve_device, run_study
 
 SPEC = {
     "name": "laptop",
@@ -27,7 +27,9 @@ SPEC = {
 
 @pytest.fixture(scope="module")
 def payload() -> dict:
-    return run_study(parse_spec(SPEC)).to_dict()
+    spec, settings = parse_spec(SPEC), get_settings()
+    task = prepared_task(spec, settings.corpus_cache)
+    return run_study(spec, task=task, device=resolve_device(default=settings.device)).to_dict()
 
 
 @pytest.fixture

@@ -70,3 +70,17 @@ def _is_field_name(path: Path, line: int, metric: str) -> bool:
     """A metric's column declared in the schema (an attribute, not a switch)."""
     text = path.read_text(encoding="utf-8").splitlines()[line - 1]
     return bool(re.match(rf"\s*{metric}\s*:", text))
+
+
+def test_run_statuses_are_written_only_in_their_enum() -> None:
+    from jobs.status import RunStatus
+
+    statuses = {status.value for status in RunStatus}
+    found = [
+        f"{path.relative_to(ROOT)}:{line} {value!r}"
+        for path in _sources()
+        if path != ROOT / "jobs" / "status.py"
+        for line, value in _string_literals(path)
+        if value in statuses
+    ]
+    assert not found, f"run statuses written outside jobs/status.py: {found}"

@@ -7,6 +7,7 @@ import platform
 import pytest
 import torch
 
+from jobs.settings import get_settings
 from jobs.spec import parse_spec
 from worker import evaluate
 from worker.memory import (
@@ -17,7 +18,14 @@ from worker.memory import (
     halving_on_oom,
 )
 from worker.model import ModelConfig
-from worker.study import run_one
+from worker.run import prepared_task, resolve_device, run_one
+
+
+def run_here(spec, run):
+    """``run_one`` as this machine runs it: the settings' device and corpus cache."""
+    settings = get_settings()
+    task = prepared_task(spec, settings.corpus_cache)
+    return run_one(spec, run, task=task, device=resolve_device(default=settings.device))
 
 
 def test_short_sequences_keep_the_default_policy() -> None:
@@ -54,7 +62,7 @@ def test_an_evaluation_in_little_memory_gives_the_same_numbers(monkeypatch) -> N
             "eval": {"lengths": [64], "tokens": 512},
         }
     )
-    plenty = run_one(spec, spec.runs()[0]).evaluations[0]
+    plenty = run_here(spec, spec.runs()[0]).evaluations[0]
     sizes = []
     original = evaluate.eval_batch_size
 
@@ -64,7 +72,7 @@ def test_an_evaluation_in_little_memory_gives_the_same_numbers(monkeypatch) -> N
 
     monkeypatch.setattr(evaluate, "available_bytes", lambda device: 0)
     monkeypatch.setattr(evaluate, "eval_batch_size", recorded)
-    scarce = run_one(spec, spec.runs()[0]).evaluations[0]
+    scarce = run_here(spec, spec.runs()[0]).evaluations[0]
     assert sizes == [1, 1]  # one sequence at a time: the last step's validation, the evaluation
     assert scarce.loss == pytest.approx(plenty.loss, rel=1e-5)
     assert scarce.tokens == plenty.tokens == 512

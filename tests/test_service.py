@@ -305,7 +305,7 @@ def test_a_trained_model_is_adopted_only_from_a_final_checkpoint_of_the_same_tra
 ) -> None:
     import torch
 
-    from worker.train import CHECKPOINT_VERSION
+    from worker.training import CHECKPOINT_VERSION
 
     first = submit(parse_spec(SPEC), settings=settings, send=Recorder())
     donor = first.queued[0]
@@ -362,7 +362,7 @@ def test_a_twin_still_evaluating_gives_its_final_checkpoint_by_its_data_stamp(
 ) -> None:
     import torch
 
-    from worker.train import CHECKPOINT_VERSION
+    from worker.training import CHECKPOINT_VERSION
 
     first = submit(parse_spec(SPEC), settings=settings, send=Recorder())
     other_eval = {**SPEC, "name": "longer", "eval": {"lengths": [16, 32, 64]}}
@@ -397,7 +397,7 @@ def test_a_twin_still_evaluating_gives_its_final_checkpoint_by_its_data_stamp(
 def test_a_run_waits_only_for_a_twin_whose_model_it_can_adopt(settings: Settings) -> None:
     import torch
 
-    from worker.train import CHECKPOINT_VERSION
+    from worker.training import CHECKPOINT_VERSION
 
     first = submit(parse_spec(SPEC), settings=settings, send=Recorder())
     other_eval = {**SPEC, "name": "longer", "eval": {"lengths": [16, 32, 64]}}

@@ -280,8 +280,9 @@ def test_a_study_on_sov_tr_reports_accuracy_by_variant_and_depth(tmp_path) -> No
     import pandas as pd
 
     from jobs import analysis
+    from jobs.settings import get_settings
     from jobs.spec import parse_spec
-    from worker.study import run_study
+    from worker.run import prepared_task, resolve_device, run_study
 
     spec = parse_spec(
         {
@@ -293,7 +294,9 @@ def test_a_study_on_sov_tr_reports_accuracy_by_variant_and_depth(tmp_path) -> No
             "eval": {"lengths": [96, 192], "examples": 20},
         }
     )
-    result = run_study(spec)
+    settings = get_settings()
+    task = prepared_task(spec, settings.corpus_cache)
+    result = run_study(spec, task=task, device=resolve_device(default=settings.device))
     frame = pd.DataFrame(
         {
             "line": run.label,

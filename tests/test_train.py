@@ -12,16 +12,64 @@ from jobs.spec import TrainSpec
 from worker.data import build_task
 from worker.data.base import Batch
 from worker.model import build_model
-from worker.train import (
+from worker.training import (
+    BaseHooks,
+    Checkpointer,
     RunCancelled,
+    Trainer,
     TrainingDiverged,
     load_checkpoint,
     lr_at,
     make_optimizer,
-    train,
 )
 
 CPU = torch.device("cpu")
+
+
+class Hooks(BaseHooks):
+    """Hooks from functions: ``on_progress``, ``should_stop`` and ``may_write``."""
+
+    def __init__(self, on_progress=None, should_stop=None, may_write=None) -> None:
+        self.progress, self.stop, self.write = on_progress, should_stop, may_write
+
+    def on_progress(self, point) -> None:
+        if self.progress is not None:
+            self.progress(point)
+
+    def should_stop(self) -> bool:
+        return self.stop is not None and self.stop()
+
+    def may_write(self) -> bool:
+        return self.write is None or self.write()
+
+
+def train(
+    model,
+    task,
+    spec,
+    *,
+    seed,
+    device,
+    checkpoint=None,
+    fingerprint=None,
+    data=None,
+    validate=None,
+    stop_after=None,
+    **hooks,
+):
+    """A ``Trainer`` of these parts, fitted."""
+    checkpointer = Checkpointer(checkpoint, fingerprint, data) if checkpoint else None
+    trainer = Trainer(
+        model,
+        task,
+        spec,
+        seed=seed,
+        device=device,
+        checkpointer=checkpointer,
+        validate=validate,
+        hooks=Hooks(**hooks),
+    )
+    return trainer.fit(stop_after)
 
 
 @pytest.fixture(scope="module")
@@ -451,3 +499,54 @@ def test_steps_may_draw_their_length_and_resume_the_same_draws(task, tmp_path: P
     assert first.lengths + rest.lengths == straight.lengths
     for key, value in resumed.state_dict().items():
         assert torch.equal(value, reference.state_dict()[key]), key
+
+
+def test_a_trainer_loaded_with_another_trainers_state_continues_exactly(task) -> None:
+    # state_dict() is everything a resume needs: no checkpoint file in between.
+    spec = TrainSpec(length=16, steps=8, batch_size=2, progress_every=3, val_every=0)
+    straight = train(
+        build_model("tiny", "randomized", train_length=16), task, spec, seed=2, device=CPU
+    )
+    first = Trainer(
+        build_model("tiny", "randomized", train_length=16), task, spec, seed=2, device=CPU
+    )
+    first.fit(stop_after=4)
+    state = first.state_dict()  # as a checkpoint takes it: the random generators too
+    model = build_model("tiny", "randomized", train_length=16)
+    second = Trainer(model, task, spec, seed=2, device=CPU)
+    second.load_state_dict(state)
+    result = second.fit()
+    assert result.resumed_from == 4 and result.steps == 8
+    assert [p.loss for p in result.curve] == [p.loss for p in straight.curve]
+
+
+def test_the_checkpoint_format_is_unchanged(task, tmp_path: Path) -> None:
+    # CHECKPOINT_VERSION 2: a checkpoint written by an earlier version of this code
+    # resumes; its keys are the trainer's state and three stamps.
+    from worker.training import CHECKPOINT_VERSION
+
+    spec = TrainSpec(length=16, steps=2, batch_size=2, checkpoint_every=2)
+    checkpoint = tmp_path / "run.pt"
+    model = build_model("tiny", "nope", train_length=16)
+    train(model, task, spec, seed=0, device=CPU, checkpoint=checkpoint, fingerprint="f", data="d")
+    state = torch.load(checkpoint, weights_only=True)
+    assert CHECKPOINT_VERSION == 2 and list(state) == [
+        "version",
+        "fingerprint",
+        "data",
+        "step",
+        "interval",
+        "elapsed",
+        "model",
+        "optimizer",
+        "cpu_rng",
+        "data_rng",
+        "curve",
+    ]
+    assert (state["version"], state["fingerprint"], state["data"], state["step"]) == (
+        2,
+        "f",
+        "d",
+        2,
+    )
+    assert set(state["interval"]) == {"loss_sum", "steps"}

@@ -26,7 +26,6 @@ from jobs.results_schema import Evaluation, PositionBin
 from jobs.spec import EvalSpec, VariantSpec
 from worker import liveness
 from worker.data.base import Batch, Task
-from worker.encodings.base import PositionOutOfRange
 from worker.memory import (
     available_bytes,
     bound_heap_for,
@@ -36,7 +35,7 @@ from worker.memory import (
     reset_peak_resident,
 )
 from worker.model import Transformer
-from worker.train import RunCancelled, TrainingDiverged
+from worker.training import NO_HOOKS, RunCancelled, RunHooks
 
 NONE = VariantSpec()
 
@@ -264,14 +263,6 @@ def evaluate_length(
     return row
 
 
-def _drop(tuned: dict[str, Transformer | str], device: torch.device) -> None:
-    """Forget the fine-tuned copy, and give its memory back to the device."""
-    if tuned:
-        tuned.clear()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-
-
 def evaluate(
     model: Transformer,
     task: Task,
@@ -280,45 +271,31 @@ def evaluate(
     train_length: int,
     scalable: bool,
     device: torch.device,
-    on_evaluation: Callable[[Evaluation], None] | None = None,
+    hooks: RunHooks = NO_HOOKS,
     skip: set[tuple[str, str, int]] | None = None,
     seed: int = 0,
-    should_stop: Callable[[], bool] | None = None,
-    model_for: Callable[[VariantSpec], Transformer] | None = None,
+    model_for: Callable[[VariantSpec], Transformer | str] | None = None,
 ) -> list[Evaluation]:
-    """Evaluate at every point of the plan; ``skip`` holds (variant, protocol, length)
-    keys already stored (a resumed run does not redo them). ``seed`` (the run's) seeds
-    any random draw the model makes, per point of the plan. ``model_for`` gives the
-    model a fine-tuned variant evaluates (asked once per such variant, and only when
-    one of its points is still to do)."""
+    """Evaluate at every point of the plan, telling ``hooks`` each row; ``skip`` holds
+    (variant, protocol, length) keys already stored (a resumed run does not redo them).
+    ``seed`` (the run's) seeds any random draw the model makes, per point of the plan.
+    ``model_for`` gives the model each variant evaluates, or why it has none (asked
+    only for a point still to do); without it every variant evaluates ``model``, and a
+    fine-tuned variant is an error (``worker.training.finetune.FineTuner`` makes them)."""
     model.to(device)
     model.eval()
     rows = []
-    tuned: dict[str, Transformer | str] = {}  # the fine-tuned copy, or why there is none
     for variant, protocol, length in spec.plan(scalable):
         if skip and (variant.label, protocol, length) in skip:
             continue
-        if should_stop is not None and should_stop():
+        if hooks.should_stop():
             raise RunCancelled(f"cancelled while evaluating, before {variant.label} @ {length}")
-        evaluated = model
-        if variant.finetune is not None:
-            if model_for is None:
-                raise ValueError(f"variant {variant.label!r} evaluates a fine-tuned model")
-            if variant.label not in tuned:
-                _drop(tuned, device)  # the plan is variant by variant: one copy at a time
-                try:
-                    tuned[variant.label] = model_for(variant).to(device).eval()
-                except PositionOutOfRange as err:  # a learned table shorter than the tuning
-                    tuned[variant.label] = f"not applicable: cannot fine-tune: {err}"
-                except TrainingDiverged as err:
-                    # Deterministic, so recorded: the run's other results stand, and this
-                    # variant says why it has none. (Out of memory depends on the device:
-                    # it fails the run, whose retry resumes here on another.)
-                    reason = str(err).splitlines()[0]
-                    tuned[variant.label] = f"not applicable: fine-tuning failed: {reason}"
-            evaluated = tuned[variant.label]
-        elif tuned:
-            _drop(tuned, device)
+        if model_for is not None:
+            evaluated = model_for(variant)
+        elif variant.finetune is None:
+            evaluated = model
+        else:
+            raise ValueError(f"variant {variant.label!r} evaluates a fine-tuned model")
         if isinstance(evaluated, str):
             row = Evaluation(variant.label, protocol, length, not_applicable=evaluated)
         else:
@@ -332,9 +309,8 @@ def evaluate(
                 train_length=train_length,
                 device=device,
                 seed=seed,
-                should_stop=should_stop,
+                should_stop=hooks.should_stop,
             )
         rows.append(row)
-        if on_evaluation is not None:
-            on_evaluation(row)
+        hooks.on_evaluation(row)
     return rows

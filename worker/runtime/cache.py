@@ -255,7 +255,7 @@ def final_checkpoint(path: Path, train_hash: str, steps: int, data: str | None =
     one passes on the source's stored fingerprint alone: ``data`` None)."""
     import torch
 
-    from worker.train import checkpoint_problem
+    from worker.training import checkpoint_problem
 
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)

@@ -19,6 +19,7 @@ from jobs.status import RunStatus
 from worker.runtime import cache, store
 from worker.runtime.heartbeat import Heartbeat, exit_hung
 from worker.runtime.shutdown import shutting_down
+from worker.training.hooks import BaseHooks
 
 log = logging.getLogger(__name__)
 
@@ -54,14 +55,15 @@ def _train_and_evaluate(claimed: ClaimedRun, spec, run, beat) -> str:
     import torch
 
     from jobs.analysis import summarize_points
-    from worker.study import prepared_task, resolve_device, run_one
-    from worker.train import RunCancelled
+    from worker.run import prepared_task, resolve_device, run_one
+    from worker.training import RunCancelled
 
     settings = get_settings()
     url, run_id = claimed.url, claimed.run_id
     run_spec = matching_run(spec, run)
     checkpoint = settings.artifacts_dir / "runs" / f"{run_id}.pt"
-    task = prepared_task(spec)  # first: a trained model is adopted only on the same data
+    # First: a trained model is adopted only on the same data.
+    task = prepared_task(spec, settings.corpus_cache)
     # The run's provenance as stored: a model an earlier attempt adopted, fine-tuned
     # variants' records of earlier attempts.
     noted: dict = dict(run.provenance) if isinstance(run.provenance, dict) else {}
@@ -70,40 +72,21 @@ def _train_and_evaluate(claimed: ClaimedRun, spec, run, beat) -> str:
     if run.train_hash is not None and not checkpoint.exists() and not run.skip_cache:
         trained = (run.train_hash, spec.train.steps, task.fingerprint)
         adopted = cache.take_model(claimed, *trained, checkpoint) or {}
-    cancel = {"asked": False}
-
-    def on_progress(point) -> None:
-        cancel["asked"] = lifecycle.progress(claimed, point)
-
-    def cancel_asked() -> bool:  # by a progress report's answer or by the heartbeat's
-        return cancel["asked"] or beat.cancel_asked
-
+    hooks = StoreHooks(claimed, run, beat, noted)
     try:
         result = run_one(
             spec,
             run_spec,
-            device=resolve_device(),
-            checkpoint=checkpoint,
-            on_progress=on_progress,
-            on_evaluation=lambda row: store.record_evaluation(claimed, row),
-            should_stop=lambda: cancel_asked() or beat.lost or shutting_down.is_set(),
-            may_write=lambda: not beat.lost,
-            skip_evaluations=store.stored_evaluations(url, run_id),
             task=task,
-            on_trained=lambda: cache.wake_waiting(url, run),  # they adopt the model now
-            on_finetuned=lambda label, record: (
-                noted.update(store.note_provenance(claimed, "finetune", label, record)),
-                lifecycle.set_phase(claimed, None),  # evaluating it now, as usual
-            ),
-            on_finetune_progress=lambda label, point, steps: lifecycle.set_phase(
-                claimed,
-                f"fine-tuning {label}: step {point.step} of {steps}, loss {point.loss:.3f}",
-            ),
+            device=resolve_device(settings.device),
+            checkpoint=checkpoint,
+            hooks=hooks,
+            skip_evaluations=store.stored_evaluations(url, run_id),
         )
     except RunCancelled as err:
         if beat.lost:
             raise LeaseLost(str(err)) from None
-        if shutting_down.is_set() and not cancel_asked():
+        if shutting_down.is_set() and not hooks.cancel_asked():
             return release_for_shutdown(claimed, str(err))
         lifecycle.finish(claimed, RunStatus.CANCELLED, reason=str(err))
         return RunStatus.CANCELLED.value
@@ -129,6 +112,43 @@ def _train_and_evaluate(claimed: ClaimedRun, spec, run, beat) -> str:
         claimed, RunStatus.DONE, provenance=provenance, checkpoint_uri=checkpoint.as_uri()
     )
     return RunStatus.DONE.value
+
+
+class StoreHooks(BaseHooks):
+    """The engine's hooks for a run this worker holds: reports go to the database under
+    the lease; the run stops when a cancel is asked (by a progress report's answer or
+    by the heartbeat's), when the lease is lost, or when the worker shuts down."""
+
+    def __init__(self, claimed: ClaimedRun, run, beat, noted: dict) -> None:
+        self.claimed, self.run, self.beat = claimed, run, beat
+        self.noted = noted  # the run's provenance as stored, kept up to date
+        self.asked = False
+
+    def cancel_asked(self) -> bool:
+        return self.asked or self.beat.cancel_asked
+
+    def on_progress(self, point) -> None:
+        self.asked = lifecycle.progress(self.claimed, point)
+
+    def on_trained(self) -> None:
+        cache.wake_waiting(self.claimed.url, self.run)  # they adopt the model now
+
+    def on_finetune_progress(self, label: str, point, steps: int) -> None:
+        phase = f"fine-tuning {label}: step {point.step} of {steps}, loss {point.loss:.3f}"
+        lifecycle.set_phase(self.claimed, phase)
+
+    def on_finetuned(self, label: str, record: dict) -> None:
+        self.noted.update(store.note_provenance(self.claimed, "finetune", label, record))
+        lifecycle.set_phase(self.claimed, None)  # evaluating it now, as usual
+
+    def on_evaluation(self, row) -> None:
+        store.record_evaluation(self.claimed, row)
+
+    def should_stop(self) -> bool:
+        return self.cancel_asked() or self.beat.lost or shutting_down.is_set()
+
+    def may_write(self) -> bool:
+        return not self.beat.lost
 
 
 def release_for_shutdown(claimed: ClaimedRun, where: str) -> str:
@@ -168,7 +188,7 @@ def matching_run(spec, run):
 def failure_reason(err: BaseException) -> str:
     """The reason a failed run shows: the error's own words for the failures a user can
     cause, and where it happened for the rest (bugs)."""
-    from worker.train import TrainingDiverged
+    from worker.training import TrainingDiverged
 
     if isinstance(err, TrainingDiverged | MemoryError | ValueError):
         return str(err)

@@ -1,22 +1,21 @@
 """Run a study in-process: train every (encoding, seed), evaluate each at every length.
 
-``run_one`` is the unit the Celery task wraps; ``run_study`` loops it for the
-CLI, notebooks and demos (no broker, no database).
+``run_one`` is the unit the Celery worker wraps; ``run_study`` loops it for
+``posbench run``, notebooks and demos (no broker, no database). The engine reads no
+settings: its callers give the device, the prepared task (its cache folder) and the
+hooks a run reports to.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import hashlib
 import os
 import platform
 import subprocess
 import sys
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -25,9 +24,8 @@ import torch
 
 from jobs import analysis
 from jobs.metrics import Kind, kind_of
-from jobs.results_schema import Evaluation, TrainPoint
-from jobs.settings import get_settings
-from jobs.spec import RunSpec, StudySpec, VariantSpec
+from jobs.results_schema import Evaluation
+from jobs.spec import RunSpec, StudySpec
 from worker.data import build_task
 from worker.data.base import Task
 from worker.encodings import REGISTRY
@@ -35,19 +33,20 @@ from worker.evaluate import evaluate, validation_loss
 from worker.memory import available_bytes, eval_batch_size
 from worker.model import ModelConfig, Transformer, build_model
 from worker.probes import OrderProbe, order_probe
-from worker.train import RunCancelled, TrainResult, train
+from worker.training import NO_HOOKS, Checkpointer, RunCancelled, RunHooks, Trainer, TrainResult
+from worker.training.finetune import FineTuner
 
 
 class DeviceError(ValueError):
     """A device that is not a torch device, or not on this machine."""
 
 
-def resolve_device(requested: str | None = None) -> torch.device:
-    """The requested device (or POSBENCH_DEVICE), checked against this machine; CUDA when
-    there is one otherwise."""
+def resolve_device(requested: str | None = None, default: str | None = None) -> torch.device:
+    """The requested device (or ``default``: the caller's setting, POSBENCH_DEVICE),
+    checked against this machine; CUDA when there is one otherwise."""
     if requested is not None and not requested.strip():
         raise DeviceError("device '' is empty: give cpu, cuda, cuda:N or mps (or leave it out)")
-    name = requested or get_settings().device
+    name = requested or default
     if not name:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -153,21 +152,84 @@ class RunResult:
         }
 
 
-def prepared_task(spec: StudySpec) -> Task:
-    """The study's task with its data loaded (a corpus is read and hashed once)."""
+def prepared_task(spec: StudySpec, cache: Path) -> Task:
+    """The study's task with its data loaded (a corpus is read and hashed once, and
+    prepared into the ``cache`` folder)."""
     task = build_task(spec.task.name, **spec.task.params)
-    task.prepare(get_settings().corpus_cache)
+    task.prepare(cache)
     task.check_plan(spec.eval)
     return task
 
 
-def finetune_checkpoint(checkpoint: Path | None, variant: VariantSpec) -> Path | None:
-    """Where a fine-tuned variant's checkpoint lives: next to its run's, named by a hash
-    of the variant's label (``<run>.pt.ft-<hash>``); removed once its points are stored."""
-    if checkpoint is None or variant.finetune is None:
+def build_run_model(spec: StudySpec, run: RunSpec) -> Transformer:
+    """The untrained model of one (encoding, seed) of ``spec``."""
+    config = ModelConfig(**spec.model.dims())
+    return build_model(
+        config,
+        run.encoding.name,
+        train_length=spec.train.length,
+        seed=run.seed,
+        **run.encoding.params,
+    )
+
+
+def train_run_model(
+    model: Transformer,
+    task: Task,
+    spec: StudySpec,
+    run: RunSpec,
+    *,
+    device: torch.device,
+    checkpoint: Path | None,
+    hooks: RunHooks,
+) -> TrainResult:
+    """Train ``model`` (resuming from ``checkpoint``), validating on held-out data at the
+    training length with the stretches the evaluation scores."""
+    checkpointer = None
+    if checkpoint is not None:
+        checkpointer = Checkpointer(checkpoint, fingerprint=run.train_hash, data=task.fingerprint)
+    validate = partial(
+        validation_loss,
+        model,
+        task,
+        length=spec.train.length,
+        tokens=spec.train.val_tokens,
+        batch_tokens=spec.eval.batch_tokens,
+        device=device,
+        seed=run.seed,
+        longest=max(spec.eval.lengths),
+    )
+    trainer = Trainer(
+        model,
+        task,
+        spec.train,
+        seed=run.seed,
+        device=device,
+        checkpointer=checkpointer,
+        validate=validate,
+        hooks=hooks,
+    )
+    return trainer.fit()
+
+
+def probe_order(
+    model: Transformer, task: Task, spec: StudySpec, run: RunSpec, device: torch.device
+) -> OrderProbe | None:
+    """The order probe of the trained model, when the study asks for it and the task is
+    language modelling."""
+    if not (spec.eval.order_probe and kind_of(task.metric) is Kind.LANGUAGE_MODELLING):
         return None
-    return checkpoint.with_name(
-        f"{checkpoint.name}.ft-{hashlib.sha256(variant.label.encode()).hexdigest()[:12]}"
+    batch_size = eval_batch_size(
+        model.config, spec.train.length, spec.eval.batch_tokens, available_bytes(device)
+    )
+    return order_probe(
+        model,
+        task,
+        spec.train.length,
+        tokens=spec.eval.tokens,
+        batch_size=batch_size,
+        device=device,
+        seed=run.seed,
     )
 
 
@@ -175,109 +237,22 @@ def run_one(
     spec: StudySpec,
     run: RunSpec,
     *,
-    device: torch.device | None = None,
+    task: Task,
+    device: torch.device,
     checkpoint: Path | None = None,
-    on_progress: Callable[[TrainPoint], None] | None = None,
-    on_evaluation: Callable[[Evaluation], None] | None = None,
-    should_stop: Callable[[], bool] | None = None,
-    may_write: Callable[[], bool] | None = None,
+    hooks: RunHooks = NO_HOOKS,
     skip_evaluations: set[tuple[str, str, int]] | None = None,
-    task: Task | None = None,
-    on_trained: Callable[[], None] | None = None,
-    on_finetuned: Callable[[str, dict[str, Any]], None] | None = None,
-    on_finetune_progress: Callable[[str, TrainPoint, int], None] | None = None,
 ) -> RunResult:
-    """Train one (encoding, seed) of ``spec`` and evaluate it at every planned point;
-    ``task`` is the study's task already prepared (built and loaded here otherwise);
-    ``on_trained`` is called when the trained model's final checkpoint is written, and
-    ``on_finetuned(label, record)`` when a fine-tuned variant's model is ready, and
-    ``on_finetune_progress(label, point, steps)`` at each of its progress reports."""
-    device = device or resolve_device()
-    task = task or prepared_task(spec)
-    config = ModelConfig(**spec.model.dims())
-    model = build_model(
-        config,
-        run.encoding.name,
-        train_length=spec.train.length,
-        seed=run.seed,
-        **run.encoding.params,
+    """Train one (encoding, seed) of ``spec`` and evaluate it at every planned point but
+    those in ``skip_evaluations`` (stored by an earlier attempt); ``task`` is the
+    study's task, prepared (``prepared_task``); ``hooks`` hear the run's progress and
+    may stop it."""
+    model = build_run_model(spec, run)
+    trained = train_run_model(
+        model, task, spec, run, device=device, checkpoint=checkpoint, hooks=hooks
     )
-    trained = train(
-        model,
-        task,
-        spec.train,
-        seed=run.seed,
-        device=device,
-        checkpoint=checkpoint,
-        fingerprint=run.train_hash,
-        data=task.fingerprint,
-        on_progress=on_progress,
-        should_stop=should_stop,
-        may_write=may_write,
-        validate=lambda: validation_loss(
-            model,
-            task,
-            length=spec.train.length,
-            tokens=spec.train.val_tokens,
-            batch_tokens=spec.eval.batch_tokens,
-            device=device,
-            seed=run.seed,
-            longest=max(spec.eval.lengths),
-        ),
-    )
-    if on_trained is not None:
-        on_trained()
-    tunings: dict[str, dict[str, Any]] = {}
-
-    def finetuned(variant: VariantSpec) -> Transformer:
-        # A copy of the trained model, fine-tuned under the variant's scaling; evaluation
-        # applies the same scaling to it again. Checkpointed next to the run's own.
-        tuning = spec.finetune_spec(variant)
-        model.encoding.check_length(tuning.length)  # a learned table: not applicable
-        tuned = copy.deepcopy(model)
-        scaling = (
-            contextlib.nullcontext()  # 'none+ft...': fine-tuned at the length, unscaled
-            if variant.method == "none"
-            else tuned.scaled(
-                variant.method, float(variant.factor), spec.train.length, **variant.params
-            )
-        )
-        try:
-            with scaling:
-                result = train(
-                    tuned,
-                    task,
-                    tuning,
-                    # Windows of its own: not the first ones the training read.
-                    seed=zlib.crc32(f"{run.seed}/finetune/{variant.label}".encode()),
-                    device=device,
-                    checkpoint=finetune_checkpoint(checkpoint, variant),
-                    fingerprint=f"{run.train_hash}+{variant.label}",
-                    data=task.fingerprint,
-                    should_stop=should_stop,
-                    may_write=may_write,
-                    on_progress=None
-                    if on_finetune_progress is None
-                    else lambda point: on_finetune_progress(variant.label, point, tuning.steps),
-                )
-        except RunCancelled as err:
-            raise RunCancelled(f"{err} (fine-tuning {variant.label})") from None
-        tunings[variant.label] = {
-            "steps": tuning.steps,
-            "length": tuning.length,
-            "lr": tuning.lr,
-            "batch_size": tuning.batch_size,
-            "final_loss": result.final_loss,
-            # Over every attempt (a resumed fine-tuning's own time is only the rest).
-            "seconds": result.curve[-1].elapsed if result.curve else result.seconds,
-            "resumed_from": result.resumed_from,
-            # The fine-tuning's loss curve: did it converge in its steps?
-            "curve": [[point.step, point.loss] for point in result.curve],
-        }
-        if on_finetuned is not None:
-            on_finetuned(variant.label, tunings[variant.label])
-        return tuned
-
+    hooks.on_trained()
+    tuner = FineTuner(model, task, spec, run, device=device, checkpoint=checkpoint, hooks=hooks)
     rows = evaluate(
         model,
         task,
@@ -285,31 +260,15 @@ def run_one(
         train_length=spec.train.length,
         scalable=REGISTRY[run.encoding.name].scalable,
         device=device,
-        on_evaluation=on_evaluation,
+        hooks=hooks,
         skip=skip_evaluations,
         seed=run.seed,
-        should_stop=should_stop,
-        model_for=finetuned,
+        model_for=tuner.model_for,
     )
-    for variant in spec.eval.variants:  # every point is stored: the copies are done with
-        path = finetune_checkpoint(checkpoint, variant)  # None: not fine-tuned
-        if path is not None:
-            path.unlink(missing_ok=True)
-    order = None
-    if should_stop is not None and should_stop():
+    tuner.close()  # every point is stored
+    if hooks.should_stop():
         raise RunCancelled("cancelled after evaluation, before the order probe")
-    if spec.eval.order_probe and kind_of(task.metric) is Kind.LANGUAGE_MODELLING:
-        order = order_probe(
-            model,
-            task,
-            spec.train.length,
-            tokens=spec.eval.tokens,
-            batch_size=eval_batch_size(
-                config, spec.train.length, spec.eval.batch_tokens, available_bytes(device)
-            ),
-            device=device,
-            seed=run.seed,
-        )
+    order = probe_order(model, task, spec, run, device)
     return RunResult(
         label=run.encoding.label,
         encoding=run.encoding.name,
@@ -319,7 +278,7 @@ def run_one(
         train=trained,
         evaluations=rows,
         provenance=provenance(device, run.seed, task.fingerprint)
-        | ({"finetune": tunings} if tunings else {}),
+        | ({"finetune": tuner.records} if tuner.records else {}),
         order=order,
     )
 
@@ -372,43 +331,22 @@ class StudyResult:
 def run_study(
     spec: StudySpec,
     *,
-    device: torch.device | None = None,
+    task: Task,
+    device: torch.device,
     checkpoint_dir: Path | None = None,
-    on_progress: Callable[[RunSpec, TrainPoint], None] | None = None,
-    on_run_start: Callable[[RunSpec], None] | None = None,
-    on_evaluation: Callable[[RunSpec, Evaluation], None] | None = None,
-    task: Task | None = None,
+    hooks_for: Callable[[RunSpec], RunHooks] | None = None,
 ) -> StudyResult:
     """Every run of ``spec``, one after another, in this process (``task``: the study's
-    task already prepared)."""
+    task, prepared). ``hooks_for(run)`` gives the hooks of each run, asked as it starts."""
     result = StudyResult(spec)
-    task = task or prepared_task(spec)
     data = hashlib.sha256(task.fingerprint.encode()).hexdigest()[:12]
     for run in spec.runs():
-        if on_run_start is not None:
-            on_run_start(run)
+        hooks = hooks_for(run) if hooks_for is not None else NO_HOOKS
         # Named by what was trained, on which data: a study that only evaluates
         # differently (another stride, a new length or variant) finds the trained model
         # and trains nothing; an edited corpus file has another fingerprint.
         checkpoint = checkpoint_dir / f"{run.train_hash}-{data}.pt" if checkpoint_dir else None
-
-        def progress(point: TrainPoint, run: RunSpec = run) -> None:
-            if on_progress is not None:
-                on_progress(run, point)
-
-        def evaluated(row: Evaluation, run: RunSpec = run) -> None:
-            if on_evaluation is not None:
-                on_evaluation(run, row)
-
         result.runs.append(
-            run_one(
-                spec,
-                run,
-                device=device,
-                checkpoint=checkpoint,
-                on_progress=progress,
-                on_evaluation=evaluated,
-                task=task,
-            )
+            run_one(spec, run, task=task, device=device, checkpoint=checkpoint, hooks=hooks)
         )
     return result

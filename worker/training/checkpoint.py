@@ -1,0 +1,100 @@
+"""Checkpoints: written atomically and durably, stamped with what they hold.
+
+A checkpoint is the trainer's ``state_dict()`` (model, optimizer, RNG states, step,
+curve, the running interval) plus three stamps: the format version, the run's
+fingerprint (its train hash) and the data's. A run that finds its own checkpoint
+resumes from it; one of another configuration, of another format version, trained
+on other data or unreadable is set aside and the run starts afresh.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CHECKPOINT_VERSION = 2
+log = logging.getLogger(__name__)
+
+
+def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    """Write to a temporary file in the same folder, flush it to disk, then rename: never
+    half a checkpoint, even after a power loss; the temporary is removed on failure."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # A random name: processes on different hosts sharing the folder can share a pid.
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(temporary, "wb") as handle:
+            torch.save(state, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)  # the rename itself is durable
+    finally:
+        os.close(folder)
+
+
+def checkpoint_problem(
+    state: dict[str, Any], fingerprint: str | None, data: str | None = None
+) -> str | None:
+    """Why a loaded checkpoint is not this run's (another format version or, when
+    ``fingerprint`` is given, another configuration; when ``data`` is given and the
+    checkpoint is stamped, other data: an edited corpus file), or None when it is."""
+    if state.get("version") != CHECKPOINT_VERSION:
+        return f"format version {state.get('version')}, not {CHECKPOINT_VERSION}"
+    if fingerprint is not None and state.get("fingerprint") != fingerprint:
+        return f"another configuration ({state.get('fingerprint')})"
+    if data is not None and state.get("data") not in (None, data):
+        return f"trained on other data ({state.get('data')})"
+    return None
+
+
+def load_checkpoint(
+    path: Path, device: torch.device, fingerprint: str | None = None, data: str | None = None
+) -> dict[str, Any] | None:
+    """The checkpoint at ``path`` when it is this run's (same format version and, when
+    given, the same fingerprint and data); None when there is none. One that is
+    unreadable, of another version, configuration or data is renamed aside
+    (``.stale``), so the run starts afresh instead of failing on it at every retry."""
+    if not path.exists():
+        return None
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+        problem = checkpoint_problem(state, fingerprint, data)
+    except Exception as err:  # truncated, not a checkpoint, or not torch's format
+        state, problem = None, f"unreadable ({type(err).__name__})"
+    if problem is None:
+        return state
+    aside = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}.stale")
+    os.replace(path, aside)
+    log.warning("checkpoint %s is %s: moved to %s, starting afresh", path, problem, aside.name)
+    return None
+
+
+@dataclass(frozen=True)
+class Checkpointer:
+    """One run's checkpoint file. ``fingerprint`` (the run's train hash) and ``data`` (the
+    task's fingerprint) stamp it, so another run can tell what it was trained on."""
+
+    path: Path
+    fingerprint: str | None = None
+    data: str | None = None
+
+    def load(self, device: torch.device) -> dict[str, Any] | None:
+        """The trainer state this run saved, or None (see ``load_checkpoint``)."""
+        return load_checkpoint(self.path, device, self.fingerprint, self.data)
+
+    def save(self, state: dict[str, Any]) -> None:
+        """``state`` (a trainer's ``state_dict()``), stamped, written atomically."""
+        stamps = {"version": CHECKPOINT_VERSION, "fingerprint": self.fingerprint, "data": self.data}
+        save_checkpoint(self.path, stamps | state)
