@@ -112,7 +112,7 @@ class Run(Base):
     failure_reason: Mapped[str | None] = mapped_column(Text)
     checkpoint_uri: Mapped[str | None] = mapped_column(Text)
     # The run's control state (``jobs.lifecycle``), apart from its audit record below:
-    # skip the result cache (``posbench submit --force``: train afresh, adopt no model);
+    # skip the result cache (``posbench submit --force``: train afresh, take no model);
     # the run whose training this queued run waits for (the same model); what the
     # running run does that its step does not show (fine-tuning a variant).
     skip_cache: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())

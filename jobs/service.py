@@ -241,7 +241,7 @@ def delete_study(study_id: int, *, settings: Settings | None = None) -> Deleted:
     folder = settings.artifacts_dir / "runs"
     for run_id in run_ids:
         # The checkpoint, its fine-tuned variants' (.pt.ft-*), files set aside (.stale)
-        # and temporaries a killed write or adoption left (.tmp, some hidden).
+        # and temporaries a killed write or a cache copy left (.tmp, some hidden).
         others = [*folder.glob(f"{run_id}.pt.*"), *folder.glob(f".{run_id}.pt.*")]
         for path in [folder / f"{run_id}.pt", *others]:
             if path.is_file():

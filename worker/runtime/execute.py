@@ -62,16 +62,16 @@ def _train_and_evaluate(claimed: ClaimedRun, spec, run, beat) -> str:
     url, run_id = claimed.url, claimed.run_id
     run_spec = matching_run(spec, run)
     checkpoint = settings.artifacts_dir / "runs" / f"{run_id}.pt"
-    # First: a trained model is adopted only on the same data.
+    # First: a model is taken from the result cache only on the same data.
     task = prepared_task(spec, settings.corpus_cache)
-    # The run's provenance as stored: a model an earlier attempt adopted, fine-tuned
+    # The run's provenance as stored: a model an earlier attempt took from the cache, fine-tuned
     # variants' records of earlier attempts.
     noted: dict = dict(run.provenance) if isinstance(run.provenance, dict) else {}
-    # A model trained by another run: adopted now, or by an earlier attempt of this one.
-    adopted = dict(noted)
+    # A model trained by another run: taken from the cache now, or by an earlier attempt.
+    taken = dict(noted)
     if run.train_hash is not None and not checkpoint.exists() and not run.skip_cache:
         trained = (run.train_hash, spec.train.steps, task.fingerprint)
-        adopted = cache.take_model(claimed, *trained, checkpoint) or {}
+        taken = cache.take_model(claimed, *trained, checkpoint) or {}
     hooks = StoreHooks(claimed, run, beat, noted)
     try:
         result = run_one(
@@ -102,10 +102,10 @@ def _train_and_evaluate(claimed: ClaimedRun, spec, run, beat) -> str:
     )
     store.record_summaries(claimed, summaries)
     provenance = {**result.provenance, "resumed_from_step": result.train.resumed_from}
-    provenance.update({k: adopted[k] for k in ("trained_by_run", "training") if k in adopted})
-    if "trained_by_run" in adopted and not adopted.get("training"):
-        # Adopted from a run still evaluating: its provenance, if it has finished since.
-        provenance["training"] = cache.finished_provenance(url, adopted["trained_by_run"])
+    provenance.update({k: taken[k] for k in ("trained_by_run", "training") if k in taken})
+    if "trained_by_run" in taken and not taken.get("training"):
+        # Taken from a run still evaluating: its provenance, if it has finished since.
+        provenance["training"] = cache.finished_provenance(url, taken["trained_by_run"])
     if noted.get("finetune"):  # every attempt's fine-tunings, not only this one's
         provenance["finetune"] = {**noted["finetune"], **provenance.get("finetune", {})}
     lifecycle.finish(
@@ -131,7 +131,7 @@ class StoreHooks(BaseHooks):
         self.asked = lifecycle.progress(self.claimed, point)
 
     def on_trained(self) -> None:
-        cache.wake_waiting(self.claimed.url, self.run)  # they adopt the model now
+        cache.wake_waiting(self.claimed.url, self.run)  # they take the model now
 
     def on_finetune_progress(self, label: str, point, steps: int) -> None:
         phase = f"fine-tuning {label}: step {point.step} of {steps}, loss {point.loss:.3f}"

@@ -20,7 +20,7 @@ class RunHooks(Protocol):
         last one."""
 
     def on_trained(self) -> None:
-        """The trained model's final checkpoint is written (another run may adopt it)."""
+        """The final checkpoint is written (another run may take it from the result cache)."""
 
     def on_finetune_progress(self, label: str, point: TrainPoint, steps: int) -> None:
         """A report of the fine-tuning of variant ``label`` (``steps`` in all)."""
