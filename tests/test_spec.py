@@ -671,3 +671,13 @@ def test_notes_say_what_runs_as_written_but_is_worth_knowing() -> None:
     assert parse_spec({"encodings": ["alibi"], "eval": {"variants": ["none"]}}).notes() == []
     # The paper preset compares dynamic NTK with NTK fixed for its longest length.
     assert parse_spec(PRESET_SPECS["paper"]).notes() == []
+
+
+def test_presets_are_the_spec_files_users_can_copy() -> None:
+    from jobs.spec.presets import PRESET_NAMES, PRESETS_DIR
+
+    files = {path.stem for path in PRESETS_DIR.glob("*.yaml")}
+    assert files == set(PRESET_NAMES)
+    for name in PRESET_NAMES:
+        # The same loader and checks as `posbench run <file>`: the same study.
+        assert load_spec(PRESETS_DIR / f"{name}.yaml") == preset_spec(name)

@@ -158,6 +158,12 @@ def _count_nodes(data: Any, budget: int = MAX_SPEC_NODES) -> tuple[int, int]:
 
 def load_spec(path: str | Path) -> StudySpec:
     """Read a YAML or JSON spec file."""
+    return parse_spec(read_spec_file(path))
+
+
+def read_spec_file(path: str | Path) -> Any:
+    """The mapping a YAML or JSON spec file holds, read within the spec's bounds (size,
+    values, depth) but not yet validated; SpecError for a file that is not one."""
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -200,4 +206,4 @@ def load_spec(path: str | Path) -> StudySpec:
         raise SpecError([f"{path} expands to more than {MAX_SPEC_NODES:,} values (YAML aliases?)"])
     if depth > MAX_SPEC_DEPTH:
         raise SpecError([f"{path} nests deeper than a spec can ({MAX_SPEC_DEPTH} levels)"])
-    return parse_spec(data)
+    return data
