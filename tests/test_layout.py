@@ -84,3 +84,20 @@ def test_run_statuses_are_written_only_in_their_enum() -> None:
         if value in statuses
     ]
     assert not found, f"run statuses written outside jobs/status.py: {found}"
+
+
+def test_the_architecture_doc_lists_the_layers_the_contract_enforces() -> None:
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    layers = next(c for c in config["contracts"] if c["type"] == "layers")["layers"]
+    enforced = [set(re.split(r"\s*[|:]\s*", layer.strip())) for layer in layers]
+    documented = [
+        {
+            cell.removesuffix("/").removesuffix(".py").replace("/", ".")
+            for cell in re.findall(r"`([a-z_/.]+)`", row.split("|")[2])
+        }
+        for row in (ROOT / "docs" / "architecture.md").read_text().splitlines()
+        if re.match(r"\| \d ", row)
+    ]
+    assert documented == enforced
