@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from jobs.render.tables import markdown_rows
-from worker.encodings import REGISTRY
+from worker.catalog.encodings import REGISTRY
 from worker.model import PRESETS, build_model
 
 # Dense bf16 tensor-core peaks (no sparsity), TFLOP/s, from the vendors' datasheets.

@@ -58,8 +58,6 @@ XT_CONFIGS: dict[str, tuple[dict, dict, bool]] = {
         True,
     ),
 }
-FUSED_PATH = ("nope", "sinusoidal", "learned", "rope", "xpos")
-BIAS = ("alibi", "t5", "kerple_log", "kerple_power", "fire")
 
 
 def posbench_model(encoding: str, max_length: int) -> nn.Module:

@@ -49,28 +49,42 @@ def similarity_by_offset(
             q, k = encoding.rotate(ones, ones, torch.arange(length))
             score = (q[0, 0] @ k[0, 0, 0]) / head_dim
             return offsets, {"q·k / d (q = k = 1)": score.numpy()}
-        if name == "nope":
+        if family == "none":
             return offsets, {"no position signal": np.zeros(length)}
-        positions = torch.arange(length)
-        if name == "randomized":
-            positions = encoding.positions(1, length, torch.device("cpu"))[0]
+        positions = encoding.positions(1, length, torch.device("cpu"))  # randomized: a draw
+        positions = positions if positions.dim() == 1 else positions[0]
         table = encoding.embed(torch.zeros(1, length, n_heads * head_dim), positions)[0]
         score = (table @ table[0]) / (table[0] @ table[0])
         return offsets, {"PE(m)·PE(0) / |PE(0)|²": score.numpy()}
 
 
-def rope_frequencies(head_dim: int, train_length: int, factor: float) -> dict[str, np.ndarray]:
-    rope = _encoding("rope", 1, head_dim, train_length)
+def position_table(
+    name: str, n_heads: int, head_dim: int, train_length: int, length: int
+) -> np.ndarray | None:
+    """What an absolute encoding adds to the token embedding at positions 0..length-1
+    (a learned table as initialised); None for encodings that add nothing."""
+    import torch
+
+    encoding = _encoding(name, n_heads, head_dim, train_length)
+    if REGISTRY[name].family != "absolute" or length > (encoding.max_length or length):
+        return None
+    with torch.no_grad():
+        table = encoding.embed(torch.zeros(1, length, n_heads * head_dim), torch.arange(length))
+    return table[0].float().numpy() if table.abs().sum() > 0 else None
+
+
+def rope_frequencies(
+    name: str, head_dim: int, train_length: int, factor: float
+) -> dict[str, np.ndarray]:
+    rope = _encoding(name, 1, head_dim, train_length)
     curves = {"trained (none)": rope.inv_freq.numpy()}
-    for method in ("pi", "ntk", "yarn"):
-        scaled = rope.with_scaling(method, factor)
-        frequencies = scaled.inv_freq.numpy()
-        if method == "pi":
-            frequencies = frequencies / factor  # PI divides positions: the same as frequencies
-        curves[f"{method} (s={factor:g})"] = frequencies
-    curves[f"dynamic_ntk at {int(factor * train_length)}"] = (
-        rope.with_scaling("dynamic_ntk").frequencies(int(factor * train_length)).numpy()
-    )
+    length = int(factor * train_length)
+    for method, scaling in SCALINGS.items():
+        if scaling.needs_factor:
+            scaled, label = rope.with_scaling(method, factor), f"{method} (s={factor:g})"
+        else:  # its factor follows the length
+            scaled, label = rope.with_scaling(method), f"{method} at {length}"
+        curves[label] = scaled.angular_speeds(length).numpy()
     return curves
 
 
@@ -101,7 +115,7 @@ def render() -> None:
     name = a.selectbox(
         "Encoding",
         names,
-        index=names.index("rope"),
+        index=next(i for i, n in enumerate(names) if REGISTRY[n].scalable),
         key="explore_encoding",
         format_func=lambda n: f"{n} ({REGISTRY[n].family})",
     )
@@ -138,11 +152,9 @@ def render() -> None:
         heat.update_layout(height=520)
         st.plotly_chart(heat, key="bias", width="stretch")
 
-    if name == "sinusoidal":
-        st.subheader("The sinusoidal table")
-        from worker.encodings.sinusoidal import sinusoid_table
-
-        table = sinusoid_table(torch.arange(length), n_heads * head_dim).numpy()
+    table = position_table(name, n_heads, head_dim, train_length, length)
+    if table is not None:
+        st.subheader("The table added to the token embedding")
         heat = go.Figure(go.Heatmap(z=table, colorscale="RdBu", zmid=0))
         heat.update_yaxes(autorange="reversed", title="position")
         heat.update_xaxes(title="dimension")
@@ -154,7 +166,7 @@ def render() -> None:
         factor = st.select_slider(
             "Scaling factor s", [1.0, 2.0, 4.0, 8.0, 16.0, 32.0], value=8.0, key="explore_factor"
         )
-        frequencies = rope_frequencies(head_dim, train_length, factor)
+        frequencies = rope_frequencies(name, head_dim, train_length, factor)
         pairs = np.arange(len(next(iter(frequencies.values()))))
         st.plotly_chart(
             _line_figure(

@@ -19,10 +19,11 @@ from jobs.spec import QUEUES, EvalSpec, ModelSpec, TrainSpec
 from worker.catalog.encodings import REGISTRY, SCALINGS
 from worker.catalog.models import MODEL_PRESETS
 from worker.catalog.params import Param
-from worker.catalog.tasks import TASKS
+from worker.catalog.tasks import DEFAULT_TASK, TASKS
 
 LENGTHS = [2**k for k in range(4, 18)]
-VARIANTS = ["pi:auto", "ntk:auto", "dynamic_ntk", "yarn:auto"]
+# Each scaling at its "auto" factor (s = length / L at each length) where it takes one.
+VARIANTS = [f"{name}:auto" if s.needs_factor else name for name, s in SCALINGS.items()]
 Keys = Callable[[str], str]  # a widget's name -> its key under the chosen preset
 
 
@@ -104,7 +105,7 @@ def _header(base: dict[str, Any], key: Keys) -> dict[str, Any]:
 def _task_inputs(base: dict[str, Any], key: Keys) -> dict[str, Any]:
     """The task and its parameters (only those that differ from the defaults)."""
     task_names = list(TASKS)
-    task_default = base.get("task", "lm")
+    task_default = base.get("task", DEFAULT_TASK)
     task_default = task_default if isinstance(task_default, str) else task_default["name"]
     task = st.selectbox(
         "Task",
@@ -115,7 +116,7 @@ def _task_inputs(base: dict[str, Any], key: Keys) -> dict[str, Any]:
     )
     chosen: dict[str, Any] = {"name": task}
     base_task = base.get("task")
-    same = isinstance(base_task, dict) and base_task.get("name", "lm") == task
+    same = isinstance(base_task, dict) and base_task.get("name", DEFAULT_TASK) == task
     given = base_task if same else {}
     for param in TASKS[task].params:
         value = _param_input(param, key(f"{task}.{param.name}"), given.get(param.name))

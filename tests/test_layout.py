@@ -101,3 +101,27 @@ def test_the_architecture_doc_lists_the_layers_the_contract_enforces() -> None:
         if re.match(r"\| \d ", row)
     ]
     assert documented == enforced
+
+
+def test_catalogue_names_are_written_only_in_the_catalogue() -> None:
+    """A name switch on an encoding, scaling or task outside its catalogue entry is a
+    missing hook (the entry's check, family, scalable, needs_factor, notes say it).
+    Implementations (worker/encodings, worker/data) name themselves; the benchmarks map
+    each encoding to the reference's configuration of it; the Submit form starts from an
+    example study."""
+    from worker.catalog.encodings import REGISTRY, SCALINGS
+    from worker.catalog.tasks import DEFAULT_TASK, TASKS
+
+    names = {*REGISTRY, *SCALINGS, *TASKS}
+    exempt = ("catalog", "encodings", "data", "migrations")
+    found = [
+        f"{path.relative_to(ROOT)}:{line} {value!r}"
+        for path in _sources()
+        if path.parts[len(ROOT.parts)] != "benchmarks"
+        and not any(part in exempt for part in path.relative_to(ROOT).parts)
+        and path != ROOT / "dashboard" / "submit_page.py"
+        for line, value in _string_literals(path)
+        if value in names
+    ]
+    assert not found, f"catalogue names written outside the catalogue: {found}"
+    assert DEFAULT_TASK in TASKS

@@ -26,9 +26,9 @@ from jobs import analysis
 from jobs.metrics import Kind, kind_of
 from jobs.results_schema import Evaluation
 from jobs.spec import RunSpec, StudySpec
+from worker.catalog.encodings import REGISTRY
 from worker.data import build_task
 from worker.data.base import Task
-from worker.encodings import REGISTRY
 from worker.evaluate import evaluate, validation_loss
 from worker.memory import available_bytes, eval_batch_size
 from worker.model import ModelConfig, Transformer, build_model

@@ -20,11 +20,11 @@ from jobs.spec.base import (
 from worker.catalog.encodings import REGISTRY, info
 from worker.catalog.models import MODEL_PRESETS
 from worker.catalog.params import short_repr
-from worker.catalog.tasks import TASKS, task_info
+from worker.catalog.tasks import DEFAULT_TASK, TASKS, task_info
 
 
 class TaskSpec(_Strict):
-    name: str = "lm"
+    name: str = DEFAULT_TASK
     params: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="before")
@@ -35,7 +35,7 @@ class TaskSpec(_Strict):
             return {"name": value}
         if isinstance(value, dict) and "params" not in value:
             rest = {k: v for k, v in value.items() if k != "name"}
-            return {"name": value.get("name", "lm"), "params": rest} if rest else value
+            return {"name": value.get("name", DEFAULT_TASK), "params": rest} if rest else value
         return value
 
     @model_validator(mode="after")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from typing import Annotated, Any
 
 import yaml
@@ -283,26 +282,13 @@ class StudySpec(_Strict):
         if not any(REGISTRY[e.name].scalable for e in self.encodings):
             return out
         labels = {v.label for v in self.eval.variants}
-        if {"dynamic_ntk", "ntk:auto"} <= labels:
-            out.append(
-                "eval.variants: dynamic_ntk and ntk:auto give the same numbers: a window is "
-                "read in one pass, so dynamic NTK's scale is max(1, length / L) for all of "
-                "it, ntk:auto's factor (as in HF transformers and the YaRN authors' "
-                "evaluation); list one, or a fixed factor (ntk:8) to compare with"
-            )
-        turns = self.train.length / (2 * math.pi)  # RoPE's fastest pair, over L tokens
-        for variant in self.eval.variants:
-            beta = variant.params.get("beta", 32.0)
-            if variant.method == "yarn" and turns < beta:
-                out.append(
-                    f"eval.variants: {short_repr(variant.label)}: over train.length = "
-                    f"{self.train.length} RoPE's fastest pair turns {turns:.0f} times, "
-                    f"fewer than beta = {beta:g}, so no pair keeps its frequency and YaRN is "
-                    "close to PI here; the paper's alpha = 1, beta = 32 are for 4096 tokens "
-                    f"(scaled to this length: alpha = {self.train.length / 4096:.3g}, "
-                    f"beta = {32 * self.train.length / 4096:.3g})"
-                )
-                break
+        for method, scaling in SCALINGS.items():  # each scaling's first note, in its order
+            notes = [
+                scaling.notes(v.label, v.params, self.train.length, labels)
+                for v in self.eval.variants
+                if v.method == method and scaling.notes
+            ]
+            out += next((found for found in notes if found), [])
         return out
 
     def eval_tokens(self) -> int:

@@ -22,10 +22,13 @@ from jobs.spec.base import (
 from jobs.spec.parts import (
     FinetuneSpec,
 )
-from worker.catalog.encodings import SCALINGS
+from worker.catalog.encodings import NO_SCALING, SCALINGS
 from worker.catalog.params import short_repr
 
-FINETUNED = ("pi", "ntk", "yarn")  # the scalings with one fixed factor
+# The scalings with one fixed factor: the ones a model can be fine-tuned under.
+FINETUNED = tuple(name for name, scaling in SCALINGS.items() if scaling.needs_factor)
+# "none" (the trained model) or a registered scaling.
+Method = Literal[(NO_SCALING, *SCALINGS)]  # type: ignore[valid-type]
 
 
 class VariantSpec(_Strict):
@@ -36,7 +39,7 @@ class VariantSpec(_Strict):
     factor), and that model is evaluated.
     """
 
-    method: Literal["none", "pi", "ntk", "dynamic_ntk", "yarn"] = "none"
+    method: Method = NO_SCALING
     factor: float | Literal["auto"] | None = None
     # The scaling's own parameters (YaRN's alpha and beta), checked against the registry.
     params: dict[str, Any] = Field(default_factory=dict)
@@ -124,7 +127,7 @@ class VariantSpec(_Strict):
                     f"is fine-tuned once, at one scaling), e.g. '{self.method}:4+ft200'"
                     + ("; none was given" if self.factor is None else ", not 'auto'")
                 )
-        if self.method in ("none", "dynamic_ntk"):
+        if self.method == NO_SCALING or not SCALINGS[self.method].needs_factor:
             if self.factor is not None:
                 raise ValueError(f"variant {short_repr(self.method)} takes no factor")
         elif self.factor is None:

@@ -30,7 +30,7 @@ from jobs.service import new_study
 from jobs.settings import Settings, get_settings
 from jobs.spec import MAX_VARIANT_LABEL, SpecError, parse_spec
 from jobs.status import RunStatus
-from worker.encodings import REGISTRY
+from worker.catalog.encodings import REGISTRY
 
 
 class ImportProblem(ValueError):

@@ -11,6 +11,7 @@ no other module names an encoding.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -18,6 +19,9 @@ from typing import Any, Literal
 from worker.catalog.params import EncodingConfigError, Param, short_repr
 
 Family = Literal["none", "absolute", "rotary", "bias"]
+
+# The variant label of the trained model itself, evaluated without a scaling.
+NO_SCALING = "none"
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,10 @@ class ScalingInfo:
     min_rotary_width: int = 2
     # The scaling's own rule on its resolved parameters: the problems, or none.
     check: Callable[[Mapping[str, Any]], list[str]] | None = None
+    # What a researcher would want to know before a study runs a variant of it as
+    # written: (its label, its parameters, the training length, every variant label of
+    # the study) -> notes.
+    notes: Callable[[str, Mapping[str, Any], int, set[str]], list[str]] | None = None
 
     def resolve(self, params: Mapping[str, Any], owner: str) -> dict[str, Any]:
         """Every parameter of this scaling: the given ones checked, the rest at their
@@ -160,6 +168,36 @@ def _randomized_range(params: Mapping[str, Any], fit: Fit) -> list[str]:
     return [
         f"max_position = {limit} must be at least the training length {fit.train_length} "
         f"and the longest evaluation length {fit.longest}"
+    ]
+
+
+def _same_as_ntk_auto(
+    label: str, params: Mapping[str, Any], train_length: int, labels: set[str]
+) -> list[str]:
+    if "ntk:auto" not in labels:
+        return []
+    return [
+        "eval.variants: dynamic_ntk and ntk:auto give the same numbers: a window is "
+        "read in one pass, so dynamic NTK's scale is max(1, length / L) for all of "
+        "it, ntk:auto's factor (as in HF transformers and the YaRN authors' "
+        "evaluation); list one, or a fixed factor (ntk:8) to compare with"
+    ]
+
+
+def _yarn_at_short_lengths(
+    label: str, params: Mapping[str, Any], train_length: int, labels: set[str]
+) -> list[str]:
+    turns = train_length / (2 * math.pi)  # RoPE's fastest pair, over L tokens
+    beta = params.get("beta", 32.0)
+    if turns >= beta:
+        return []
+    return [
+        f"eval.variants: {short_repr(label)}: over train.length = "
+        f"{train_length} RoPE's fastest pair turns {turns:.0f} times, "
+        f"fewer than beta = {beta:g}, so no pair keeps its frequency and YaRN is "
+        "close to PI here; the paper's alpha = 1, beta = 32 are for 4096 tokens "
+        f"(scaled to this length: alpha = {train_length / 4096:.3g}, "
+        f"beta = {32 * train_length / 4096:.3g})"
     ]
 
 
@@ -362,6 +400,7 @@ SCALINGS: dict[str, ScalingInfo] = {
             reference="emozilla 2023, Dynamically Scaled RoPE; Peng et al. 2023 §3.3",
             needs_factor=False,
             min_rotary_width=4,
+            notes=_same_as_ntk_auto,
         ),
         ScalingInfo(
             name="yarn",
@@ -382,6 +421,7 @@ SCALINGS: dict[str, ScalingInfo] = {
                 ),
             ),
             check=_yarn_ramp,
+            notes=_yarn_at_short_lengths,
         ),
     )
 }

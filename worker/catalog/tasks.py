@@ -186,6 +186,10 @@ TASKS: dict[str, TaskInfo] = {
 }
 
 
+# The task of a spec that names none.
+DEFAULT_TASK = "lm"
+
+
 def task_info(name: str) -> TaskInfo:
     try:
         return TASKS[name]

@@ -302,6 +302,14 @@ class Rope(PositionEncoding):
             return rope_inv_freq(dyn_base, self.rotary_dim).to(self.inv_freq.device)
         return self.inv_freq
 
+    def angular_speeds(self, length: int) -> Tensor:
+        """The angle each pair turns per token at ``length``: the frequencies in force,
+        with PI's division of positions folded in (what the Explore page draws)."""
+        frequencies = self.frequencies(length)
+        if self.scaling is not None and self.scaling.method == "pi":
+            return frequencies / self.scaling.factor
+        return frequencies
+
     @property
     def attention_factor(self) -> float:
         """Multiplier applied to both q and k (YaRN's temperature); 1 otherwise."""
