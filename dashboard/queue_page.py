@@ -10,8 +10,7 @@ import streamlit as st
 from dashboard.common import database, query_ints, schema_ready, set_query
 from db import queries
 from jobs import analysis
-from jobs.lifecycle import STOPPING
-from jobs.status import ACTIVE, RUN_STATUSES, RunStatus
+from jobs.status import ACTIVE, RUN_STATUSES, STOPPING, RunStatus
 
 REFRESH_SECONDS = 2
 

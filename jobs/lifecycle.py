@@ -35,7 +35,7 @@ from db.models import Run, Study, TrainPoint, utcnow
 from db.upsert import upsert
 from jobs.results_schema import TrainPoint as Point
 from jobs.spec import RunSpec, StudySpec
-from jobs.status import FINISHED, RETRYABLE, RunStatus
+from jobs.status import FINISHED, RETRYABLE, STOPPING, RunStatus
 
 
 class LeaseLost(RuntimeError):
@@ -278,9 +278,6 @@ def release(claimed: ClaimedRun, waiting_for: int | None = None) -> RunStatus | 
 
 
 # --- cancel, retry: a user asks (rows locked by the caller's transaction) -------------
-
-
-STOPPING = "stopping"  # a cancel asked of a running run, which stops at its next check
 
 
 def cancel(run: Run) -> str | None:

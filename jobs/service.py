@@ -36,7 +36,7 @@ from jobs import lifecycle
 from jobs.celery_app import TRAIN_RUN
 from jobs.settings import Settings, get_settings
 from jobs.spec import StudySpec
-from jobs.status import ACTIVE, RunStatus
+from jobs.status import ACTIVE, STOPPING, RunStatus
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +257,7 @@ def cancel(
     progress report, whichever comes first) while training, and before the next point
     while evaluating."""
     settings = settings or get_settings()
-    counts = dict.fromkeys((RunStatus.CANCELLED.value, lifecycle.STOPPING), 0)
+    counts = dict.fromkeys((RunStatus.CANCELLED.value, STOPPING), 0)
     with transaction(settings.database) as session:
         for run in _select_runs(session, study_id, run_id):
             outcome = lifecycle.cancel(run)

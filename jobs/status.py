@@ -27,5 +27,8 @@ RUN_STATUSES: tuple[RunStatus, ...] = tuple(RunStatus)
 ACTIVE: tuple[RunStatus, ...] = (RunStatus.QUEUED, RunStatus.RUNNING)
 # A run no worker will touch again (until a retry, for failed and cancelled).
 FINISHED: tuple[RunStatus, ...] = (RunStatus.DONE, RunStatus.FAILED, RunStatus.CANCELLED)
+# Not a status: what a cancel does to a running run, which stops at its next check
+# (its status stays RUNNING until it does, then CANCELLED).
+STOPPING = "stopping"
 # The statuses a retry queues again.
 RETRYABLE: tuple[RunStatus, ...] = (RunStatus.FAILED, RunStatus.CANCELLED)

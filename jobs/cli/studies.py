@@ -21,7 +21,7 @@ from jobs.cli.common import (
     console,
     fail,
 )
-from jobs.status import ACTIVE, RUN_STATUSES, RunStatus
+from jobs.status import ACTIVE, RUN_STATUSES, STOPPING, RunStatus
 
 
 @app.command()
@@ -215,7 +215,6 @@ def _on_runs(action, study: int | None, run: int | None):
 @app.command()
 def cancel(study: StudyArgument = None, run: RunOption = None) -> None:
     """Cancel queued runs at once; running runs stop at their next progress report."""
-    from jobs.lifecycle import STOPPING
     from jobs.service import cancel as cancel_runs
 
     counts = _on_runs(cancel_runs, study, run)
