@@ -9,7 +9,10 @@ import streamlit as st
 
 from dashboard.common import database, query_ints, schema_ready, set_query
 from db import queries
+from db.engine import transaction
+from db.models import Study
 from jobs import analysis
+from jobs.service import Busy, NotFound, busy_message, delete_study
 from jobs.status import ACTIVE, RUN_STATUSES, STOPPING, RunStatus
 
 REFRESH_SECONDS = 2
@@ -91,8 +94,6 @@ def render() -> None:
     study_id = st.selectbox("Study", ids, index=default, format_func=labels.get, key="study")
     set_query("study", [study_id])
     study = studies.set_index("id").loc[study_id]
-    from db.engine import transaction
-    from db.models import Study
 
     with transaction(database()) as session:
         stored = session.get(Study, study_id).spec
@@ -138,7 +139,6 @@ def render() -> None:
 
 def _delete(study_id: int, study: pd.Series) -> None:
     """Delete a study that has nothing queued or running, after an explicit tick."""
-    from jobs.service import Busy, NotFound, busy_message, delete_study
 
     with st.expander("Delete study"):
         busy = sum(int(study[status]) for status in ACTIVE)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import streamlit as st
 import yaml
 
+from dashboard.common import schema_ready
 from dashboard.submit_form import form
 from jobs.spec import PRESET_SPECS, SpecError, StudySpec, parse_spec
 
@@ -37,7 +38,6 @@ def estimate(spec: StudySpec) -> str:
 
 
 def render() -> None:
-    from dashboard.common import schema_ready
 
     st.title("Submit a study")
     presets = ["custom", *PRESET_SPECS]

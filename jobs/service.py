@@ -32,8 +32,9 @@ from db.models import (
     TrainPoint,
     utcnow,
 )
-from jobs import lifecycle
-from jobs.celery_app import TRAIN_RUN
+from db.queries import run_points
+from jobs import analysis, lifecycle
+from jobs.celery_app import TRAIN_RUN, producer
 from jobs.settings import Settings, get_settings
 from jobs.spec import StudySpec
 from jobs.status import ACTIVE, STOPPING, RunStatus
@@ -79,7 +80,6 @@ def celery_send(
 ) -> None:
     """Enqueue ``train_run(run_id)`` by name on its study's queue (``countdown``: not
     before that many seconds): the producer never imports the task's code."""
-    from jobs.celery_app import producer
 
     settings = settings or get_settings()
     queue = queue_of(settings.database, run_id)
@@ -288,8 +288,6 @@ def queue_is_empty(queue: str = "gpu") -> bool | None:
     """Whether the broker's queue holds no message (None when it cannot tell)."""
     from amqp.exceptions import ChannelError
 
-    from jobs.celery_app import producer
-
     try:
         with producer().connection_for_write() as connection:
             declared = connection.default_channel.queue_declare(queue=queue, passive=True)
@@ -373,8 +371,6 @@ def backfill_summaries(url: str) -> int:
     missing rows are added: stored values stay. The order probe needs the model, so
     only the curve summaries are filled in."""
     # Here, not at the top: submitting a study need not load pandas.
-    from db.queries import run_points
-    from jobs import analysis
 
     keys = analysis.summary_keys()
 

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from worker import liveness
 from worker.data.base import Task
+from worker.encodings import build
 from worker.encodings.base import PositionEncoding
 from worker.memory import halving_on_oom
 from worker.model import AttentionBias, CausalSelfAttention, ModelConfig, Transformer
@@ -73,7 +74,6 @@ def equivariance_table(
 ) -> list[dict[str, float | str]]:
     """For each encoding: the mean equivariance error of one random attention layer,
     attending both ways and causally (the Explore page's table)."""
-    from worker.encodings import build
 
     rows = []
     for name in names:

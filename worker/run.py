@@ -304,7 +304,7 @@ class StudyResult:
             for row in run.evaluations:
                 if row.protocol != protocol:
                     continue
-                label = run.label if row.variant == "none" else f"{run.label} + {row.variant}"
+                label = analysis.line_name(run.label, row.variant)
                 value = getattr(row, metric)
                 bucket = values.setdefault(label, {}).setdefault(row.length, [])
                 if value is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pandas as pd
 
 from jobs.metrics import METRICS, metric_named
+from worker.catalog.encodings import NO_SCALING
 
 LOWER_IS_BETTER = {metric.name: metric.lower_is_better for metric in METRICS.values()}
 FACTORS = (2, 4, 8, 16, 32)
@@ -32,7 +33,7 @@ def lower_is_better_for(metric: str) -> bool:
 def line_name(label: str, variant: str, study_id: int | None = None) -> str:
     """What a curve is called: the encoding label, its inference-time variant unless
     none, and its study when several studies are shown together."""
-    name = label if variant == "none" else f"{label} + {variant}"
+    name = label if variant == NO_SCALING else f"{label} + {variant}"
     return name if study_id is None else f"{name} [study {study_id}]"
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from jobs.analysis import bootstrap_interval
 from jobs.metrics import metric_named
 
 Curves = dict[str, dict[int, float | None]]
@@ -17,7 +18,6 @@ Bands = dict[str, dict[int, tuple[float, float]]]  # line -> length -> (low, hig
 def seed_bands(values: dict[str, dict[int, list[float]]]) -> Bands:
     """The 95% bootstrap interval of the mean at every point with two seeds or more (the
     dashboard's and ``posbench results``' interval)."""
-    from jobs.analysis import bootstrap_interval
 
     bands: Bands = {}
     for label, points in values.items():

@@ -9,7 +9,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from db import queries
 from jobs.render.tables import seed_means
+from jobs.settings import get_settings
 from jobs.status import FINISHED, RunStatus
 
 
@@ -40,8 +42,6 @@ def curve_table(frame: pd.DataFrame, study: pd.Series) -> Table:
 def watch(study_id: int, *, console: Console, every: float = 1.0) -> int:
     """Live progress bars until every run of the study has finished; exit code 0 when all
     are done, 1 when any failed or was cancelled."""
-    from db import queries
-    from jobs.settings import get_settings
 
     url = get_settings().database
     progress = Progress(

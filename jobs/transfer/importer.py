@@ -22,6 +22,7 @@ from sqlalchemy import select
 
 from db.engine import transaction
 from db.models import Evaluation, PositionBin, Run, RunSummary, TrainPoint, utcnow
+from jobs.analysis import ANY_PROTOCOL, summarize_points
 from jobs.lifecycle import import_run
 from jobs.metrics import METRICS, measured, metric_named
 from jobs.results_schema import Evaluation as Row
@@ -128,7 +129,6 @@ def _check_values(where: str, run: RunRecord, spec) -> None:
                 )
             if _bad(b.tokens, 0, MAX_COUNT):
                 raise ImportProblem(f"{at}: position bin tokens must be 0..2^53")
-    from jobs.analysis import ANY_PROTOCOL
 
     for i, summary in enumerate(run.summaries):
         at = f"{where}.summaries[{i}]"
@@ -186,7 +186,6 @@ def _check_metrics(at: str, row: Row, task) -> None:
 def _summaries(spec, run: RunRecord) -> list:
     """The run's curve summaries computed from its points here (not taken from the file,
     so they always match the curve), and the order probe's as the file has them."""
-    from jobs.analysis import ANY_PROTOCOL, summarize_points
 
     metric = spec.task.metric
     column = metric_named(metric).column

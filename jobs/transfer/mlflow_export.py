@@ -43,6 +43,7 @@ from sqlalchemy import select
 
 from db.engine import transaction
 from db.models import Evaluation, Run, RunSummary, Study, TrainPoint
+from jobs.analysis import ANY_PROTOCOL, line_name
 from jobs.metrics import METRICS
 from jobs.status import RunStatus
 
@@ -168,7 +169,6 @@ def variant_metrics(
 ) -> dict[str, list[tuple[str, float, int, int]]]:
     """Each variant's points and summaries under keys without the variant (the child
     runs'), so that one key compares every line; the order probe's under ``none``."""
-    from jobs.analysis import ANY_PROTOCOL
 
     out: dict[str, list[tuple[str, float, int, int]]] = {}
     for row in evaluations:
@@ -294,7 +294,7 @@ def to_mlflow(
         mlflow_id = _write_run(client, experiment_id, export, export.tags, export.name)
         client.log_dict(mlflow_id, export.spec, "posbench_spec.json")  # the study as run
         for variant, metrics in export.variants.items():
-            line = export.label if variant == "none" else f"{export.label} + {variant}"
+            line = line_name(export.label, variant)
             tags = export.tags | {
                 "mlflow.parentRunId": mlflow_id,
                 "posbench.variant": variant,
