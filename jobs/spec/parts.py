@@ -23,6 +23,18 @@ from worker.catalog.params import short_repr
 from worker.catalog.tasks import DEFAULT_TASK, TASKS, task_info
 
 
+def _name_and_params(value: Any, default_name: str | None = None) -> Any:
+    """The shorthands of a named entry with parameters: "rope" for {"name": "rope"}, and
+    {"name": "rope", "base": 500000} for {"name": "rope", "params": {"base": 500000}}."""
+    if isinstance(value, str):
+        return {"name": value}
+    if isinstance(value, dict) and "params" not in value:
+        rest = {k: v for k, v in value.items() if k != "name"}
+        if rest:
+            return {"name": value.get("name", default_name), "params": rest}
+    return value
+
+
 class TaskSpec(_Strict):
     name: str = DEFAULT_TASK
     params: dict[str, Any] = Field(default_factory=dict)
@@ -31,12 +43,7 @@ class TaskSpec(_Strict):
     @classmethod
     def _shorthand(cls, value: Any) -> Any:
         # "lm" or {"name": "lm", "corpus": "pystdlib"} are accepted as well.
-        if isinstance(value, str):
-            return {"name": value}
-        if isinstance(value, dict) and "params" not in value:
-            rest = {k: v for k, v in value.items() if k != "name"}
-            return {"name": value.get("name", DEFAULT_TASK), "params": rest} if rest else value
-        return value
+        return _name_and_params(value, DEFAULT_TASK)
 
     @model_validator(mode="after")
     def _known(self) -> TaskSpec:
@@ -172,14 +179,7 @@ class EncodingSpec(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _shorthand(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return {"name": value}
-        if isinstance(value, dict) and "params" not in value and set(value) - {"name"}:
-            return {
-                "name": value.get("name"),
-                "params": {k: v for k, v in value.items() if k != "name"},
-            }
-        return value
+        return _name_and_params(value)
 
     @model_validator(mode="after")
     def _known(self) -> EncodingSpec:
