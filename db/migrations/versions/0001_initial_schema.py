@@ -17,6 +17,7 @@ depends_on = None
 
 
 def upgrade() -> None:
+    """Studies and their runs, then the runs' results."""
     op.create_table(
         "studies",
         sa.Column("id", sa.Integer(), nullable=False),
@@ -75,6 +76,11 @@ def upgrade() -> None:
         batch_op.create_index("ix_runs_status_heartbeat", ["status", "heartbeat_at"], unique=False)
         batch_op.create_index(batch_op.f("ix_runs_study_id"), ["study_id"], unique=False)
 
+    _create_result_tables()
+
+
+def _create_result_tables() -> None:
+    """A run's results: evaluations, training points and position bins."""
     op.create_table(
         "evaluations",
         sa.Column("id", sa.Integer(), nullable=False),
