@@ -1,12 +1,19 @@
-"""What every page shares: the database URL, query-parameter helpers, figure styling."""
+"""What every page shares: the database URL, query-parameter helpers, figure styling,
+and the one way a page reports a database error (a summary; the full text in the log)."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
+from collections.abc import Iterator
 
 import streamlit as st
 
+from jobs.safe_text import error_summary, redact_urls
 from jobs.settings import get_settings
+
+log = logging.getLogger("posbench.dashboard")
 
 
 def database() -> str:
@@ -39,7 +46,26 @@ def schema_ready() -> bool:
         if current(database()) is not None:
             return True
     except Exception as err:
-        st.error(f"cannot reach the database: {err}")
+        database_error(err)
         return False
     st.warning("The database has no schema yet: run `posbench db upgrade` (posbench up does it).")
     return False
+
+
+def database_error(err: BaseException) -> None:
+    """Tell the viewer the database failed, without its text (hosts, users, sometimes a
+    password); the server log has the full text, every URL in it without its password."""
+    log.error("database error: %s", redact_urls(str(err)))
+    st.error(error_summary(err))
+
+
+@contextlib.contextmanager
+def database_errors() -> Iterator[None]:
+    """Around a page (or a fragment): a database error becomes ``database_error``'s
+    summary instead of Streamlit's traceback with the raw message."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        yield
+    except SQLAlchemyError as err:
+        database_error(err)

@@ -20,6 +20,7 @@ from db import queries
 from jobs import analysis
 from jobs.metrics import Kind, headline, kind_of, metric_named, shown_with
 from jobs.render.tables import seed_summary_table
+from jobs.safe_text import markdown
 
 MAX_LENGTHS = 48
 
@@ -96,7 +97,7 @@ def render() -> None:
             + "; ".join(
                 sorted(
                     {
-                        f"{r.label} at {r.eval_length}: {r.not_applicable}"
+                        markdown(f"{r.label} at {r.eval_length}: {r.not_applicable}")
                         for r in not_applicable.itertuples()
                     }
                 )[:6]
@@ -210,7 +211,7 @@ def _groups(view) -> None:
         return
     st.subheader("Accuracy by group")
     for key, part in groups.groupby("key", sort=False):
-        st.caption(f"by {key} (mean over the other groups and over seeds)")
+        st.caption(f"by {markdown(key)} (mean over the other groups and over seeds)")
         table = part.pivot_table(
             index=["line", "value"],
             columns="eval_length",

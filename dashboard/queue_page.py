@@ -7,11 +7,12 @@ import datetime as dt
 import pandas as pd
 import streamlit as st
 
-from dashboard.common import database, query_ints, schema_ready, set_query
+from dashboard.common import database, database_errors, query_ints, schema_ready, set_query
 from db import queries
 from db.engine import transaction
 from db.models import Study
 from jobs import analysis
+from jobs.safe_text import markdown
 from jobs.service import Busy, NotFound, busy_message, delete_study
 from jobs.status import ACTIVE, RUN_STATUSES, STOPPING, RunStatus
 
@@ -49,6 +50,11 @@ def runs_view(study_id: int, tokens_per_step: int) -> tuple[pd.DataFrame, pd.Dat
 
 @st.fragment(run_every=REFRESH_SECONDS)
 def live_runs(study_id: int, tokens_per_step: int) -> None:
+    with database_errors():  # a fragment reruns on its own, outside the page's guard
+        _live_runs(study_id, tokens_per_step)
+
+
+def _live_runs(study_id: int, tokens_per_step: int) -> None:
     view, runs = runs_view(study_id, tokens_per_step)
     counts = view["status"].value_counts().to_dict()
     st.caption(
@@ -68,11 +74,14 @@ def live_runs(study_id: int, tokens_per_step: int) -> None:
     )
     for row in runs.itertuples():
         if row.status == RunStatus.FAILED:
-            st.error(f"run {row.id} ({row.label}, seed {row.seed}) failed: {row.failure_reason}")
+            st.error(
+                f"run {row.id} ({markdown(row.label)}, seed {row.seed}) failed: "
+                + markdown(row.failure_reason)
+            )
     with st.expander("Provenance"):
         for row in runs.itertuples():
             if isinstance(row.provenance, dict):
-                st.write(f"run {row.id} ({row.label}, seed {row.seed})")
+                st.write(f"run {row.id} ({markdown(row.label)}, seed {row.seed})")
                 st.json(row.provenance, expanded=False)
 
 
@@ -103,7 +112,7 @@ def render() -> None:
         train.get("batch_size", 16) * train.get("grad_accum", 1) * train.get("length", 128)
     )
     st.write(
-        f"**{study['name']}** · task {study['task']} · train length "
+        f"**{markdown(study['name'])}** · task {markdown(study['task'])} · train length "
         f"{study['train_length']} · {study['runs']} runs"
     )
     left, right, _ = st.columns([1, 1, 4])
@@ -143,7 +152,7 @@ def _delete(study_id: int, study: pd.Series) -> None:
     with st.expander("Delete study"):
         busy = sum(int(study[status]) for status in ACTIVE)
         if busy:
-            st.caption(busy_message(study_id, busy))
+            st.caption(markdown(busy_message(study_id, busy)))
             return
         sure = st.checkbox(
             f"Delete study {study_id} and everything stored for its {study['runs']} runs "
@@ -155,9 +164,9 @@ def _delete(study_id: int, study: pd.Series) -> None:
         try:
             deleted = delete_study(study_id)
         except (Busy, NotFound) as err:
-            st.error(str(err))
+            st.error(markdown(err))
             return
-        st.toast(f"deleted study {study_id} ({deleted.name}): {deleted.runs} runs")
+        st.toast(f"deleted study {study_id} ({markdown(deleted.name)}): {deleted.runs} runs")
         for key in ("study", "delete-sure"):
             st.session_state.pop(key, None)
         set_query("study", [])

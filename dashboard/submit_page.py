@@ -12,6 +12,7 @@ import yaml
 
 from dashboard.common import schema_ready
 from dashboard.submit_form import form
+from jobs.safe_text import markdown
 from jobs.spec import PRESET_SPECS, SpecError, StudySpec, parse_spec
 
 CUSTOM = {
@@ -58,11 +59,11 @@ def render() -> None:
             problems = err.problems
     if problems:
         for problem in problems:
-            st.error(problem)
+            st.error(markdown(problem))
     else:
         st.info(estimate(spec))
         for note in spec.notes():  # runs as written, but worth knowing first
-            st.warning("Note: " + note[0].upper() + note[1:])
+            st.warning(markdown("Note: " + note[0].upper() + note[1:]))
     with st.expander("YAML (for `posbench submit`)", expanded=False):
         st.code(yaml.safe_dump(data, sort_keys=False), language="yaml")
     clicked = st.button("Submit", type="primary", disabled=spec is None, key="submit")

@@ -19,6 +19,7 @@ from pathlib import Path
 from rich.console import Console
 
 from jobs.broker import start_redis, stop
+from jobs.safe_text import markup, redact_url
 from jobs.settings import get_settings
 
 DASHBOARD_APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
@@ -72,19 +73,24 @@ def serve(*, dashboard: bool, port: int, console: Console) -> int:
         upgrade(settings.database)
         backfill_summaries(settings.database)
         spawn("worker", [sys.executable, "-m", "jobs.cli", "worker"])
-        urls = [f"broker    {settings.broker}", f"database  {settings.database}"]
+        urls = [
+            f"broker    {markup(redact_url(settings.broker))}",
+            f"database  {markup(redact_url(settings.database))}",
+        ]
         if dashboard and DASHBOARD_APP.exists():
             spawn("dashboard", dashboard_command(port, address="127.0.0.1"))
             urls.insert(0, f"dashboard http://localhost:{port}")
         console.print("[bold]posbench is up[/]\n  " + "\n  ".join(urls))
         console.print(
-            f"  logs      {logs}\nsubmit a study:  posbench submit --preset smoke "
+            f"  logs      {markup(logs)}\nsubmit a study:  posbench submit --preset smoke "
             "--wait\nCtrl-C stops everything."
         )
         while True:
             for name, process in children:
                 if process.poll() is not None:
-                    console.print(f"[red]{name} exited with {process.returncode}; see {logs}[/]")
+                    console.print(
+                        f"[red]{name} exited with {process.returncode}; see {markup(logs)}[/]"
+                    )
                     return 1
             time.sleep(0.5)
     except KeyboardInterrupt:

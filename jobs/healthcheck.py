@@ -24,7 +24,9 @@ def main() -> int:
         with engine_for(normalize_url(settings.database)).connect() as connection:
             connection.execute(text("SELECT 1"))
     except Exception as err:  # any failure means unhealthy; say which
-        print(f"unhealthy: {err}", file=sys.stderr)
+        from jobs.safe_text import redact_urls
+
+        print(f"unhealthy: {redact_urls(str(err))}", file=sys.stderr)
         return 1
     return 0
 

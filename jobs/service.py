@@ -35,6 +35,7 @@ from db.models import (
 from db.queries import run_points
 from jobs import analysis, lifecycle
 from jobs.celery_app import TRAIN_RUN, producer
+from jobs.safe_text import redact_urls
 from jobs.settings import Settings, get_settings
 from jobs.spec import StudySpec
 from jobs.status import ACTIVE, STOPPING, RunStatus
@@ -174,7 +175,7 @@ def enqueue(
         try:
             send(run_id)
         except Exception as err:  # any broker failure: the reconciler will send it later
-            log.warning("could not enqueue run %s: %s", run_id, err)
+            log.warning("could not enqueue run %s: %s", run_id, redact_urls(str(err)))
             unsent.append(run_id)
             continue
         sent.append(run_id)
@@ -185,7 +186,11 @@ def enqueue(
             with transaction(settings.database) as session:
                 session.execute(update(Run).where(Run.id.in_(sent)).values(enqueued_at=utcnow()))
         except Exception as err:
-            log.warning("could not stamp runs %s as sent (they will be sent again): %s", sent, err)
+            log.warning(
+                "could not stamp runs %s as sent (they will be sent again): %s",
+                sent,
+                redact_urls(str(err)),
+            )
     return unsent
 
 

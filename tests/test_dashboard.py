@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,11 @@ def page(name: str) -> AppTest:
     return app
 
 
+def plain(markdown: str) -> str:
+    """A markdown element's text as a viewer reads it (its backslash escapes undone)."""
+    return re.sub(r"\\(.)", r"\1", markdown)
+
+
 def figures(app: AppTest) -> list[dict]:
     return [json.loads(chart.proto.spec) for chart in app.get("plotly_chart")]
 
@@ -59,23 +65,25 @@ def test_submit_form_validates_inline_and_enqueues_nothing_while_invalid(setting
     assert "runs x 600 steps" in app.info[0].value  # the cost estimate
     assert not app.warning
     app.multiselect(key="custom:lengths").set_value([256, 512]).run()
-    assert "training length 128 is not among eval.lengths" in app.warning[0].value
+    assert "training length 128 is not among eval.lengths" in plain(app.warning[0].value)
     app.multiselect(key="custom:lengths").set_value([128, 256, 512, 1024]).run()
     assert not app.warning
     app.text_input(key="custom:seeds").set_value("0, x").run()
-    assert "seeds: '0, x' is not a comma-separated list of integers" in app.error[0].value
+    assert "seeds: '0, x' is not a comma-separated list of integers" in plain(app.error[0].value)
     assert app.button(key="submit").disabled is True
     app.text_input(key="custom:seeds").set_value("0").run()
     app.multiselect(key="custom:encodings").set_value([]).run()
-    assert any("encodings: must have at least 1 item" in e.value for e in app.error)
+    assert any("encodings: must have at least 1 item" in plain(e.value) for e in app.error)
     assert app.button(key="submit").disabled is True
     app.multiselect(key="custom:encodings").set_value(["alibi"]).run()
     app.multiselect(key="custom:variants").set_value(["yarn:auto"]).run()
-    assert any("scales RoPE and applies to rope, xpos" in e.value for e in app.error)
+    assert any("scales RoPE and applies to rope, xpos" in plain(e.value) for e in app.error)
     app.multiselect(key="custom:variants").set_value([]).run()
     app.multiselect(key="custom:encodings").set_value(["rope"]).run()
     app.text_input(key="custom:finetuned").set_value("yarn+ft10").run()
-    assert any("variant 'yarn' with finetune needs a number factor" in e.value for e in app.error)
+    assert any(
+        "variant 'yarn' with finetune needs a number factor" in plain(e.value) for e in app.error
+    )
     app.text_input(key="custom:finetuned").set_value("yarn:2+ft10, pi:2+ft10@512").run()
     assert not app.error and "fine-tuning tokens" in app.info[0].value
     assert "- yarn:2+ft10\n" in app.code[0].value  # the variants go into the spec
@@ -84,7 +92,7 @@ def test_submit_form_validates_inline_and_enqueues_nothing_while_invalid(setting
     app.multiselect(key="custom:protocols").set_value(["sliding"]).run()
     app.number_input(key="custom:stride").set_value(4096).run()
     assert any(
-        "eval.stride = 4096 exceeds the shortest evaluation length 128" in e.value
+        "eval.stride = 4096 exceeds the shortest evaluation length 128" in plain(e.value)
         for e in app.error
     )
     yaml_view = app.code[0].value
@@ -122,7 +130,7 @@ def test_presets_fill_the_form(settings) -> None:
     app.number_input(key="paper:min_length").set_value(64).run()
     assert "min_length: 64" in app.code[0].value and not app.error
     app.number_input(key="paper:min_length").set_value(4096).run()
-    assert any("train: min_length = 4096 exceeds length = 512" in e.value for e in app.error)
+    assert any("train: min_length = 4096 exceeds length = 512" in plain(e.value) for e in app.error)
 
 
 def test_encoding_parameters_come_from_the_registry(settings) -> None:
@@ -198,7 +206,7 @@ def test_queue_shows_progress_failures_and_provenance(settings) -> None:
     assert list(table["status"]) == ["done"] * 4 + ["running", "failed"]
     assert list(table["progress"]) == [1.0] * 4 + [0.5, 0.0]
     assert table["step"].iloc[4] == "20 / 40" and table["ETA"].iloc[4] != ""
-    assert any("failed: the training loss became nan" in e.value for e in app.error)
+    assert any("failed: the training loss became nan" in plain(e.value) for e in app.error)
     assert "4 done" in app.caption[0].value and "1 running" in app.caption[0].value
 
 
@@ -247,7 +255,7 @@ def test_queue_deletes_a_finished_study_only_after_a_tick(settings) -> None:
     app.run()
     # One run is still running: no delete button, the reason instead.
     assert not [b for b in app.button if b.key == "delete"]
-    assert any("has 1 run queued or running: cancel first" in c.value for c in app.caption)
+    assert any("has 1 run queued or running: cancel first" in plain(c.value) for c in app.caption)
     with transaction(settings.database) as session:
         session.execute(update(Run).where(Run.status == "running").values(status="cancelled"))
     app.run()

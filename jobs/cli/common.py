@@ -91,14 +91,17 @@ def _database() -> str:
 
 
 def _redact(url: str) -> str:
-    from sqlalchemy.engine import make_url
+    from jobs.safe_text import redact_url
 
-    return make_url(url).render_as_string(hide_password=True)
+    return redact_url(url)
 
 
 def _first_line(err: BaseException) -> str:
+    """The error's first line, every URL in it without its password."""
+    from jobs.safe_text import redact_urls
+
     text = str(getattr(err, "orig", None) or err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
+    return redact_urls(text.splitlines()[0]) if text else type(err).__name__
 
 
 StudyArgument = Annotated[int | None, typer.Argument(show_default=False)]

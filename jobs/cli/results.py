@@ -20,6 +20,7 @@ from jobs.cli.common import (
     console,
     fail,
 )
+from jobs.safe_text import markup
 from jobs.status import ACTIVE
 
 
@@ -218,12 +219,12 @@ def _print_results(frame, row, view: str, output: str, title: str) -> None:
     elif frame.empty:
         if sum(int(row[status] or 0) for status in ACTIVE) == 0:
             console.print(
-                f"study {study} ({row['name']}): no {view}: every run has ended and none "
+                f"study {study} ({markup(row['name'])}): no {view}: every run has ended and none "
                 "could be computed (see posbench status)"
             )
         else:
             console.print(
-                f"study {study} ({row['name']}): no {view} yet (they come as runs finish)"
+                f"study {study} ({markup(row['name'])}): no {view} yet (they come as runs finish)"
             )
     else:
         if view == "summaries":  # the key ones; --format json has them all

@@ -16,6 +16,7 @@ from jobs.cli.common import (
     console,
     fail,
 )
+from jobs.safe_text import markup
 
 db_app = typer.Typer(help="The results database.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
@@ -33,7 +34,7 @@ def db_upgrade() -> None:
         upgrade(url)
     except Exception as err:
         fail(f"cannot upgrade the database {_redact(url)}: {_first_line(err)}", code=1)
-    console.print(f"database {_redact(url)} is at the latest schema")
+    console.print(f"database {markup(_redact(url))} is at the latest schema")
     filled = backfill_summaries(url)
     if filled:
         console.print(f"summarised {filled} runs finished before summaries were stored")

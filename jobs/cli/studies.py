@@ -21,6 +21,7 @@ from jobs.cli.common import (
     console,
     fail,
 )
+from jobs.safe_text import markup
 from jobs.status import ACTIVE, RUN_STATUSES, STOPPING, RunStatus
 
 
@@ -138,7 +139,7 @@ def submit(
         typer.echo(json.dumps(payload))
     else:
         console.print(
-            f"study [bold]{submitted.study_id}[/] ({spec.name}): {len(submitted.queued)} runs "
+            f"study [bold]{submitted.study_id}[/] ({markup(spec.name)}): {len(submitted.queued)} runs "
             f"queued, {len(submitted.reused)} reused from earlier results"
         )
         if submitted.unsent:

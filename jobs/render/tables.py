@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import pandas as pd
 
 from jobs.metrics import Metric, metric_named
+from jobs.safe_text import text
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -55,16 +56,17 @@ class CurveTable:
         return markdown_rows(header, self.cells())
 
     def rich(self, title: str) -> Table:
-        """The terminal form, numbers right-aligned."""
+        """The terminal form, numbers right-aligned; the title and the cells are text
+        (a label is never read as Rich markup)."""
         from rich.table import Table
 
-        table = Table(title=title)
+        table = Table(title=text(title))
         for key in self.keys:
-            table.add_column(key)
+            table.add_column(text(key))
         for n in self.lengths:
             table.add_column(self.length_label(n), justify="right")
         for cells in self.cells():
-            table.add_row(*cells)
+            table.add_row(*map(text, cells))
         return table
 
     def frame(self) -> pd.DataFrame:

@@ -11,17 +11,20 @@ from rich.table import Table
 
 from db import queries
 from jobs.render.tables import seed_means
+from jobs.safe_text import markup, text
 from jobs.settings import get_settings
 from jobs.status import FINISHED, RunStatus
 
 
 def frame_table(frame: pd.DataFrame, title: str) -> Table:
-    table = Table(title=title)
+    """``frame`` as a terminal table; its title, headers and cells are text (a study's
+    name, a label or a failure reason is never read as Rich markup)."""
+    table = Table(title=text(title))
     for column in frame.columns:
         # A sentence (the pairwise claim) keeps room to read; numbers give way.
-        table.add_column(str(column), min_width=36 if column == "claim" else None)
+        table.add_column(text(column), min_width=36 if column == "claim" else None)
     for row in frame.itertuples(index=False):
-        table.add_row(*(_cell(v) for v in row))
+        table.add_row(*(text(_cell(v)) for v in row))
     return table
 
 
@@ -59,13 +62,13 @@ def watch(study_id: int, *, console: Console, every: float = 1.0) -> int:
             for run in runs.itertuples(index=False):
                 if run.id not in bars:
                     bars[run.id] = progress.add_task(
-                        f"{run.label} seed {run.seed}", total=run.total_steps, status=""
+                        markup(f"{run.label} seed {run.seed}"), total=run.total_steps, status=""
                     )
-                note = run.status
+                note = markup(run.status)
                 if run.status == RunStatus.RUNNING and not pd.isna(run.latest_loss):
                     note = f"running  loss {run.latest_loss:.3f}"
                 if run.status == RunStatus.FAILED:
-                    note = f"failed: {run.failure_reason}"
+                    note = f"failed: {markup(run.failure_reason)}"
                 progress.update(bars[run.id], completed=run.step, status=note)
             if len(runs) and runs["status"].isin(FINISHED).all():
                 break
