@@ -73,4 +73,7 @@ def redact_urls(message: str) -> str:
 def error_summary(err: BaseException, what: str = "the database") -> str:
     """A line a viewer may read about a failure of ``what``: its kind, never its text
     (which names hosts, users and sometimes passwords; log that instead)."""
-    return f"{what} could not be reached or read ({type(err).__name__}); the server log has the details"
+    return (
+        f"{what} could not be reached or read ({type(err).__name__}); the server log has "
+        "the details"
+    )

@@ -139,8 +139,9 @@ def submit(
         typer.echo(json.dumps(payload))
     else:
         console.print(
-            f"study [bold]{submitted.study_id}[/] ({markup(spec.name)}): {len(submitted.queued)} runs "
-            f"queued, {len(submitted.reused)} reused from earlier results"
+            f"study [bold]{submitted.study_id}[/] ({markup(spec.name)}): "
+            f"{len(submitted.queued)} runs queued, {len(submitted.reused)} reused from "
+            "earlier results"
         )
         if submitted.unsent:
             console.print(
