@@ -129,6 +129,30 @@ def test_huggingface_only_where_an_operator_turned_it_on(layout) -> None:
     assert scrub(message, on) == f"no file at <path> nor at {root}/y, see https://hf.co/a/b"
 
 
+def test_a_hub_dataset_runs_no_code_and_is_sized_before_download(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from worker.data import sources
+
+    calls = []
+
+    def load_dataset_builder(path, name=None, trust_remote_code=None):
+        calls.append(("builder", trust_remote_code))
+        return SimpleNamespace(info=SimpleNamespace(download_size=5_000, dataset_size=None))
+
+    def load_dataset(path, name=None, **kwargs):
+        calls.append(("load", kwargs))
+        return {"train": [], "validation": []}
+
+    fake = SimpleNamespace(load_dataset_builder=load_dataset_builder, load_dataset=load_dataset)
+    small = SourcePolicy(hf_enabled=True, max_total_bytes=1_000)
+    with pytest.raises(CorpusError, match=r"5,000 bytes, over 1,000"):
+        sources._load_dataset(fake, "wikitext", "", small)
+    assert calls == [("builder", False)]  # refused before anything was downloaded
+    sources._load_dataset(fake, "wikitext", "raw", SourcePolicy(hf_enabled=True))
+    assert calls[-1] == ("load", {"trust_remote_code": False})
+
+
 def test_settings_give_the_rules(tmp_path: Path, monkeypatch) -> None:
     settings = Settings(home=tmp_path)
     assert settings.sources.roots == ((tmp_path / "corpora").resolve(),)

@@ -5,6 +5,7 @@ outside the roots."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import stat
 from dataclasses import dataclass
@@ -181,7 +182,11 @@ def _load_dataset(datasets, location: str, config: str, policy: SourcePolicy):
     stated size is over the total cap is refused before anything is downloaded."""
     config_name = config or None
     if not is_local(location):
-        builder = datasets.load_dataset_builder(location, config_name, trust_remote_code=False)
+        # datasets < 4 runs a loading script unless told not to; later versions run
+        # none and refuse the argument here.
+        builder_args = inspect.signature(datasets.load_dataset_builder).parameters
+        no_code = {"trust_remote_code": False} if "trust_remote_code" in builder_args else {}
+        builder = datasets.load_dataset_builder(location, config_name, **no_code)
         info = builder.info
         stated = max(info.download_size or 0, info.dataset_size or 0)
         if stated > policy.max_total_bytes:
