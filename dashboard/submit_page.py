@@ -68,9 +68,13 @@ def render() -> None:
         st.code(yaml.safe_dump(data, sort_keys=False), language="yaml")
     clicked = st.button("Submit", type="primary", disabled=spec is None, key="submit")
     if clicked and spec is not None and schema_ready():
-        from jobs.service import submit
+        from jobs.service import Refused, submit
 
-        submitted = submit(spec)
+        try:
+            submitted = submit(spec)
+        except Refused as err:
+            st.error(str(err))
+            return
         st.session_state["last_study"] = submitted.study_id
         note = f", {len(submitted.reused)} reused" if submitted.reused else ""
         st.success(

@@ -166,6 +166,9 @@ def _prepare(spec: StudySpec, out: Path | None, device: str | None):
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     settings = get_settings()
+    problem = spec.task.source_problem(settings.sources)  # before anything is written
+    if problem:
+        _fail(problem)
     out = out or settings.home / "runs" / f"{folder_name(spec.name)}-{stamp}"
     checkpoints = settings.home / "checkpoints"
     if out.exists() and not out.is_dir():
@@ -178,7 +181,7 @@ def _prepare(spec: StudySpec, out: Path | None, device: str | None):
             _fail(f"{what} {folder} cannot be written: {problem}")
     try:
         torch_device = resolve_device(device, default=settings.device)
-        task = prepared_task(spec, settings.corpus_cache)
+        task = prepared_task(spec, settings.corpus_cache, settings.sources)
     except (DeviceError, TaskConfigError, OSError) as err:
         if created:
             out.rmdir()  # refused: leave no empty folder behind

@@ -53,6 +53,18 @@ class Busy(RuntimeError):
     """The study still has runs queued or running."""
 
 
+class Refused(ValueError):
+    """A spec this service's rules refuse: a corpus it may not read."""
+
+
+def check_sources(spec: StudySpec, settings: Settings) -> None:
+    """Refuse, before anything is stored, a spec whose data this service may not read
+    (the worker checks again where it reads)."""
+    problem = spec.task.source_problem(settings.sources)
+    if problem:
+        raise Refused(problem)
+
+
 @dataclass(frozen=True)
 class Submitted:
     study_id: int
@@ -131,9 +143,11 @@ def submit(
 
     The result cache: a run whose config hash already finished (status done) in any
     study reuses those results, unless ``force`` asks to train again (and to take no
-    trained model from the cache either).
+    trained model from the cache either). A corpus outside the operator's rules is
+    ``Refused`` before anything is written.
     """
     settings = settings or get_settings()
+    check_sources(spec, settings)
     queued, reused = [], []
     with transaction(settings.database) as session:
         study = new_study(spec)

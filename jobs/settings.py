@@ -15,17 +15,27 @@
 | POSBENCH_PIN_GPUS | false | pin pool process i to GPU i (CUDA_VISIBLE_DEVICES) |
 | POSBENCH_VISIBILITY_TIMEOUT | 172800 | Redis redelivers an unacknowledged message after this |
 | POSBENCH_DASHBOARD_PASSWORD | unset | when set, the dashboard asks for it |
+| POSBENCH_CORPUS_ROOTS | <home>/corpora | folders a text: corpus may come from (':'-separated) |
+| POSBENCH_CORPUS_MAX_FILE_BYTES | 268435456 (256 MiB) | a larger text: corpus file is refused |
+| POSBENCH_CORPUS_MAX_TOTAL_BYTES | 1073741824 (1 GiB) | a larger corpus (in all) is refused |
+| POSBENCH_HF_DATASETS | false | whether hf: corpora (HuggingFace datasets) may be loaded |
+| POSBENCH_HF_ALLOW | unset | when set, the only hf: dataset names allowed (separated by ',') |
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from functools import lru_cache
 from pathlib import Path
+from typing import Annotated, Any
 from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from worker.catalog.corpora import MiB, SourcePolicy, forbidden
 
 BROKER_SCHEMES = ("redis", "rediss", "redis+socket")
 DATABASE_BACKENDS = ("sqlite", "postgresql")
@@ -57,6 +67,38 @@ class Settings(BaseSettings):
     # whose run is still training; the reconciler handles dead workers sooner.
     visibility_timeout: int = Field(172_800, ge=HOUR, le=30 * DAY)
     dashboard_password: SecretStr | None = None
+    corpus_roots: Annotated[list[Path] | None, NoDecode] = Field(
+        None, description="folders a text: corpus may come from (default: <home>/corpora)"
+    )
+    corpus_max_file_bytes: int = Field(256 * MiB, ge=1, description="largest corpus file")
+    corpus_max_total_bytes: int = Field(1024 * MiB, ge=1, description="largest corpus in all")
+    hf_datasets: bool = Field(False, description="whether hf: corpora may be loaded")
+    hf_allow: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="the only hf: datasets allowed (empty: any)"
+    )
+
+    @field_validator("corpus_roots", "hf_allow", mode="before")
+    @classmethod
+    def _split(cls, value: Any, info) -> Any:
+        # From the environment: a JSON list, or names separated by ':' (roots, like
+        # PATH) or ',' (datasets).
+        if not isinstance(value, str):
+            return value
+        if value.lstrip().startswith("["):
+            return json.loads(value)
+        separator = os.pathsep if info.field_name == "corpus_roots" else ","
+        return [part.strip() for part in value.split(separator) if part.strip()]
+
+    @field_validator("corpus_roots")
+    @classmethod
+    def _corpus_roots(cls, roots: list[Path] | None) -> list[Path] | None:
+        for root in roots or ():
+            resolved = root.expanduser().resolve()
+            if forbidden(resolved) or resolved == Path(resolved.anchor):
+                raise ValueError(
+                    "must not be the file system's root, /proc, /sys or /dev (or inside them)"
+                )
+        return roots
 
     @field_validator("database_url")
     @classmethod
@@ -129,6 +171,18 @@ class Settings(BaseSettings):
                 "runs would be requeued"
             )
         return self
+
+    @property
+    def sources(self) -> SourcePolicy:
+        """The rules on corpora, for the spec's check at submit and the reader."""
+        roots = self.corpus_roots if self.corpus_roots is not None else [self.home / "corpora"]
+        return SourcePolicy(
+            roots=tuple(dict.fromkeys(root.expanduser().resolve() for root in roots)),
+            max_file_bytes=self.corpus_max_file_bytes,
+            max_total_bytes=self.corpus_max_total_bytes,
+            hf_enabled=self.hf_datasets,
+            hf_allow=tuple(self.hf_allow),
+        )
 
     @property
     def corpus_cache(self) -> Path:

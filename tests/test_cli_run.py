@@ -91,8 +91,9 @@ def test_bad_input_exits_2_with_one_readable_reason(tmp_path: Path) -> None:
     assert "train.steps = 999999: must be less than or equal to 200000" in bad.stderr
     assert "Traceback" not in bad.stderr
     corpus = tmp_path / "corpus.yaml"
-    corpus.write_text("encodings: [rope]\nmodel: tiny\ntask: {name: lm, corpus: 'text:/nope'}\n")
-    missing = posbench("run", str(corpus), "--out", str(tmp_path / "o"))
+    corpus.write_text("encodings: [rope]\nmodel: tiny\ntask: {name: lm, corpus: 'text:nope'}\n")
+    rooted = {**os.environ, "POSBENCH_CORPUS_ROOTS": str(tmp_path)}  # nope: in no root
+    missing = posbench_cli("run", str(corpus), "--out", str(tmp_path / "o"), env=rooted)
     assert missing.returncode == 2 and "no such file or folder" in missing.stderr
     assert "queued" not in missing.stdout + missing.stderr  # refused before any progress bar
     good = tmp_path / "good.yaml"

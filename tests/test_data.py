@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from worker.catalog.corpora import SourcePolicy
 from worker.data import build_task
 from worker.data.lm import (
     MAX_BLOCKS,
@@ -27,6 +28,11 @@ from worker.evaluate import _Accumulator, log_bins
 
 def decode(row: torch.Tensor) -> str:
     return bytes(row.tolist()).decode()
+
+
+def rooted(root: Path, **rules) -> SourcePolicy:
+    """The rules of a service whose corpus root is ``root`` (HuggingFace on)."""
+    return SourcePolicy(roots=(root.resolve(),), hf_enabled=True, **rules)
 
 
 # -- corpora ------------------------------------------------------------------------------
@@ -52,18 +58,18 @@ def test_text_corpus_file_folder_and_errors(tmp_path: Path) -> None:
     folder.mkdir()
     for i in range(40):
         (folder / f"doc{i:02d}.txt").write_text(f"document {i} " * 50)
-    corpus = load_corpus(f"text:{folder}", tmp_path / "cache")
+    corpus = load_corpus(f"text:{folder}", tmp_path / "cache", rooted(tmp_path))
     assert len(corpus.train) + len(corpus.valid) > 40 * 500
     single = tmp_path / "one.txt"
     single.write_text("abcdefghij" * 1000)
-    one = load_corpus(f"text:{single}", tmp_path / "cache")
+    one = load_corpus(f"text:{single}", tmp_path / "cache", rooted(tmp_path))
     # A lone document is split by position: 95% / 5%.
     assert len(one.valid) == 500 and bytes(one.train[:10]) == b"abcdefghij"
     (folder / "binary.bin").write_bytes(b"\xff\xfe\x00")
     with pytest.raises(CorpusError, match=r"binary.bin is not UTF-8 \(byte 0\)"):
-        load_corpus(f"text:{folder}", tmp_path / "cache")
+        load_corpus(f"text:{folder}", tmp_path / "cache", rooted(tmp_path))
     with pytest.raises(CorpusError, match="no such file or folder"):
-        load_corpus(f"text:{tmp_path / 'missing'}", tmp_path / "cache")
+        load_corpus(f"text:{tmp_path / 'missing'}", tmp_path / "cache", rooted(tmp_path))
     with pytest.raises(CorpusError, match=r"unknown corpus 'wiki' \(allowed: pystdlib"):
         load_corpus("wiki", tmp_path / "cache")
 
@@ -71,9 +77,9 @@ def test_text_corpus_file_folder_and_errors(tmp_path: Path) -> None:
 def test_content_change_invalidates_the_cache(tmp_path: Path) -> None:
     text = tmp_path / "t.txt"
     text.write_text("first version " * 100)
-    before = load_corpus(f"text:{text}", tmp_path / "cache").fingerprint
+    before = load_corpus(f"text:{text}", tmp_path / "cache", rooted(tmp_path)).fingerprint
     text.write_text("second version " * 100)
-    assert load_corpus(f"text:{text}", tmp_path / "cache").fingerprint != before
+    assert load_corpus(f"text:{text}", tmp_path / "cache", rooted(tmp_path)).fingerprint != before
 
 
 def test_huggingface_loader_on_a_local_dataset(tmp_path: Path) -> None:
@@ -83,14 +89,14 @@ def test_huggingface_loader_on_a_local_dataset(tmp_path: Path) -> None:
         with (dataset / f"{split}.jsonl").open("w") as handle:
             for i in range(count):
                 handle.write(json.dumps({"id": i, "text": f"{split} article {i}. " * 20}) + "\n")
-    corpus = load_corpus(f"hf:{dataset}", tmp_path / "cache")
+    corpus = load_corpus(f"hf:{dataset}", tmp_path / "cache", rooted(tmp_path))
     assert bytes(corpus.train[:15]) == b"train article 0"
     assert bytes(corpus.valid[:20]) == b"validation article 0"
     assert len(corpus.valid) == 5 * len("validation article 0. ") * 20 + 4  # 4 separators
     (tmp_path / "no_valid").mkdir()
     (tmp_path / "no_valid" / "train.jsonl").write_text('{"text": "x"}\n')
     with pytest.raises(CorpusError, match="needs a 'validation' split"):
-        load_corpus(f"hf:{tmp_path / 'no_valid'}", tmp_path / "cache")
+        load_corpus(f"hf:{tmp_path / 'no_valid'}", tmp_path / "cache", rooted(tmp_path))
 
 
 def _local_dataset(folder: Path, rows: dict[str, list[dict]]) -> Path:
@@ -112,18 +118,18 @@ def test_huggingface_text_column_is_chosen_by_name_not_position(tmp_path: Path) 
             for split, n in (("train", 12), ("validation", 3))
         },
     )
-    corpus = load_corpus(f"hf:{pg19}", tmp_path / "cache")
+    corpus = load_corpus(f"hf:{pg19}", tmp_path / "cache", rooted(tmp_path))
     assert bytes(corpus.train[:12]) == b"train book 0" and b"A Title" not in bytes(corpus.train)
-    titles = load_corpus(f"hf:{pg19}::short_book_title", tmp_path / "cache")
+    titles = load_corpus(f"hf:{pg19}::short_book_title", tmp_path / "cache", rooted(tmp_path))
     assert bytes(titles.valid) == b"\0".join([b"A Title"] * 3)
     with pytest.raises(CorpusError, match="has no text column 'body' \\(its text columns: "):
-        load_corpus(f"hf:{pg19}::body", tmp_path / "cache")
+        load_corpus(f"hf:{pg19}::body", tmp_path / "cache", rooted(tmp_path))
     two = _local_dataset(
         tmp_path / "two",
         {s: [{"title": "t", "body": "b"}] * 4 for s in ("train", "validation")},
     )
     with pytest.raises(CorpusError, match=r"several text columns \(title, body\)"):
-        load_corpus(f"hf:{two}", tmp_path / "cache")
+        load_corpus(f"hf:{two}", tmp_path / "cache", rooted(tmp_path))
 
 
 def test_huggingface_rows_that_are_lines_make_one_stream(tmp_path: Path) -> None:
@@ -132,7 +138,7 @@ def test_huggingface_rows_that_are_lines_make_one_stream(tmp_path: Path) -> None
     wiki = _local_dataset(
         tmp_path / "wiki", {s: [{"text": line} for line in lines * 5] for s in ("train", "test")}
     )
-    corpus = load_corpus(f"hf:{wiki}", tmp_path / "cache")
+    corpus = load_corpus(f"hf:{wiki}", tmp_path / "cache", rooted(tmp_path))
     stream = (" = Valkyria Chronicles = \n The game began in 2010 . \n" * 5).encode()
     assert bytes(corpus.valid) == stream  # no NUL between lines
     assert b"\0" not in bytes(corpus.train)
@@ -199,7 +205,7 @@ def test_training_windows_reach_the_last_byte_and_never_pass_it(tmp_path: Path) 
     text = tmp_path / "t.txt"
     text.write_bytes(bytes(range(32, 127)) * 3)
     task = build_task("lm", corpus=f"text:{text}")
-    task.prepare(tmp_path / "cache")
+    task.prepare(tmp_path / "cache", rooted(tmp_path))
     train = np.asarray(task.data.train)
     length = len(train) - 2  # windows of length + 1 bytes start at 0 or 1
     generator = torch.Generator().manual_seed(0)
@@ -228,7 +234,7 @@ def _lm_task(tmp_path: Path):
     path = tmp_path / "stream.txt"
     path.write_bytes(stream)
     task = build_task("lm", corpus=f"text:{path}")
-    task.prepare(tmp_path / "cache")
+    task.prepare(tmp_path / "cache", rooted(tmp_path))
     return task
 
 
@@ -425,4 +431,4 @@ def test_the_evaluation_plan_is_checked_before_training(tmp_path: Path) -> None:
         }
     )
     with pytest.raises(CorpusError, match="evaluating at length 4096 needs at least 4097"):
-        prepared_task(spec, tmp_path / "cache")
+        prepared_task(spec, tmp_path / "cache", rooted(tmp_path))

@@ -26,9 +26,10 @@ from jobs import analysis
 from jobs.metrics import Kind, kind_of
 from jobs.results_schema import Evaluation
 from jobs.spec import RunSpec, StudySpec
+from worker.catalog.corpora import SourcePolicy
 from worker.catalog.encodings import REGISTRY
 from worker.data import build_task
-from worker.data.base import Task
+from worker.data.base import NO_SOURCES, Task
 from worker.evaluate import evaluate, validation_loss
 from worker.memory import available_bytes, eval_batch_size
 from worker.model import ModelConfig, Transformer, build_model
@@ -152,11 +153,12 @@ class RunResult:
         }
 
 
-def prepared_task(spec: StudySpec, cache: Path) -> Task:
+def prepared_task(spec: StudySpec, cache: Path, sources: SourcePolicy = NO_SOURCES) -> Task:
     """The study's task with its data loaded (a corpus is read and hashed once, and
-    prepared into the ``cache`` folder)."""
+    prepared into the ``cache`` folder) from where ``sources`` allow: the caller's
+    settings (corpus roots, byte caps, HuggingFace); by default no text: or hf: corpus."""
     task = build_task(spec.task.name, **spec.task.params)
-    task.prepare(cache)
+    task.prepare(cache, sources)
     task.check_plan(spec.eval)
     return task
 

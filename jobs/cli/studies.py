@@ -126,9 +126,13 @@ def submit(
             fail(f"--queue must be {' or '.join(QUEUES)}, got {queue!r}", code=2)
         spec = spec.model_copy(update={"queue": queue})
     _database()
+    from jobs.service import Refused
     from jobs.service import submit as submit_study
 
-    submitted = submit_study(spec, force=force)
+    try:
+        submitted = submit_study(spec, force=force)
+    except Refused as err:
+        fail(str(err), code=2)
     payload = {
         "study": submitted.study_id,
         RunStatus.QUEUED.value: submitted.queued,

@@ -17,6 +17,7 @@ from jobs.spec.base import (
     _Strict,
     exact,
 )
+from worker.catalog.corpora import SourcePolicy
 from worker.catalog.encodings import REGISTRY, info
 from worker.catalog.models import MODEL_PRESETS
 from worker.catalog.params import short_repr
@@ -54,6 +55,11 @@ class TaskSpec(_Strict):
     @property
     def metric(self) -> str:
         return TASKS[self.name].metric
+
+    def source_problem(self, sources: SourcePolicy) -> str | None:
+        """Why this service may not read the task's data (a corpus outside the roots,
+        HuggingFace turned off), or None: the caller's settings, checked at submit."""
+        return TASKS[self.name].source_problem(self.params, sources)
 
     @property
     def kind(self) -> Kind:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jobs.metrics import Kind, headline
+from worker.catalog.corpora import SourcePolicy, corpus_access_problem
 from worker.catalog.params import EncodingConfigError, Param
 
 
@@ -33,6 +34,10 @@ class TaskInfo:
     # What keeps the task's examples from being built at a length (torch-free, for the
     # spec: a run must not fail after training).
     fits: Callable[[Mapping[str, Any], int], list[str]] | None = None
+    # The entry's rule on where its data comes from, under the operator's rules
+    # (corpus roots, HuggingFace on or off): a problem, or None. Settings are the
+    # caller's: the service and ``posbench run`` at submit, the reader on the worker.
+    sources: Callable[[Mapping[str, Any], SourcePolicy], str | None] | None = None
 
     @property
     def metric(self) -> str:
@@ -64,6 +69,10 @@ class TaskInfo:
         """What keeps this task's examples from being built at ``longest`` bytes."""
         return self.fits(params, longest) if self.fits else []
 
+    def source_problem(self, params: Mapping[str, Any], policy: SourcePolicy) -> str | None:
+        """Why this service may not read the data ``params`` name, or None."""
+        return self.sources(params, policy) if self.sources else None
+
     def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -75,11 +84,15 @@ class TaskInfo:
         }
 
 
-CORPORA = "pystdlib, text:<path> (a UTF-8 file or folder) or hf:<name>[:<config>[:<column>]]"
+CORPORA = (
+    "pystdlib, text:<path> (a UTF-8 file or folder in a corpus root) or "
+    "hf:<name>[:<config>[:<column>]]"
+)
 
 
 def corpus_problem(corpus: str) -> str | None:
-    """What is wrong with the form of a corpus name, or None. Whether a text: path
+    """What is wrong with the form of a corpus name, or None. Where it may be read from
+    is the entry's ``sources`` hook (worker.catalog.corpora); whether a text: path
     exists is checked where the corpus is read (a worker's file system, not the
     submitter's)."""
     kind, _, rest = corpus.partition(":")
@@ -126,10 +139,12 @@ TASKS: dict[str, TaskInfo] = {
                     str,
                     "pystdlib",
                     "pystdlib (the interpreter's own standard library sources), "
-                    "text:<path> (a UTF-8 file or folder) or hf:<name>[:<config>[:<column>]]",
+                    "text:<path> (a UTF-8 file or folder inside a corpus root) or "
+                    "hf:<name>[:<config>[:<column>]] (where an operator turned them on)",
                 ),
             ),
             check=lambda params: corpus_problem(params["corpus"]),
+            sources=lambda params, policy: corpus_access_problem(params["corpus"], policy),
         ),
         TaskInfo(
             name="passkey",

@@ -10,6 +10,10 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor
 
+from worker.catalog.corpora import SourcePolicy
+
+NO_SOURCES = SourcePolicy()  # without the caller's rules: no text: path, no hf:
+
 if TYPE_CHECKING:
     from jobs.spec import EvalSpec
 
@@ -46,8 +50,9 @@ class Task:
     metric: ClassVar[str]
     protocols: ClassVar[tuple[str, ...]] = ("nonoverlapping",)
 
-    def prepare(self, cache_dir: Path) -> None:
-        """Load or build whatever data the task needs (called once per run)."""
+    def prepare(self, cache_dir: Path, sources: SourcePolicy = NO_SOURCES) -> None:
+        """Load or build whatever data the task needs (called once per run), from where
+        ``sources`` (the operator's rules on corpora) allow."""
 
     @property
     def fingerprint(self) -> str:

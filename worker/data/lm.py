@@ -4,11 +4,16 @@ Corpora:
 - ``pystdlib``: the running interpreter's standard library sources (``*.py``
   outside site-packages) - a real, multi-megabyte corpus on every machine, no
   download;
-- ``text:<path>``: a UTF-8 file or a folder of them;
+- ``text:<path>``: a UTF-8 file or a folder of them, inside the corpus roots;
 - ``hf:<name>[:<config>[:<column>]]``: a HuggingFace dataset (the optional
-  ``datasets`` package), hub name or local folder; the text is the named column, else
+  ``datasets`` package, never running a dataset's own code), hub name or local folder
+  inside the roots, where the operator turned them on; the text is the named column, else
   ``text``, else the only string column. Rows that are lines (WikiText) are joined as
   one stream; other rows (PG-19's books) are documents.
+
+The rules (``worker.catalog.corpora.SourcePolicy``) are the caller's argument: the
+engine reads no settings, and without rules it reads pystdlib only. Byte caps are
+enforced while reading: a file or corpus over them is refused, never truncated.
 
 Documents are read in a fixed order and split into train and validation by a
 hash of their path (a lone document is split by position), joined with a NUL
@@ -33,24 +38,15 @@ import numpy as np
 import torch
 
 from jobs.metrics import Kind, headline
-from worker.catalog.tasks import TaskConfigError
-from worker.data.base import Batch, Task, from_sequences
+from worker.catalog.corpora import SourcePolicy
+from worker.data.base import NO_SOURCES, Batch, Task, from_sequences
+from worker.data.sources import CorpusError, Document, huggingface, text_documents
 
 if TYPE_CHECKING:
     from jobs.spec import EvalSpec
 
 VALID_PERCENT = 5
 DOC_SEPARATOR = b"\x00"
-
-
-class CorpusError(TaskConfigError):
-    """A corpus that cannot be read: missing, not UTF-8, empty, or an unusable dataset."""
-
-
-@dataclass(frozen=True)
-class Document:
-    path: str
-    content: bytes
 
 
 def is_validation(path: str) -> bool:
@@ -65,97 +61,19 @@ def _pystdlib() -> list[Document]:
     return [Document(p.relative_to(root).as_posix(), p.read_bytes()) for p in paths]
 
 
-def _text(location: str) -> list[Document]:
-    root = Path(location).expanduser()
-    if not root.exists():
-        raise CorpusError(f"corpus text:{location}: no such file or folder")
-    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
-    docs = []
-    for path in files:
-        content = path.read_bytes()
-        try:
-            content.decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise CorpusError(
-                f"corpus text:{location}: {path} is not UTF-8 (byte {err.start}); "
-                "text corpora must be UTF-8"
-            ) from None
-        name = path.name if root.is_file() else path.relative_to(root).as_posix()
-        docs.append(Document(name, content))
-    if not docs:
-        raise CorpusError(f"corpus text:{location}: the folder holds no files")
-    return docs
-
-
-def _text_column(table, spec: str, split: str, wanted: str) -> str:
-    """The column to read: ``wanted`` if given, else ``text``, else the only string
-    column (PG-19's first string column is the book's title, not its text)."""
-    strings = [c for c, f in table.features.items() if getattr(f, "dtype", None) == "string"]
-    if wanted:
-        if wanted not in strings:
-            raise CorpusError(
-                f"corpus hf:{spec}: split {split!r} has no text column {wanted!r} "
-                f"(its text columns: {', '.join(strings) or 'none'})"
-            )
-        return wanted
-    if "text" in strings:
-        return "text"
-    if len(strings) == 1:
-        return strings[0]
-    if not strings:
-        raise CorpusError(f"corpus hf:{spec}: split {split!r} has no text column")
-    raise CorpusError(
-        f"corpus hf:{spec}: split {split!r} has several text columns ({', '.join(strings)}) "
-        "and none is called 'text': name one, hf:<name>:<config>:<column>"
-    )
-
-
-def _rows_to_documents(rows: list[str], split: str) -> list[Document]:
-    """Rows that are lines of one text (every non-empty row ends with a newline, as in
-    WikiText) are joined as they are, one stream as in the ALiBi paper's evaluation;
-    other rows are documents (PG-19's books), separated by DOC_SEPARATOR later."""
-    filled = [row for row in rows if row]
-    if filled and all(row.endswith("\n") for row in filled):
-        return [Document(split, "".join(filled).encode("utf-8"))]
-    return [Document(f"{split}/{i}", row.encode("utf-8")) for i, row in enumerate(rows)]
-
-
-def _huggingface(spec: str) -> tuple[list[Document], list[Document]]:
-    try:
-        import datasets
-    except ImportError:
-        raise CorpusError(
-            f"corpus hf:{spec} needs the optional 'datasets' package: pip install 'posbench[hf]'"
-        ) from None
-    name, _, rest = spec.partition(":")
-    config, _, column = rest.partition(":")
-    try:
-        loaded = datasets.load_dataset(name, config or None)
-    except Exception as err:  # the library raises many types; report any of them plainly
-        raise CorpusError(f"corpus hf:{spec}: could not load the dataset ({err})") from None
-    splits = {}
-    for wanted in (("train",), ("validation", "valid", "test")):
-        split = next((s for s in wanted if s in loaded), None)
-        if split is None:
-            raise CorpusError(
-                f"corpus hf:{spec}: needs a {wanted[0]!r} split and one of "
-                f"{', '.join(wanted if len(wanted) > 1 else ())} (has {', '.join(loaded)})"
-            )
-        table = loaded[split]
-        rows = table[_text_column(table, spec, split, column)]
-        splits[wanted[0]] = _rows_to_documents([row or "" for row in rows], split)
-    return splits["train"], splits["validation"]
-
-
-def read_documents(corpus: str) -> tuple[list[Document], list[Document]]:
-    """The corpus' train and validation documents, in their fixed order."""
+def read_documents(
+    corpus: str, sources: SourcePolicy = NO_SOURCES
+) -> tuple[list[Document], list[Document]]:
+    """The corpus' train and validation documents, in their fixed order, read under the
+    operator's rules (``sources``: the corpus roots, byte caps and HuggingFace; by
+    default only pystdlib)."""
     kind, _, rest = corpus.partition(":")
     if corpus == "pystdlib":
         docs = _pystdlib()
     elif kind == "text" and rest:
-        docs = _text(rest)
+        docs = text_documents(rest, sources)
     elif kind == "hf" and rest:
-        return _huggingface(rest)
+        return huggingface(rest, sources)
     else:
         raise CorpusError(
             f"unknown corpus {corpus!r} (allowed: pystdlib, text:<path>, "
@@ -188,9 +106,10 @@ def _content_hash(train: list[Document], valid: list[Document]) -> str:
     return digest.hexdigest()[:20]
 
 
-def load_corpus(corpus: str, cache_dir: Path) -> Corpus:
-    """Read, hash, and (once per content) write the corpus as two uint8 files; memory-map them."""
-    train_docs, valid_docs = read_documents(corpus)
+def load_corpus(corpus: str, cache_dir: Path, sources: SourcePolicy = NO_SOURCES) -> Corpus:
+    """Read (under ``sources``), hash, and (once per content) write the corpus as two
+    uint8 files; memory-map them. A refused corpus writes nothing."""
+    train_docs, valid_docs = read_documents(corpus, sources)
     fingerprint = _content_hash(train_docs, valid_docs)
     folder = Path(cache_dir) / "corpora" / fingerprint
     if not (folder / "meta.json").exists():
@@ -317,9 +236,9 @@ class LanguageModelling(Task):
         self.corpus_name = corpus
         self.corpus: Corpus | None = None
 
-    def prepare(self, cache_dir: Path) -> None:
+    def prepare(self, cache_dir: Path, sources: SourcePolicy = NO_SOURCES) -> None:
         if self.corpus is None:
-            self.corpus = load_corpus(self.corpus_name, cache_dir)
+            self.corpus = load_corpus(self.corpus_name, cache_dir, sources)
 
     @property
     def data(self) -> Corpus:
