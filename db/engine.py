@@ -19,6 +19,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from jobs.files import private_file, private_folder
+
 SQLITE_BUSY_TIMEOUT_S = 60
 T = TypeVar("T")
 
@@ -37,7 +39,8 @@ def make_engine(url: str) -> Engine:
     if parsed.get_backend_name() != "sqlite":
         return create_engine(url, pool_pre_ping=True, future=True)
     if parsed.database and parsed.database != ":memory:":
-        Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        database = Path(parsed.database).expanduser()
+        private_file(private_folder(database.parent) / database.name)  # owner-only when new
     engine = create_engine(
         url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S, "check_same_thread": False}
     )

@@ -12,6 +12,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from jobs.files import open_private_log, private_folder
+
 
 class BrokerError(RuntimeError):
     pass
@@ -35,7 +37,7 @@ def start_redis(socket: Path, *, log: Path | None = None) -> subprocess.Popen[by
     import redis
 
     folder = socket.parent
-    folder.mkdir(parents=True, exist_ok=True)
+    private_folder(folder)
     if socket.exists():
         socket.unlink()
     options = {
@@ -52,7 +54,7 @@ def start_redis(socket: Path, *, log: Path | None = None) -> subprocess.Popen[by
     command = [redis_server_binary()]
     for key, value in options.items():
         command += [f"--{key}", value]
-    output = open(log or folder / "redis.log", "ab")  # noqa: SIM115 - the child owns it
+    output = open_private_log(log or folder / "redis.log")  # the child owns it
     # Its own session: a Ctrl-C in the terminal must not stop the broker before the
     # workers have handed their runs back through it (the owner stops it last).
     process = subprocess.Popen(

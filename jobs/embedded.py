@@ -19,6 +19,7 @@ from pathlib import Path
 from rich.console import Console
 
 from jobs.broker import start_redis, stop
+from jobs.files import open_private_log, private_folder
 from jobs.safe_text import markup, redact_url
 from jobs.settings import get_settings
 
@@ -45,14 +46,14 @@ def serve(*, dashboard: bool, port: int, console: Console) -> int:
     from jobs.service import backfill_summaries
 
     settings = get_settings()
-    settings.home.mkdir(parents=True, exist_ok=True)
+    private_folder(settings.home)  # the database, the broker's files, the logs: owner-only
     env = os.environ.copy()
     children: list[tuple[str, subprocess.Popen[bytes]]] = []
     logs = settings.home / "logs"
-    logs.mkdir(exist_ok=True)
+    private_folder(logs)
 
     def spawn(name: str, command: list[str]) -> None:
-        log = open(logs / f"{name}.log", "ab")  # noqa: SIM115 - the child owns it
+        log = open_private_log(logs / f"{name}.log")  # the child owns it
         children.append(
             (name, subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
         )

@@ -21,6 +21,11 @@ from typing import Annotated, Any
 
 from pydantic import ConfigDict, Field, TypeAdapter, with_config
 
+# The largest results.json read back (``posbench import``, an earlier run in --out): a
+# spec's largest study writes far less (64 runs, each with its curves and at most 1,024
+# evaluation points); a larger file is refused before it is read.
+MAX_RESULTS_BYTES = 256 << 20
+
 # JSON as posbench run writes it: no strings for numbers, no NaN or infinities.
 STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 

@@ -15,10 +15,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from jobs import analysis
+from jobs.files import private_folder, read_bounded, write_atomic
 from jobs.metrics import kind_of, reported
 from jobs.render.report import plot_curves, seed_bands
 from jobs.render.tables import CurveTable, curve_table, markdown_frame
-from jobs.results_schema import StudyResults
+from jobs.results_schema import MAX_RESULTS_BYTES, StudyResults
 from jobs.spec import DEFAULT_NAME, StudySpec
 from jobs.status import RunStatus
 from worker.catalog.params import short_repr
@@ -61,30 +62,58 @@ def _fail(message: str) -> NoReturn:
     raise typer.Exit(2)
 
 
-def _unwritable(folder: Path) -> str | None:
-    """Why files cannot be written in ``folder`` (created if missing), or None."""
+def _unwritable(folder: Path, *, private: bool = False) -> str | None:
+    """Why files cannot be written in ``folder`` (created if missing, owner-only when
+    ``private``), or None."""
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        if private:
+            private_folder(folder)
+        else:
+            folder.mkdir(parents=True, exist_ok=True)
         probe = folder / f".posbench-write-test-{time.time_ns()}"
-        probe.write_bytes(b"")
+        write_atomic(probe, b"", private=True)
         probe.unlink()
     except OSError as err:
         return err.strerror or str(err)
     return None
 
 
-def _check_out(spec: StudySpec, out: Path) -> None:
-    """``--out`` may hold an earlier run of this study (written again), not another's."""
+def _out_names(spec: StudySpec) -> list[str]:
+    """The files ``posbench run`` writes into ``--out``."""
     names = ["results.json", "table.md", "curves.png"]
-    names += [f"curves-{protocol}.png" for protocol in spec.eval.protocols]
+    return names + [f"curves-{protocol}.png" for protocol in spec.eval.protocols]
+
+
+def _check_out(spec: StudySpec, out: Path) -> None:
+    """``--out`` may hold an earlier run of this study (written again), not another's,
+    and no file posbench did not write: nothing there is overwritten or written through
+    a symbolic link."""
+    names = _out_names(spec)
     for name in names:
+        if (out / name).is_symlink():
+            _fail(
+                f"--out {out}: {name} is a symbolic link; posbench writes its results as "
+                "files of their own, never through a link (remove it, or give another folder)"
+            )
         if (out / name).is_dir():
             _fail(f"--out {out}: {name} is a folder; the results are written there as a file")
+    present = [name for name in names if (out / name).exists()]
+    if not present:
+        return
+    results = out / "results.json"
     try:
-        earlier = json.loads((out / "results.json").read_text())["spec"]
+        earlier = json.loads(read_bounded(results, MAX_RESULTS_BYTES, "a results.json"))["spec"]
         name = earlier["name"]
+    except FileNotFoundError:
+        _fail(
+            f"--out {out}: {out / present[0]} was not written by posbench run (no results.json "
+            "beside it); it is not overwritten: give another folder, or remove it"
+        )
     except (OSError, ValueError, KeyError, TypeError):
-        return  # nothing there, or not posbench's
+        _fail(
+            f"--out {out}: {results} was not written by posbench run; it is not overwritten: "
+            "give another folder, or remove it"
+        )
     if name != spec.name:
         _fail(
             f"--out {out} holds the results of study {short_repr(name)}; give another folder "
@@ -169,26 +198,28 @@ def _prepare(spec: StudySpec, out: Path | None, device: str | None):
     problem = spec.task.source_problem(settings.sources)  # before anything is written
     if problem:
         _fail(problem)
+    private = out is None  # under $POSBENCH_HOME: its owner's alone
     out = out or settings.home / "runs" / f"{folder_name(spec.name)}-{stamp}"
     checkpoints = settings.home / "checkpoints"
     if out.exists() and not out.is_dir():
         _fail(f"--out {out} is a file; give a folder (created if missing)")
     _check_out(spec, out)
     created = not out.exists()
-    for folder, what in ((out, "--out"), (checkpoints, "the checkpoint folder")):
-        problem = _unwritable(folder)
+    folders = ((out, "--out", private), (checkpoints, "the checkpoint folder", True))
+    for folder, what, own in folders:
+        problem = _unwritable(folder, private=own)
         if problem:
             _fail(f"{what} {folder} cannot be written: {problem}")
     try:
         torch_device = resolve_device(device, default=settings.device)
-        task = prepared_task(spec, settings.corpus_cache, settings.sources)
+        task = prepared_task(spec, private_folder(settings.corpus_cache), settings.sources)
     except (DeviceError, TaskConfigError, OSError) as err:
         if created:
             out.rmdir()  # refused: leave no empty folder behind
         if isinstance(err, OSError):  # e.g. POSBENCH_CACHE_DIR is a file
             _fail(f"the task's data could not be prepared: {err}")
         _fail(str(err))
-    return out, checkpoints, torch_device, task
+    return out, private, checkpoints, torch_device, task
 
 
 def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: str | None) -> None:
@@ -198,7 +229,7 @@ def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: 
 
     flush_denormals()  # before torch's first parallel operation starts its threads
     console = Console(stderr=as_json)
-    out, checkpoints, torch_device, task = _prepare(spec, out, device)
+    out, private, checkpoints, torch_device, task = _prepare(spec, out, device)
     runs = spec.runs()
     console.print(
         f"study [bold]{spec.name}[/]: {len(runs)} runs x {spec.train.steps} steps on "
@@ -217,12 +248,13 @@ def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: 
     except TrainingDiverged as err:
         Console(stderr=True).print(f"[bold red]run failed:[/] {err}")
         raise typer.Exit(1) from None
-    _report(result, out, console, as_json=as_json)
+    _report(result, out, console, as_json=as_json, private=private)
 
 
-def _report(result, out: Path, console: Console, *, as_json: bool) -> None:
-    """Write results.json, table.md and the plots into ``out``, then print the tables
-    (or, with ``as_json``, the results on stdout)."""
+def _report(result, out: Path, console: Console, *, as_json: bool, private: bool = False) -> None:
+    """Write results.json, table.md and the plots into ``out``, each whole (a temporary
+    file, then renamed over the earlier one; owner-only when ``private``), then print
+    the tables (or, with ``as_json``, the results on stdout)."""
     spec = result.spec
     # One table and one plot per protocol: curves.png for the first, curves-<name>.png
     # for the others (sliding windows score differently; their lines are not comparable).
@@ -234,7 +266,7 @@ def _report(result, out: Path, console: Console, *, as_json: bool) -> None:
     }
     document = StudyResults.from_dict(result.to_dict())  # the declared results.json
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(document.to_json(indent=1))
+    write_atomic(out / "results.json", document.to_json(indent=1).encode(), private=private)
     tables = {
         protocol: curve_table(curves[protocol], result.metric, spec.train.length)
         for protocol in protocols
@@ -252,17 +284,18 @@ def _report(result, out: Path, console: Console, *, as_json: bool) -> None:
         if (partial := result.curves(protocols[0], metric.name))
     ]
     sections += [table.markdown() for table in extra]
-    (out / "table.md").write_text("\n\n".join(sections) + "\n")
+    grid = _summary_grid(result)
+    if not grid.empty:
+        sections.append(markdown_frame(grid.reset_index()))
+    write_atomic(out / "table.md", ("\n\n".join(sections) + "\n").encode(), private=private)
     for protocol in protocols:
         title = spec.name if len(protocols) == 1 else f"{spec.name} ({protocol})"
         bands = seed_bands(result.seed_values(protocol))
-        plot_curves(
-            curves[protocol], result.metric, spec.train.length, plots[protocol], title, bands
-        )
-    grid = _summary_grid(result)
-    if not grid.empty:
-        with (out / "table.md").open("a") as table:
-            table.write("\n" + markdown_frame(grid.reset_index()) + "\n")
+
+        def plot(handle, protocol=protocol, title=title, bands=bands) -> None:
+            plot_curves(curves[protocol], result.metric, spec.train.length, handle, title, bands)
+
+        write_atomic(plots[protocol], plot, private=private)
     if as_json:
         sys.stdout.write(document.to_json() + "\n")
         return

@@ -254,3 +254,24 @@ def test_a_missing_or_unreadable_file_says_so(settings: Settings, tmp_path: Path
     (tmp_path / "bad.json").write_text("{not json")
     bad = posbench(settings, "import", str(tmp_path / "bad.json"))
     assert bad.returncode == 2 and "bad.json: not JSON" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    "curve",
+    [
+        [[step, 2.0] for step in range(1_500_000)],  # more points than any fine-tuning has
+        [[1, "x" * 20_000_000]],  # 20 MB where a point's loss goes
+    ],
+    ids=["too-many-points", "not-numbers"],
+)
+def test_a_huge_fine_tuning_curve_is_refused_and_nothing_written(
+    settings: Settings, payload: dict, tmp_path: Path, curve: list
+) -> None:
+    def huge(p: dict) -> None:
+        p["runs"][0]["provenance"]["finetune"] = {"yarn:2+ft1": {"curve": curve}}
+
+    done = posbench(settings, "import", str(write(tmp_path, _edited(payload, huge))))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "provenance.finetune.'yarn:2+ft1'.curve" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert queries.studies(settings.database).empty

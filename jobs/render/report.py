@@ -7,6 +7,7 @@ is ``jobs.render.tables``.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import BinaryIO
 
 from jobs.analysis import bootstrap_interval
 from jobs.metrics import metric_named
@@ -49,10 +50,10 @@ def plot_curves(
     curves: Curves,
     metric: str,
     train_length: int,
-    path: Path,
+    path: Path | BinaryIO,
     title: str,
     bands: Bands | None = None,
-) -> Path:
+) -> Path | BinaryIO:
     """Metric against evaluation length (log2 axis; a log scale for a metric the registry
     puts on one, perplexity). One colour
     per encoding, one line style and marker per variant ("rope + yarn:4" is rope's colour,
@@ -109,7 +110,8 @@ def plot_curves(
     axis.grid(True, alpha=0.3)
     axis.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
     figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path)
+    if isinstance(path, Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, format="png")  # a path, or a handle of the file written whole
     plt.close(figure)
     return path

@@ -14,6 +14,7 @@ from pydantic import (
     ValidationError,
 )
 
+from jobs.files import FileRefused, read_bounded
 from jobs.spec.base import (
     SpecError,
 )
@@ -166,11 +167,11 @@ def read_spec_file(path: str | Path) -> Any:
     values, depth) but not yet validated; SpecError for a file that is not one."""
     path = Path(path)
     try:
-        raw = path.read_bytes()
+        raw = read_bounded(path, MAX_SPEC_BYTES, "a spec")
+    except FileRefused as err:
+        raise SpecError([str(err)]) from None
     except OSError as err:
         raise SpecError([f"cannot read spec file {path}: {err.strerror}"]) from None
-    if len(raw) > MAX_SPEC_BYTES:
-        raise SpecError([f"{path} is {len(raw):,} bytes; a spec is at most {MAX_SPEC_BYTES:,}"])
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:

@@ -23,15 +23,17 @@ from sqlalchemy import select
 from db.engine import transaction
 from db.models import Evaluation, PositionBin, Run, RunSummary, TrainPoint, utcnow
 from jobs.analysis import ANY_PROTOCOL, summarize_points
+from jobs.files import FileRefused, read_bounded
 from jobs.lifecycle import import_run
 from jobs.metrics import METRICS, measured, metric_named
+from jobs.results_schema import MAX_RESULTS_BYTES, RunRecord, parse_results
 from jobs.results_schema import Evaluation as Row
-from jobs.results_schema import RunRecord, parse_results
 from jobs.service import new_study
 from jobs.settings import Settings, get_settings
-from jobs.spec import MAX_VARIANT_LABEL, SpecError, parse_spec
+from jobs.spec import MAX_STEPS, MAX_VARIANT_LABEL, SpecError, parse_spec
 from jobs.status import RunStatus
 from worker.catalog.encodings import REGISTRY
+from worker.catalog.params import short_repr
 
 
 class ImportProblem(ValueError):
@@ -52,11 +54,14 @@ PROBE_SUMMARIES = ("order_ordered_loss", "order_shuffled_loss", "order_sensitivi
 MAX_COUNT = 1 << 53  # tokens, bytes: exact in a float, far past any real run
 MAX_SECONDS = 10 * 365 * 86400
 MAX_PROVENANCE_BYTES = 1 << 20
+MAX_IMPORT_BYTES = MAX_RESULTS_BYTES
 
 
 def _read(path: Path) -> str:
     try:
-        return path.read_text()
+        return read_bounded(path, MAX_IMPORT_BYTES, "an import").decode("utf-8")
+    except FileRefused as err:
+        raise ImportProblem(str(err)) from None
     except OSError as err:
         raise ImportProblem(f"{path}: cannot be read ({err.strerror or err})") from None
     except UnicodeDecodeError:
@@ -141,19 +146,49 @@ def _check_values(where: str, run: RunRecord, spec) -> None:
             )
         if summary.value is not None and not math.isfinite(summary.value):
             raise ImportProblem(f"{at}: {summary.name} must be a finite number")
-    # Fine-tunings' loss curves grow with their steps (the spec bounds those); the rest
-    # of the provenance is a few fields.
+    _check_provenance(where, run, spec)
+
+
+def _check_provenance(where: str, run: RunRecord, spec) -> None:
+    """The provenance is a few fields, within MAX_PROVENANCE_BYTES, and the fine-tunings'
+    loss curves, which grow with their steps: one per variant at most, each a list of
+    at most MAX_STEPS (step, loss) pairs of numbers, so their size is bounded too."""
     tunings = run.provenance.get("finetune")
     rest = {k: v for k, v in run.provenance.items() if k != "finetune"}
     if isinstance(tunings, dict):
-        rest["finetune"] = {
-            label: {k: v for k, v in record.items() if k != "curve"}
-            if isinstance(record, dict)
-            else record
-            for label, record in tunings.items()
-        }
+        if len(tunings) > len(spec.eval.variants):
+            raise ImportProblem(
+                f"{where}.provenance.finetune: {len(tunings)} fine-tunings, more than the "
+                f"spec's {len(spec.eval.variants)} variants"
+            )
+        rest["finetune"] = {}
+        for label, record in tunings.items():
+            if isinstance(record, dict) and "curve" in record:
+                _check_curve(f"{where}.provenance.finetune.{short_repr(label)}", record["curve"])
+                record = {k: v for k, v in record.items() if k != "curve"}
+            rest["finetune"][label] = record
     if len(json.dumps(rest, default=str)) > MAX_PROVENANCE_BYTES:
         raise ImportProblem(f"{where}.provenance: larger than 1 MiB (fine-tuning curves aside)")
+
+
+def _check_curve(at: str, curve: Any) -> None:
+    if not isinstance(curve, list) or len(curve) > MAX_STEPS:
+        raise ImportProblem(f"{at}.curve: must be a list of at most {MAX_STEPS:,} points")
+    last = -1
+    for point in curve:
+        if not (
+            isinstance(point, list)
+            and len(point) == 2
+            and type(point[0]) is int
+            and last < point[0] <= MAX_STEPS
+            and type(point[1]) in (int, float)
+            and abs(point[1]) <= MAX_COUNT
+        ):
+            raise ImportProblem(
+                f"{at}.curve: each point must be a pair [step, loss] of numbers, the steps "
+                f"increasing within 0..{MAX_STEPS:,}"
+            )
+        last = point[0]
 
 
 def _check_metrics(at: str, row: Row, task) -> None:

@@ -31,6 +31,7 @@ from db.engine import transaction, with_retry
 from db.models import Run, TrainPoint
 from db.upsert import upsert
 from jobs import lifecycle
+from jobs.files import private_folder
 from jobs.lifecycle import ClaimedRun
 from jobs.status import RunStatus
 from worker.runtime.store import stored_provenance
@@ -161,7 +162,7 @@ def take_model(
         stamp = data if source_data is None else None
         if not final_checkpoint(path, train_hash, steps, stamp):
             continue  # on another machine, partial, of another configuration or data
-        checkpoint.parent.mkdir(parents=True, exist_ok=True)
+        private_folder(checkpoint.parent)
         temporary = checkpoint.with_name(f"{checkpoint.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
             try:

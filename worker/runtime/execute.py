@@ -13,6 +13,7 @@ import logging
 import traceback
 
 from jobs import lifecycle
+from jobs.files import private_folder
 from jobs.lifecycle import ClaimedRun, LeaseLost
 from jobs.settings import get_settings
 from jobs.status import RunStatus
@@ -63,7 +64,7 @@ def _train_and_evaluate(claimed: ClaimedRun, spec, run, beat) -> str:
     run_spec = matching_run(spec, run)
     checkpoint = settings.artifacts_dir / "runs" / f"{run_id}.pt"
     # First: a model is taken from the result cache only on the same data.
-    task = prepared_task(spec, settings.corpus_cache, settings.sources)
+    task = prepared_task(spec, private_folder(settings.corpus_cache), settings.sources)
     # The run's provenance as stored: a model an earlier attempt took from the cache, fine-tuned
     # variants' records of earlier attempts.
     noted: dict = dict(run.provenance) if isinstance(run.provenance, dict) else {}

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from jobs.files import PRIVATE_FILE, private_folder
+
 CHECKPOINT_VERSION = 2
 log = logging.getLogger(__name__)
 
@@ -25,11 +27,12 @@ log = logging.getLogger(__name__)
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     """Write to a temporary file in the same folder, flush it to disk, then rename: never
     half a checkpoint, even after a power loss; the temporary is removed on failure."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_folder(path.parent)
     # A random name: processes on different hosts sharing the folder can share a pid.
     temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
-        with open(temporary, "wb") as handle:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        with os.fdopen(os.open(temporary, flags, PRIVATE_FILE), "wb") as handle:
             torch.save(state, handle)
             handle.flush()
             os.fsync(handle.fileno())

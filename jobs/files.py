@@ -1,0 +1,122 @@
+"""Files from users and files for them, read and written safely (the security contract's
+files): a file posbench is given (a spec, a results.json to import) must be a regular
+file and is read with a bound, so a device (/dev/zero), a FIFO or a huge file can neither
+exhaust memory nor hang a command; a file posbench writes appears whole (a temporary file
+in the same folder, then ``os.replace``) and never through a symbolic link; a folder it
+creates under ``$POSBENCH_HOME`` is its owner's alone. Torch-free, and below every layer
+that reads or writes such files."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+PRIVATE_FOLDER = 0o700
+PRIVATE_FILE = 0o600
+
+_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISLNK, "a symbolic link"),
+)
+
+
+class FileRefused(ValueError):
+    """A file posbench will not read or write: one line saying why."""
+
+
+def kind_of(mode: int) -> str:
+    """What a file that is not a regular file is, in words."""
+    return next((words for test, words in _KINDS if test(mode)), "not a regular file")
+
+
+def read_bounded(path: str | Path, limit: int, what: str = "the file") -> bytes:
+    """The bytes of the regular file at ``path``, at most ``limit`` of them; FileRefused
+    for anything else (a device, a FIFO, a folder) or a larger file, before reading it,
+    and never more than ``limit + 1`` bytes read (a file that grows meanwhile). OSError
+    as ``open`` raises it (a missing or unreadable file)."""
+    # O_NONBLOCK: opening a FIFO with no writer returns at once instead of waiting.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise FileRefused(f"{path} is not a regular file ({kind_of(info.st_mode)})")
+        if info.st_size > limit:
+            raise FileRefused(f"{path} is {info.st_size:,} bytes; {what} is at most {limit:,}")
+        os.set_blocking(fd, True)
+        chunks, left = [], limit + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > limit:
+        raise FileRefused(f"{path} is more than {limit:,} bytes; {what} is at most {limit:,}")
+    return data
+
+
+def write_atomic(
+    path: Path, content: bytes | Callable[[BinaryIO], object], *, private: bool = False
+) -> Path:
+    """Write ``content`` (bytes, or a function writing to a binary handle) to ``path``
+    whole: into a new temporary file beside it (created exclusively, never through a
+    link), then renamed over ``path``; a link at ``path`` is replaced, its target left
+    untouched. ``private``: the file is its owner's alone (0o600)."""
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(temporary, flags, PRIVATE_FILE if private else 0o666)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            if callable(content):
+                content(handle)
+            else:
+                handle.write(content)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def private_folder(path: Path) -> Path:
+    """``path`` as a folder, each part of it that does not exist yet created owner-only
+    (0o700); folders that exist are left as they are."""
+    missing = []
+    folder = Path(path)
+    while not folder.exists() and not folder.is_symlink() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    for part in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # made meanwhile by another process
+            part.mkdir(mode=PRIVATE_FOLDER)
+    if not path.is_dir():
+        path.mkdir()  # raises FileExistsError / NotADirectoryError, as mkdir does
+    return path
+
+
+def private_file(path: Path) -> Path:
+    """Create ``path`` empty and owner-only (0o600) if it does not exist yet."""
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE))
+    return path
+
+
+def open_private_log(path: Path) -> BinaryIO:
+    """``path`` opened for appending, created owner-only (0o600) if missing."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags, PRIVATE_FILE)
+    return os.fdopen(fd, "ab")
