@@ -4,7 +4,7 @@
 #   target "worker": GPU workers (the CUDA build of torch from PyPI)
 # Both run the same `posbench` CLI as their entry point, as a non-root user.
 
-ARG PYTHON_VERSION=3.11
+ARG PYTHON_VERSION=3.11.11
 
 FROM python:${PYTHON_VERSION}-slim AS base
 # The commit the image is built from (the build context has no .git): recorded in

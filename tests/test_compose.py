@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import tomllib
 import yaml
+from compose_env import InterpolationError, interpolate, read_env_file
 
 from jobs.settings import Settings
 from worker.tasks import gpu_for_pool_process
@@ -77,7 +78,7 @@ def test_migration_is_one_shot_and_gates_the_others() -> None:
 
 def test_broker_and_database_publish_no_port() -> None:
     assert "ports" not in SERVICES["redis"] and "ports" not in SERVICES["postgres"]
-    assert SERVICES["dashboard"]["ports"] == ["8501:8501"]
+    assert SERVICES["dashboard"]["ports"] == ["127.0.0.1:8501:8501"]
     assert all(p.startswith("127.0.0.1:") for p in SERVICES["flower"]["ports"])
 
 
@@ -198,3 +199,103 @@ def test_healthcheck_module_reports_an_unreachable_service() -> None:
 def test_each_pool_process_gets_its_own_gpu() -> None:
     assert [gpu_for_pool_process(i, None) for i in range(3)] == ["0", "1", "2"]
     assert [gpu_for_pool_process(i, "4,5") for i in range(3)] == ["4", "5", "4"]
+
+
+# -- finding 10 and the compose half of finding 1: passwords, published ports ---------------
+
+REQUIRED = set(re.findall(r"\$\{(\w+):\?", (ROOT / "docker-compose.yml").read_text()))
+SECRETS = {"POSTGRES_PASSWORD", "REDIS_PASSWORD", "POSBENCH_DASHBOARD_PASSWORD"}
+STRONG = {name: f"{name.lower()}-0123456789abcdef" for name in SECRETS}
+
+
+def rendered(env: dict[str, str]) -> dict[str, Any]:
+    """docker-compose.yml as `docker compose config` would render it with ``env``."""
+    return yaml.safe_load(interpolate((ROOT / "docker-compose.yml").read_text(), env))
+
+
+def test_the_interpolation_rules_match_compose() -> None:
+    assert interpolate("${A:-x}${B-y}$$C${D}", {"A": "", "B": ""}) == "x$C"
+    assert interpolate("${B-y}", {}) == "y"
+    with pytest.raises(InterpolationError):
+        interpolate("${A:?set A}", {"A": ""})
+    assert interpolate("${A?set A}", {"A": ""}) == ""
+    with pytest.raises(InterpolationError):
+        interpolate("${A?set A}", {})
+
+
+def test_every_password_is_required() -> None:
+    assert SECRETS <= REQUIRED
+
+
+@pytest.mark.parametrize("name", sorted(SECRETS))
+def test_compose_refuses_the_env_example_as_shipped(name: str) -> None:
+    # Before: .env.example's POSTGRES_PASSWORD=change-me passed the `:?` check.
+    example = read_env_file(ROOT / ".env.example")
+    assert example[name] == "", f"{name} must ship empty"
+    with pytest.raises(InterpolationError, match=name):
+        rendered({**example, **{k: v for k, v in STRONG.items() if k != name}})
+
+
+def test_compose_renders_once_every_password_is_set(tmp_path: Path) -> None:
+    config = rendered({**read_env_file(ROOT / ".env.example"), **STRONG})
+    path = tmp_path / "compose.yml"
+    path.write_text(yaml.safe_dump(config))
+    done = check_against_the_compose_spec(path)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_redis_requires_the_password_and_the_broker_url_carries_it() -> None:
+    services = rendered({**read_env_file(ROOT / ".env.example"), **STRONG})["services"]
+    password = STRONG["REDIS_PASSWORD"]
+    redis = services["redis"]
+    assert redis["command"][redis["command"].index("--requirepass") + 1] == password
+    # The healthcheck authenticates (REDISCLI_AUTH) and fails on NOAUTH.
+    assert redis["environment"]["REDISCLI_AUTH"] == password
+    assert "grep -q PONG" in redis["healthcheck"]["test"][1]
+    broker = f"redis://:{password}@redis:6379/0"
+    for name in ("migrate", "dashboard", "worker", "worker-cpu"):
+        assert services[name]["environment"]["POSBENCH_BROKER_URL"] == broker, name
+    flower = services["flower"]
+    assert flower["environment"]["CELERY_BROKER_URL"] == broker
+    assert not any("redis://" in part for part in flower["command"])  # not in `ps`
+
+
+def test_the_dashboard_is_on_loopback_and_requires_its_password() -> None:
+    services = rendered({**read_env_file(ROOT / ".env.example"), **STRONG})["services"]
+    dashboard = services["dashboard"]
+    # Before: "8501:8501" (every interface) and a password defaulting to empty.
+    assert dashboard["ports"] == ["127.0.0.1:8501:8501"]
+    assert (
+        dashboard["environment"]["POSBENCH_DASHBOARD_PASSWORD"]
+        == (STRONG["POSBENCH_DASHBOARD_PASSWORD"])
+    )
+    command = dashboard["command"]
+    assert command[command.index("--address") + 1] == "0.0.0.0"  # inside the container
+
+
+def test_only_loopback_ports_are_published_and_never_redis_or_postgres() -> None:
+    services = rendered({**read_env_file(ROOT / ".env.example"), **STRONG})["services"]
+    for name, service in services.items():
+        for port in service.get("ports", []):
+            assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port}"
+            assert str(port).rsplit(":", 1)[-1] not in {"6379", "5432"}, name
+
+
+def test_env_is_ignored_by_git_and_the_example_is_not() -> None:
+    def ignored(path: str) -> bool:
+        done = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT, check=False)
+        return done.returncode == 0
+
+    assert ignored(".env")
+    assert not ignored(".env.example")
+
+
+def test_third_party_images_are_pinned_to_an_exact_version() -> None:
+    # No registry is reachable here to look digests up: an exact version tag (x.y.z) at
+    # least; docs/cluster.md says how to pin the digest (`docker buildx imagetools inspect`).
+    for name, service in SERVICES.items():
+        image = service["image"]
+        if image.startswith("posbench:"):
+            continue
+        tag = image.split("@")[0].rsplit(":", 1)[1]
+        assert "@sha256:" in image or re.match(r"\d+\.\d+\.\d+(-\w+)?$|\d+\.\d+$", tag), name
