@@ -165,7 +165,11 @@ def _training(view, colors: dict[str, str]) -> None:
     """The training and validation loss of the runs behind the curves (the trained
     models, so one line per encoding, not per inference variant)."""
     runs = view.drop_duplicates("run_id")[["run_id", "study_id", "label", "seed"]]
-    points = queries.train_points(database(), runs["run_id"].tolist())
+    # Bounded: a study's curves are drawn from at most TRAIN_POINTS_PER_STUDY rows
+    # (each run downsampled in the query, its first and last step kept).
+    points = queries.train_points(
+        database(), runs["run_id"].tolist(), max_per_study=queries.TRAIN_POINTS_PER_STUDY
+    )
     if points.empty:
         return
     curves = analysis.training_curves(points, runs.rename(columns={"run_id": "id"}))

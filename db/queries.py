@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import pandas as pd
@@ -183,21 +184,74 @@ def position_bins(url: str, evaluation_ids: Sequence[int]) -> pd.DataFrame:
     return _frame(url, statement)
 
 
-def train_points(url: str, run_ids: Sequence[int]) -> pd.DataFrame:
-    statement = (
+TRAIN_POINTS_PER_STUDY = 5_000
+"""The most training points the Compare page loads per study (the curves are drawn
+from at most this many rows, however long and many the runs)."""
+
+
+def train_points(
+    url: str, run_ids: Sequence[int], max_per_study: int | None = None
+) -> pd.DataFrame:
+    """The training points of ``run_ids``, ordered by run and step.
+
+    With ``max_per_study`` each study's runs share that many rows: a run over its share
+    keeps every k-th point from its first (k chosen per run, in the query) and its last,
+    so a long curve keeps its shape and ends and the load stays bounded. Every run keeps
+    at least its first and last point.
+    """
+    columns = (
+        TrainPoint.run_id,
+        TrainPoint.step,
+        TrainPoint.loss,
+        TrainPoint.lr,
+        TrainPoint.tokens_per_second,
+        TrainPoint.elapsed,
+        TrainPoint.val_loss,
+    )
+    chosen = TrainPoint.run_id.in_(run_ids)
+    strides = _train_point_strides(url, run_ids, max_per_study) if max_per_study else {}
+    if not strides:
+        return _frame(url, select(*columns).where(chosen).order_by(*columns[:2]))
+    by_run = {"partition_by": TrainPoint.run_id}
+    numbered = (
         select(
-            TrainPoint.run_id,
-            TrainPoint.step,
-            TrainPoint.loss,
-            TrainPoint.lr,
-            TrainPoint.tokens_per_second,
-            TrainPoint.elapsed,
-            TrainPoint.val_loss,
+            *columns,
+            func.row_number().over(**by_run, order_by=TrainPoint.step).label("position"),
+            func.count().over(**by_run).label("points"),
         )
-        .where(TrainPoint.run_id.in_(run_ids))
-        .order_by(TrainPoint.run_id, TrainPoint.step)
+        .where(chosen)
+        .subquery()
+    )
+    stride = case(strides, value=numbered.c.run_id, else_=1)
+    kept = ((numbered.c.position - 1) % stride == 0) | (numbered.c.position == numbered.c.points)
+    names = [column.key for column in columns]
+    statement = (
+        select(*(numbered.c[name] for name in names))
+        .where(kept)
+        .order_by(numbered.c.run_id, numbered.c.step)
     )
     return _frame(url, statement)
+
+
+def _train_point_strides(url: str, run_ids: Sequence[int], cap: int) -> dict[int, int]:
+    """run id -> k for every run over its share of ``cap`` (its study's cap over the
+    study's runs, at least 2). k = ceil((n - 1) / (share - 1)) keeps at most share - 1
+    of the first n - 1 points, plus the last: at most ``share``."""
+    statement = (
+        select(TrainPoint.run_id, Run.study_id, func.count())
+        .join(Run, Run.id == TrainPoint.run_id)
+        .where(TrainPoint.run_id.in_(run_ids))
+        .group_by(TrainPoint.run_id, Run.study_id)
+    )
+    with engine_for(normalize_url(url)).connect() as connection:
+        counts = connection.execute(statement).all()
+    runs_per_study = Counter(study for _, study, _ in counts)
+    strides = {}
+    for run_id, study, points in counts:
+        share = max(2, cap // runs_per_study[study])
+        if points > share:
+            strides[run_id] = -(-(points - 1) // (share - 1))
+    return strides
 
 
 def run_summaries(
