@@ -73,4 +73,4 @@ def active_runs_problem(
 
 def deadline_reason(hours: float) -> str:
     """The failure reason of a run past POSBENCH_RUN_DEADLINE_HOURS."""
-    return f"wall-clock deadline of {hours:g} h reached (POSBENCH_RUN_DEADLINE_HOURS)"
+    return f"wall-clock deadline of {hours:g} h reached"

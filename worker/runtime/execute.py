@@ -101,7 +101,8 @@ def _train_and_evaluate(claimed: ClaimedRun, spec, run, beat) -> str:
         if beat.lost:
             raise LeaseLost(str(err)) from None
         if hooks.expired:
-            reason = f"{deadline_reason(settings.run_deadline_hours)} ({err})"
+            stopped = str(err).removeprefix("cancelled ")
+            reason = f"{deadline_reason(settings.run_deadline_hours)}; stopped {stopped}"
             lifecycle.finish(claimed, RunStatus.FAILED, reason=reason)
             return f"failed: {reason}"
         if shutting_down.is_set() and not hooks.cancel_asked():
@@ -146,12 +147,12 @@ class StoreHooks(BaseHooks):
         noted: dict,
         *,
         deadline: float = float("inf"),
-        clock: Callable[[], float] = monotonic,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.claimed, self.run, self.beat = claimed, run, beat
         self.noted = noted  # the run's provenance as stored, kept up to date
         self.asked = False
-        self.deadline, self.clock = deadline, clock
+        self.deadline, self.clock = deadline, clock or (lambda: monotonic())
         self.expired = False  # the deadline passed: the run fails with its reason
 
     def cancel_asked(self) -> bool:

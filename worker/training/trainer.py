@@ -124,7 +124,7 @@ class Trainer:
     ) -> None:
         self.model, self.task, self.spec, self.device = model, task, spec, device
         self.min_checkpoint_seconds = min_checkpoint_seconds
-        self._saved_clock = -math.inf  # when (perf_counter) the last checkpoint was written
+        self._saved_clock = 0.0  # when (perf_counter) the last checkpoint was written
         self.checkpointer, self.validate, self.hooks = checkpointer, validate, hooks
         model.to(device)
         model.train()
@@ -193,6 +193,7 @@ class Trainer:
         resumed_from, spec = self.step, self.spec
         end = spec.steps if stop_after is None else min(spec.steps, stop_after)
         self._started = self._interval_start = time.perf_counter()
+        self._saved_clock = self._started  # the floor counts from the start (or the resume)
         while self.step < end:
             self.train_step()
             validating = self.validate is not None and spec.val_every > 0
