@@ -29,7 +29,7 @@ def estimate(spec: StudySpec) -> str:
     batch = spec.train.batch_size * spec.train.grad_accum
     tokens = spec.train.steps * spec.train.tokens_per_step
     tuning = spec.finetune_tokens()
-    flops = 6 * spec.model.parameters * (tokens * runs + tuning)
+    flops = spec.estimated_flops()
     return (
         f"{runs} runs x {spec.train.steps:,} steps x {batch} x "
         f"{spec.train.length} tokens = {runs * tokens:,} training tokens "

@@ -302,6 +302,7 @@ def retry(run: Run) -> bool:
     # worker-death budget (POSBENCH_MAX_ATTEMPTS) afresh.
     run.attempts = 0
     run.failure_reason = run.finished_at = run.lease = run.enqueued_at = None
+    run.started_at = None  # its wall-clock deadline (POSBENCH_RUN_DEADLINE_HOURS) starts afresh
     return True
 
 
@@ -313,6 +314,7 @@ class Reconciled:
     revived: list[int]  # requeued: they resume from their checkpoint
     failed: list[int]  # out of attempts
     cancelled: list[int]  # a cancel was asked before the worker died
+    expired: list[int] = field(default_factory=list)  # failed: past their wall-clock deadline
 
 
 def requeue(session: Session, run_ids: list[int], *guard: Any) -> None:
@@ -334,11 +336,38 @@ def _end(session: Session, run_ids: list[int], status: RunStatus, reason: str, *
         )
 
 
+def expire(
+    url: str,
+    *,
+    started_before: dt.datetime,
+    stale_before: dt.datetime,
+    overdue_before: dt.datetime,
+    reason: str,
+) -> list[int]:
+    """Fail running runs past their wall-clock deadline with ``reason``: those started
+    before ``started_before`` whose worker died (no beat since ``stale_before``), and
+    those started before ``overdue_before`` (a grace after the deadline) whose worker
+    still beats but did not end them (it loses its lease, and stops)."""
+
+    def attempt() -> list[int]:
+        with transaction(url) as session:
+            dead = (Run.started_at < started_before) & (Run.heartbeat_at < stale_before)
+            guard = dead | (Run.started_at < overdue_before)
+            expired = list(
+                session.scalars(select(Run.id).where(Run.status == RunStatus.RUNNING, guard))
+            )
+            _end(session, expired, RunStatus.FAILED, reason, guard)
+            return expired
+
+    return with_retry(attempt)
+
+
 def reconcile(url: str, *, stale_before: dt.datetime, max_attempts: int) -> Reconciled:
     """Runs that are running but have not beaten since ``stale_before``: their worker
     died (kill -9, OOM, lost node). Each is requeued (it resumes from its checkpoint),
     failed after ``max_attempts`` claims, or ended cancelled when a cancel was asked of
-    it (honoured, not lost)."""
+    it (honoured, not lost). Call ``expire`` first: a run past its deadline is not
+    requeued."""
 
     def attempt() -> Reconciled:
         with transaction(url) as session:

@@ -33,7 +33,7 @@ from db.models import (
     utcnow,
 )
 from db.queries import run_points
-from jobs import analysis, lifecycle
+from jobs import analysis, lifecycle, quotas
 from jobs.celery_app import TRAIN_RUN, producer
 from jobs.safe_text import redact_urls
 from jobs.settings import Settings, get_settings
@@ -54,7 +54,8 @@ class Busy(RuntimeError):
 
 
 class Refused(ValueError):
-    """A spec this service's rules refuse: a corpus it may not read."""
+    """A spec this service's rules refuse: a corpus it may not read, or over a quota
+    (``jobs.quotas``)."""
 
 
 def check_sources(spec: StudySpec, settings: Settings) -> None:
@@ -144,12 +145,21 @@ def submit(
     The result cache: a run whose config hash already finished (status done) in any
     study reuses those results, unless ``force`` asks to train again (and to take no
     trained model from the cache either). A corpus outside the operator's rules is
-    ``Refused`` before anything is written.
+    ``Refused`` before anything is written, and so is a study over a quota (its
+    estimated compute, or the runs it would leave queued or running).
     """
     settings = settings or get_settings()
     check_sources(spec, settings)
+    problem = quotas.flops_problem(spec, settings)
+    if problem:
+        raise Refused(problem)
     queued, reused = [], []
     with transaction(settings.database) as session:
+        # In the writing transaction, before its first write: SQLite's BEGIN IMMEDIATE
+        # serialises submissions, so two cannot both pass on the same count.
+        problem = quotas.active_runs_problem(session, spec, settings, force=force)
+        if problem:
+            raise Refused(problem)
         study = new_study(spec)
         session.add(study)
         session.flush()
@@ -350,14 +360,24 @@ def reconcile(
     every heartbeat looks stale though the workers are alive (see jobs.reconciler).
     """
     settings = settings or get_settings()
-    stale_before = utcnow() - dt.timedelta(seconds=settings.stale_after_seconds)
-    stale = (
-        lifecycle.reconcile(
+    now = utcnow()
+    stale_before = now - dt.timedelta(seconds=settings.stale_after_seconds)
+    if revive_stale:
+        # Past the deadline, a run whose worker died fails instead of being requeued.
+        started_before = now - dt.timedelta(seconds=settings.run_deadline_seconds)
+        expired = lifecycle.expire(
+            settings.database,
+            started_before=started_before,
+            stale_before=stale_before,
+            overdue_before=started_before - dt.timedelta(seconds=settings.stale_after_seconds),
+            reason=quotas.deadline_reason(settings.run_deadline_hours),
+        )
+        stale = lifecycle.reconcile(
             settings.database, stale_before=stale_before, max_attempts=settings.max_attempts
         )
-        if revive_stale
-        else lifecycle.Reconciled([], [], [])
-    )
+        stale = dataclasses.replace(stale, expired=expired)
+    else:
+        stale = lifecycle.Reconciled([], [], [])
     with transaction(settings.database) as session:
         never_sent = list(
             session.scalars(

@@ -20,6 +20,10 @@
 | POSBENCH_CORPUS_MAX_TOTAL_BYTES | 1073741824 (1 GiB) | a larger corpus (in all) is refused |
 | POSBENCH_HF_DATASETS | false | whether hf: corpora (HuggingFace datasets) may be loaded |
 | POSBENCH_HF_ALLOW | unset | when set, the only hf: dataset names allowed (separated by ',') |
+| POSBENCH_MAX_STUDY_FLOPS | 1e19 | a study estimated above this (6 x params x tokens) is refused |
+| POSBENCH_MAX_ACTIVE_RUNS | 32 | most runs queued or running; a study over it is refused |
+| POSBENCH_RUN_DEADLINE_HOURS | 24 | a run this long since it started fails (wall clock) |
+| POSBENCH_MIN_CHECKPOINT_SECONDS | 60 | least time between a worker's periodic checkpoints |
 """
 
 from __future__ import annotations
@@ -75,6 +79,20 @@ class Settings(BaseSettings):
     hf_datasets: bool = Field(False, description="whether hf: corpora may be loaded")
     hf_allow: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="the only hf: datasets allowed (empty: any)"
+    )
+
+    # Quotas: what one accepted spec may cost the service (jobs.quotas, the worker).
+    max_study_flops: float = Field(
+        1e19, gt=0, le=1e30, description="largest estimated compute of one study (FLOPs)"
+    )
+    max_active_runs: int = Field(
+        32, ge=1, le=100_000, description="most runs queued or running across the service"
+    )
+    run_deadline_hours: float = Field(
+        24.0, gt=0, le=30 * 24, description="a run this long since it started fails"
+    )
+    min_checkpoint_seconds: float = Field(
+        60.0, ge=0, le=DAY, description="least time between a worker's periodic checkpoints"
     )
 
     @field_validator("corpus_roots", "hf_allow", mode="before")
@@ -170,7 +188,18 @@ class Settings(BaseSettings):
                 f"twice POSBENCH_HEARTBEAT_SECONDS = {self.heartbeat_seconds:g}, or healthy "
                 "runs would be requeued"
             )
+        if self.visibility_timeout <= self.run_deadline_seconds:
+            raise ValueError(
+                f"POSBENCH_VISIBILITY_TIMEOUT = {self.visibility_timeout} s must be longer "
+                f"than POSBENCH_RUN_DEADLINE_HOURS = {self.run_deadline_hours:g} h "
+                f"({self.run_deadline_seconds:g} s), or Redis would hand a run still "
+                "training to a second worker"
+            )
         return self
+
+    @property
+    def run_deadline_seconds(self) -> float:
+        return self.run_deadline_hours * HOUR
 
     @property
     def sources(self) -> SourcePolicy:

@@ -184,9 +184,11 @@ def train_run_model(
     device: torch.device,
     checkpoint: Path | None,
     hooks: RunHooks,
+    min_checkpoint_seconds: float = 0.0,
 ) -> TrainResult:
-    """Train ``model`` (resuming from ``checkpoint``), validating on held-out data at the
-    training length with the stretches the evaluation scores."""
+    """Train ``model`` (resuming from ``checkpoint``, saving it no more often than every
+    ``min_checkpoint_seconds``), validating on held-out data at the training length with
+    the stretches the evaluation scores."""
     checkpointer = None
     if checkpoint is not None:
         checkpointer = Checkpointer(checkpoint, fingerprint=run.train_hash, data=task.fingerprint)
@@ -210,6 +212,7 @@ def train_run_model(
         checkpointer=checkpointer,
         validate=validate,
         hooks=hooks,
+        min_checkpoint_seconds=min_checkpoint_seconds,
     )
     return trainer.fit()
 
@@ -244,17 +247,22 @@ def run_one(
     checkpoint: Path | None = None,
     hooks: RunHooks = NO_HOOKS,
     skip_evaluations: set[tuple[str, str, int]] | None = None,
+    min_checkpoint_seconds: float = 0.0,
 ) -> RunResult:
     """Train one (encoding, seed) of ``spec`` and evaluate it at every planned point but
     those in ``skip_evaluations`` (stored by an earlier attempt); ``task`` is the
     study's task, prepared (``prepared_task``); ``hooks`` hear the run's progress and
-    may stop it."""
+    may stop it; ``min_checkpoint_seconds`` spaces the periodic checkpoints (the
+    service's floor; 0: every ``checkpoint_every`` steps)."""
     model = build_run_model(spec, run)
+    spacing = {"min_checkpoint_seconds": min_checkpoint_seconds}
     trained = train_run_model(
-        model, task, spec, run, device=device, checkpoint=checkpoint, hooks=hooks
+        model, task, spec, run, device=device, checkpoint=checkpoint, hooks=hooks, **spacing
     )
     hooks.on_trained()
-    tuner = FineTuner(model, task, spec, run, device=device, checkpoint=checkpoint, hooks=hooks)
+    tuner = FineTuner(
+        model, task, spec, run, device=device, checkpoint=checkpoint, hooks=hooks, **spacing
+    )
     rows = evaluate(
         model,
         task,

@@ -313,6 +313,16 @@ class StudySpec(_Strict):
             total += encodings * len(self.seeds) * tuning.steps * tuning.tokens_per_step
         return total
 
+    def train_tokens(self) -> int:
+        """Tokens the study's training reads, over every run (fine-tuning not counted)."""
+        return len(self.encodings) * len(self.seeds) * self.train.steps * self.train.tokens_per_step
+
+    def estimated_flops(self) -> float:
+        """The study's training compute, estimated as 6 x parameters x tokens (training
+        and fine-tuning, every run; evaluation not counted): what the Submit page shows
+        and what POSBENCH_MAX_STUDY_FLOPS bounds."""
+        return 6.0 * self.model.parameters * (self.train_tokens() + self.finetune_tokens())
+
     # -- runs ---------------------------------------------------------------------------------
 
     def runs(self) -> list[RunSpec]:

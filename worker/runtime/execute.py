@@ -9,12 +9,17 @@ or a bad config ends the run as failed with a readable reason.
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import traceback
+from collections.abc import Callable
+from time import monotonic
 
+from db.models import utcnow
 from jobs import lifecycle
 from jobs.files import private_folder
 from jobs.lifecycle import ClaimedRun, LeaseLost
+from jobs.quotas import deadline_reason
 from jobs.settings import get_settings
 from jobs.status import RunStatus
 from worker.runtime import cache, store
@@ -32,6 +37,12 @@ def execute(claimed: ClaimedRun, node: str) -> str:
 
     settings = get_settings()
     url, run = claimed.url, claimed.run
+    left = seconds_left(run.started_at, settings.run_deadline_seconds)
+    if left <= 0:  # requeued or released after its deadline: it ends here
+        reason = deadline_reason(settings.run_deadline_hours)
+        lifecycle.finish(claimed, RunStatus.FAILED, reason=reason)
+        cache.wake_waiting(url, run)
+        return f"failed: {reason}"
     spec = parse_spec(claimed.spec)
     trainer = cache.training_run(url, run, node, settings.artifacts_dir / "runs", spec.train.steps)
     if trainer is not None:
@@ -73,7 +84,8 @@ def _train_and_evaluate(claimed: ClaimedRun, spec, run, beat) -> str:
     if run.train_hash is not None and not checkpoint.exists() and not run.skip_cache:
         trained = (run.train_hash, spec.train.steps, task.fingerprint)
         taken = cache.take_model(claimed, *trained, checkpoint) or {}
-    hooks = StoreHooks(claimed, run, beat, noted)
+    deadline = monotonic() + seconds_left(run.started_at, settings.run_deadline_seconds)
+    hooks = StoreHooks(claimed, run, beat, noted, deadline=deadline)
     try:
         result = run_one(
             spec,
@@ -83,10 +95,16 @@ def _train_and_evaluate(claimed: ClaimedRun, spec, run, beat) -> str:
             checkpoint=checkpoint,
             hooks=hooks,
             skip_evaluations=store.stored_evaluations(url, run_id),
+            min_checkpoint_seconds=settings.min_checkpoint_seconds,
         )
     except RunCancelled as err:
         if beat.lost:
             raise LeaseLost(str(err)) from None
+        if hooks.expired:
+            stopped = str(err).removeprefix("cancelled ")
+            reason = f"{deadline_reason(settings.run_deadline_hours)}; stopped {stopped}"
+            lifecycle.finish(claimed, RunStatus.FAILED, reason=reason)
+            return f"failed: {reason}"
         if shutting_down.is_set() and not hooks.cancel_asked():
             return release_for_shutdown(claimed, str(err))
         lifecycle.finish(claimed, RunStatus.CANCELLED, reason=str(err))
@@ -118,12 +136,24 @@ def _train_and_evaluate(claimed: ClaimedRun, spec, run, beat) -> str:
 class StoreHooks(BaseHooks):
     """The engine's hooks for a run this worker holds: reports go to the database under
     the lease; the run stops when a cancel is asked (by a progress report's answer or
-    by the heartbeat's), when the lease is lost, or when the worker shuts down."""
+    by the heartbeat's), when the lease is lost, when the worker shuts down, or when
+    the run's wall-clock ``deadline`` (a ``clock`` instant) has passed."""
 
-    def __init__(self, claimed: ClaimedRun, run, beat, noted: dict) -> None:
+    def __init__(
+        self,
+        claimed: ClaimedRun,
+        run,
+        beat,
+        noted: dict,
+        *,
+        deadline: float = float("inf"),
+        clock: Callable[[], float] | None = None,
+    ) -> None:
         self.claimed, self.run, self.beat = claimed, run, beat
         self.noted = noted  # the run's provenance as stored, kept up to date
         self.asked = False
+        self.deadline, self.clock = deadline, clock or (lambda: monotonic())
+        self.expired = False  # the deadline passed: the run fails with its reason
 
     def cancel_asked(self) -> bool:
         return self.asked or self.beat.cancel_asked
@@ -146,7 +176,8 @@ class StoreHooks(BaseHooks):
         store.record_evaluation(self.claimed, row)
 
     def should_stop(self) -> bool:
-        return self.cancel_asked() or self.beat.lost or shutting_down.is_set()
+        self.expired = self.expired or self.clock() >= self.deadline
+        return self.cancel_asked() or self.beat.lost or shutting_down.is_set() or self.expired
 
     def may_write(self) -> bool:
         return not self.beat.lost
@@ -166,6 +197,16 @@ def release_for_shutdown(claimed: ClaimedRun, where: str) -> str:
     stopped = where.removeprefix("cancelled ")
     log.info("run %s released to the queue (worker shutting down, %s)", claimed.run_id, stopped)
     return f"released: the worker is shutting down ({stopped}); the run is queued again"
+
+
+def seconds_left(started_at: dt.datetime | None, deadline_seconds: float) -> float:
+    """Seconds a run started at ``started_at`` has left before its wall-clock deadline
+    (the whole deadline when it has not started)."""
+    if started_at is None:
+        return deadline_seconds
+    if started_at.tzinfo is None:  # SQLite gives back naive UTC
+        started_at = started_at.replace(tzinfo=dt.timezone.utc)
+    return deadline_seconds - (utcnow() - started_at).total_seconds()
 
 
 def matching_run(spec, run):

@@ -71,8 +71,10 @@ class FineTuner:
         device: torch.device,
         checkpoint: Path | None,
         hooks: RunHooks,
+        min_checkpoint_seconds: float = 0.0,
     ) -> None:
         self.model, self.task, self.spec, self.run = model, task, spec, run
+        self.min_checkpoint_seconds = min_checkpoint_seconds
         self.device, self.checkpoint, self.hooks = device, checkpoint, hooks
         self.records: dict[str, dict[str, Any]] = {}
         self._held: tuple[str, Transformer | str] | None = None  # the copy, or why none
@@ -129,6 +131,7 @@ class FineTuner:
                     device=self.device,
                     checkpointer=checkpointer,
                     hooks=_TuningHooks(self.hooks, variant.label, tuning.steps),
+                    min_checkpoint_seconds=self.min_checkpoint_seconds,
                 )
                 result = trainer.fit()
         except RunCancelled as err:

@@ -98,7 +98,9 @@ class Trainer:
     """Trains ``model`` on ``task`` for ``spec.steps`` steps: ``fit()`` resumes from the
     checkpoint when there is one, then runs ``train_step()`` with a report every
     ``spec.progress_every`` steps, a validation every ``spec.val_every`` steps (and at
-    the last one) and a checkpoint every ``spec.checkpoint_every`` steps.
+    the last one) and a checkpoint every ``spec.checkpoint_every`` steps, but no sooner
+    than ``min_checkpoint_seconds`` after the last one (the last step's, and a stopped
+    run's, are always written).
 
     The data order depends on ``seed`` alone, so every encoding sees the same batches.
     ``validate`` gives the held-out loss of the weights now
@@ -118,8 +120,11 @@ class Trainer:
         checkpointer: Checkpointer | None = None,
         validate: Callable[[], float] | None = None,
         hooks: RunHooks = NO_HOOKS,
+        min_checkpoint_seconds: float = 0.0,
     ) -> None:
         self.model, self.task, self.spec, self.device = model, task, spec, device
+        self.min_checkpoint_seconds = min_checkpoint_seconds
+        self._saved_clock = 0.0  # when (perf_counter) the last checkpoint was written
         self.checkpointer, self.validate, self.hooks = checkpointer, validate, hooks
         model.to(device)
         model.train()
@@ -188,6 +193,7 @@ class Trainer:
         resumed_from, spec = self.step, self.spec
         end = spec.steps if stop_after is None else min(spec.steps, stop_after)
         self._started = self._interval_start = time.perf_counter()
+        self._saved_clock = self._started  # the floor counts from the start (or the resume)
         while self.step < end:
             self.train_step()
             validating = self.validate is not None and spec.val_every > 0
@@ -196,7 +202,7 @@ class Trainer:
             report = validating or self.step % spec.progress_every == 0 or self.step == spec.steps
             if report:
                 self.report(validating)
-            if self.step % spec.checkpoint_every == 0 or self.step == end:
+            if self.step == end or (self.step % spec.checkpoint_every == 0 and self._spaced()):
                 self.checkpoint()
             # Every step: should_stop reads flags the heartbeat and the reports keep fresh.
             if self.hooks.should_stop():
@@ -268,6 +274,11 @@ class Trainer:
         self._finite_loss()
         self.checkpointer.save(self.state_dict())
         self._saved_at = self.step
+        self._saved_clock = time.perf_counter()
+
+    def _spaced(self) -> bool:
+        """Whether the last checkpoint is at least ``min_checkpoint_seconds`` old."""
+        return time.perf_counter() - self._saved_clock >= self.min_checkpoint_seconds
 
     def _finite_loss(self) -> float:
         """The interval's mean loss, checked. One host sync per report or checkpoint,

@@ -1,0 +1,76 @@
+"""Quotas: what one accepted spec may cost the service, checked at submit before
+anything is written (``jobs.service.submit`` raises its ``Refused`` with the line
+these return).
+
+- ``POSBENCH_MAX_STUDY_FLOPS``: the study's estimated compute
+  (``StudySpec.estimated_flops``, 6 x parameters x tokens, as the Submit page shows);
+- ``POSBENCH_MAX_ACTIVE_RUNS``: runs queued or running across the service, the new
+  study's included.
+
+The worker bounds a run's wall time (``POSBENCH_RUN_DEADLINE_HOURS``, see
+``worker.runtime.execute`` and ``jobs.lifecycle.reconcile``) and spaces its
+checkpoints (``POSBENCH_MIN_CHECKPOINT_SECONDS``). ``posbench run`` trains on the
+user's own machine and is bound by none of these.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from db.models import Run
+from jobs.settings import Settings
+from jobs.spec import StudySpec
+from jobs.status import ACTIVE, RunStatus
+
+
+def flops_problem(spec: StudySpec, settings: Settings) -> str | None:
+    """The refusal of a study whose estimated compute exceeds the quota (None: within)."""
+    flops, limit = spec.estimated_flops(), settings.max_study_flops
+    if flops <= limit:
+        return None
+    return (
+        f"quota POSBENCH_MAX_STUDY_FLOPS exceeded: the study needs about {flops:.3g} FLOPs "
+        f"(6 x parameters x tokens), over the limit of {limit:.3g} by {flops - limit:.3g} "
+        f"({flops / limit:.3g} x the limit); train fewer steps, runs or parameters"
+    )
+
+
+def new_active_runs(session: Session, spec: StudySpec, *, force: bool) -> int:
+    """How many of the study's runs would be queued: all with ``force``, otherwise those
+    the result cache cannot serve."""
+    hashes = [run.config_hash for run in spec.runs()]
+    if force:
+        return len(hashes)
+    done = set(
+        session.scalars(
+            select(Run.config_hash).where(
+                Run.config_hash.in_(set(hashes)), Run.status == RunStatus.DONE
+            )
+        )
+    )
+    return sum(value not in done for value in hashes)
+
+
+def active_runs_problem(
+    session: Session, spec: StudySpec, settings: Settings, *, force: bool
+) -> str | None:
+    """The refusal of a study that would leave more runs queued or running than the
+    quota (None: within)."""
+    adding = new_active_runs(session, spec, force=force)
+    if not adding:
+        return None
+    active = session.scalar(select(func.count()).select_from(Run).where(Run.status.in_(ACTIVE)))
+    total, limit = int(active or 0) + adding, settings.max_active_runs
+    if total <= limit:
+        return None
+    return (
+        f"quota POSBENCH_MAX_ACTIVE_RUNS exceeded: {active} runs are queued or running and "
+        f"this study adds {adding}, {total} in all, over the limit of {limit} by "
+        f"{total - limit}; wait for runs to finish or cancel some"
+    )
+
+
+def deadline_reason(hours: float) -> str:
+    """The failure reason of a run past POSBENCH_RUN_DEADLINE_HOURS."""
+    return f"wall-clock deadline of {hours:g} h reached"

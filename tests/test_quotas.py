@@ -1,0 +1,270 @@
+"""Quotas (DESIGN.md, Security contract): a study's compute, the active runs, a run's
+wall-clock deadline and the spacing of its checkpoints."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import isolated_env, posbench_cli
+from pydantic import ValidationError
+from sqlalchemy import func, select, update
+
+from db.engine import transaction
+from db.migrate import upgrade
+from db.models import Run, Study, utcnow
+from jobs import lifecycle
+from jobs import settings as settings_module
+from jobs.service import Refused, reconcile, submit
+from jobs.settings import Settings
+from jobs.spec import TrainSpec, parse_spec
+from jobs.status import RunStatus
+from worker.data import build_task
+from worker.model import build_model
+from worker.training import Checkpointer, Trainer
+
+SPEC = {
+    "model": "tiny",
+    "train": {"length": 16, "steps": 4, "batch_size": 2},
+    "encodings": ["rope", "alibi"],
+    "seeds": [0, 1],
+    "eval": {"lengths": [16, 32]},
+}
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.sent: list[int] = []
+
+    def __call__(self, run_id: int) -> None:
+        self.sent.append(run_id)
+
+
+def service_settings(tmp_path: Path, **values) -> Settings:
+    config = Settings(home=tmp_path, database_url=f"sqlite:///{tmp_path}/test.db", **values)
+    upgrade(config.database)
+    return config
+
+
+def stored(config: Settings, model: type) -> int:
+    with transaction(config.database) as session:
+        return session.scalar(select(func.count()).select_from(model))
+
+
+# --- compute and active runs, at submit ---------------------------------------------------
+
+
+def test_the_estimate_is_six_times_parameters_times_tokens() -> None:
+    spec = parse_spec(SPEC)
+    tokens = 4 * spec.train.steps * spec.train.tokens_per_step
+    assert spec.train_tokens() == tokens
+    assert spec.estimated_flops() == 6 * spec.model.parameters * tokens
+
+
+def test_a_study_over_the_compute_quota_is_refused_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    spec = parse_spec(SPEC)
+    config = service_settings(tmp_path, max_study_flops=spec.estimated_flops() / 2)
+    with pytest.raises(Refused, match="quota POSBENCH_MAX_STUDY_FLOPS exceeded") as refused:
+        submit(spec, settings=config, send=Recorder())
+    assert "over the limit of" in str(refused.value) and "2 x the limit" in str(refused.value)
+    assert stored(config, Study) == 0 and stored(config, Run) == 0
+
+
+def test_active_runs_count_across_the_service_and_the_cache_is_not_counted(
+    tmp_path: Path,
+) -> None:
+    config = service_settings(tmp_path, max_active_runs=6)
+    first = submit(parse_spec(SPEC), settings=config, send=Recorder())
+    assert len(first.queued) == 4
+    with pytest.raises(Refused, match=r"4 runs are queued or running and this study adds 4"):
+        submit(parse_spec({**SPEC, "name": "again"}), settings=config, send=Recorder())
+    assert stored(config, Study) == 1 and stored(config, Run) == 4
+    # Finished runs are not active, and a run the result cache serves adds none.
+    with transaction(config.database) as session:
+        session.execute(update(Run).values(status=RunStatus.DONE, finished_at=utcnow(), lease=None))
+    again = submit(parse_spec(SPEC), settings=config, send=Recorder())
+    assert again.queued == [] and len(again.reused) == 4
+    # --force trains every run again: all of them count.
+    small = service_settings(tmp_path, max_active_runs=3)
+    with pytest.raises(Refused, match=r"adds 4, 4 in all, over the limit of 3 by 1"):
+        submit(parse_spec(SPEC), force=True, settings=small, send=Recorder())
+
+
+def write_spec(tmp_path: Path, spec: dict) -> Path:
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("POSBENCH_MAX_STUDY_FLOPS", "1e6", "quota POSBENCH_MAX_STUDY_FLOPS exceeded"),
+        ("POSBENCH_MAX_ACTIVE_RUNS", "3", "over the limit of 3 by 1"),
+    ],
+)
+def test_posbench_submit_over_a_quota_exits_2_with_one_line(
+    tmp_path: Path, variable: str, value: str, message: str
+) -> None:
+    env = isolated_env(tmp_path, **{variable: value})
+    assert posbench_cli("db", "upgrade", env=env).returncode == 0
+    done = posbench_cli("submit", str(write_spec(tmp_path, SPEC)), env=env)
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert variable in done.stderr
+    listed = posbench_cli("status", "--json", env=env)
+    assert listed.returncode == 0 and listed.stdout.strip() == "[]"  # nothing written
+
+
+# --- the wall-clock deadline ------------------------------------------------------------
+
+
+def test_the_visibility_timeout_must_outlast_the_deadline() -> None:
+    with pytest.raises(ValidationError, match="must be longer than POSBENCH_RUN_DEADLINE_HOURS"):
+        Settings(visibility_timeout=24 * 3600, run_deadline_hours=24)
+    assert Settings(visibility_timeout=24 * 3600 + 1, run_deadline_hours=24)
+
+
+def test_a_visibility_timeout_shorter_than_the_deadline_stops_every_command(tmp_path) -> None:
+    env = isolated_env(
+        tmp_path, POSBENCH_VISIBILITY_TIMEOUT="7200", POSBENCH_RUN_DEADLINE_HOURS="3"
+    )
+    done = posbench_cli("status", env=env)
+    assert done.returncode == 2
+    assert "POSBENCH_VISIBILITY_TIMEOUT = 7200 s must be longer than" in done.stderr
+
+
+def claimed_run(config: Settings, started_ago: dt.timedelta) -> lifecycle.ClaimedRun:
+    submitted = submit(parse_spec({**SPEC, "seeds": [0]}), settings=config, send=Recorder())
+    claimed = lifecycle.claim(config.database, submitted.queued[0], "node")
+    with transaction(config.database) as session:
+        started = utcnow() - started_ago
+        session.execute(update(Run).where(Run.id == claimed.run_id).values(started_at=started))
+        claimed.run.started_at = started
+    return claimed
+
+
+def run_row(config: Settings, run_id: int) -> Run:
+    with transaction(config.database) as session:
+        run = session.get(Run, run_id)
+        session.expunge(run)
+        return run
+
+
+@pytest.fixture
+def worker_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Settings:
+    """The settings the worker runtime reads (get_settings), on a fresh database."""
+    values = {
+        "POSBENCH_HOME": str(tmp_path),
+        "POSBENCH_DATABASE_URL": f"sqlite:///{tmp_path}/test.db",
+        "POSBENCH_DEVICE": "cpu",
+        "POSBENCH_RUN_DEADLINE_HOURS": "1",
+    }
+    for name, value in values.items():
+        monkeypatch.setenv(name, value)
+    settings_module.get_settings.cache_clear()
+    yield service_settings(tmp_path, device="cpu", run_deadline_hours=1)
+    settings_module.get_settings.cache_clear()
+
+
+def test_a_run_claimed_after_its_deadline_fails_at_once(worker_settings: Settings) -> None:
+    from worker.runtime.execute import execute
+
+    claimed = claimed_run(worker_settings, dt.timedelta(hours=2))
+    outcome = execute(claimed, "node")
+    assert outcome == "failed: wall-clock deadline of 1 h reached"
+    run = run_row(worker_settings, claimed.run_id)
+    assert run.status == RunStatus.FAILED
+    assert run.failure_reason == "wall-clock deadline of 1 h reached"
+
+
+def test_a_run_past_its_deadline_stops_between_steps_and_fails(
+    worker_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from worker.runtime import execute as runtime
+
+    # A fake clock: the deadline passes at the check after the third step.
+    calls = []
+
+    def clock() -> float:
+        calls.append(1)
+        return 0.0 if len(calls) <= 3 else 10.0 * 3600  # the first call sets the deadline
+
+    monkeypatch.setattr(runtime, "monotonic", clock)
+    claimed = claimed_run(worker_settings, dt.timedelta(0))
+    outcome = runtime.execute(claimed, "node")
+    reason = "wall-clock deadline of 1 h reached; stopped at step 3 of 4"
+    assert outcome == f"failed: {reason}"
+    run = run_row(worker_settings, claimed.run_id)
+    assert run.status == RunStatus.FAILED and run.failure_reason == reason
+    assert (Path(worker_settings.home) / "artifacts" / "runs" / f"{run.id}.pt").exists()
+
+
+def test_the_reconciler_fails_a_run_past_its_deadline_instead_of_requeuing_it(
+    tmp_path: Path,
+) -> None:
+    config = service_settings(tmp_path, run_deadline_hours=1, stale_after_seconds=60)
+    dead_late = claimed_run(config, dt.timedelta(hours=2))  # its worker died after the deadline
+    dead_early = claimed_run(config, dt.timedelta(minutes=10))  # died within it: requeued
+    alive_overdue = claimed_run(config, dt.timedelta(hours=3))  # still beats, never stopped
+    alive_late = claimed_run(config, dt.timedelta(hours=1, seconds=10))  # its worker ends it
+    long_ago = utcnow() - dt.timedelta(minutes=5)
+    with transaction(config.database) as session:
+        dead = [dead_late.run_id, dead_early.run_id]
+        session.execute(update(Run).where(Run.id.in_(dead)).values(heartbeat_at=long_ago))
+    outcome = reconcile(settings=config, send=Recorder(), queue_empty=lambda queue: True)
+    assert outcome["expired"] == sorted([dead_late.run_id, alive_overdue.run_id])
+    assert outcome["revived"] == [dead_early.run_id]
+    for claimed in (dead_late, alive_overdue):
+        run = run_row(config, claimed.run_id)
+        assert run.status == RunStatus.FAILED
+        assert run.failure_reason == "wall-clock deadline of 1 h reached"
+    assert run_row(config, alive_late.run_id).status == RunStatus.RUNNING
+    # The overdue worker lost its lease: it can no longer write.
+    assert lifecycle.heartbeat(alive_overdue) == (False, False)
+    # A retry starts the deadline afresh.
+    with transaction(config.database) as session:
+        assert lifecycle.retry(session.get(Run, dead_late.run_id))
+    assert run_row(config, dead_late.run_id).started_at is None
+
+
+# --- checkpoint spacing -----------------------------------------------------------------
+
+
+class CountingCheckpointer:
+    """A checkpointer that records the step of every save."""
+
+    def __init__(self, path: Path) -> None:
+        self.inner = Checkpointer(path, fingerprint="f", data="d")
+        self.saved: list[int] = []
+
+    def load(self, device):
+        return self.inner.load(device)
+
+    def save(self, state) -> None:
+        self.saved.append(int(state["step"]))
+        self.inner.save(state)
+
+
+@pytest.mark.parametrize(("floor", "saved"), [(0.0, [1, 2, 3, 4, 5, 6]), (3600.0, [6])])
+def test_the_checkpoint_floor_spaces_checkpoints(tmp_path: Path, floor, saved) -> None:
+    task = build_task("lm")
+    task.prepare(tmp_path / "cache")
+    spec = TrainSpec(length=16, steps=6, batch_size=2, checkpoint_every=1)
+    checkpointer = CountingCheckpointer(tmp_path / "run.pt")
+    trainer = Trainer(
+        build_model("tiny", "rope", train_length=16),
+        task,
+        spec,
+        seed=0,
+        device=torch.device("cpu"),
+        checkpointer=checkpointer,
+        min_checkpoint_seconds=floor,
+    )
+    trainer.fit()
+    assert checkpointer.saved == saved  # the last step's is always written
