@@ -69,3 +69,15 @@ def database_errors() -> Iterator[None]:
         yield
     except SQLAlchemyError as err:
         database_error(err)
+
+
+def imported_captions(studies) -> None:
+    """Under a selection of studies (``db.queries.studies`` rows): a caption for each
+    one whose runs were imported (``posbench import``) rather than trained here."""
+    from db import queries
+    from jobs.analysis import imported_note
+
+    counts = queries.imported_runs(database(), [int(i) for i in studies["id"]])
+    for row in studies.itertuples():
+        if counts.get(int(row.id)):
+            st.caption(imported_note(int(row.id), counts[int(row.id)], int(row.runs)))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard.common import database, query_ints, schema_ready, set_query
+from dashboard.common import database, imported_captions, query_ints, schema_ready, set_query
 from dashboard.curves import (
     curve_figure,
     line_colors,
@@ -41,6 +41,7 @@ def render() -> None:
     if not selected:
         return
     chosen = studies[studies["id"].isin(selected)]
+    imported_captions(chosen)
     # Each study's metric, then the others of its kind (jobs.metrics).
     scored_by = sorted(set(chosen["metric"]))
     metric_options = [m.name for name in scored_by for m in shown_with(name)]

@@ -7,7 +7,14 @@ import datetime as dt
 import pandas as pd
 import streamlit as st
 
-from dashboard.common import database, database_errors, query_ints, schema_ready, set_query
+from dashboard.common import (
+    database,
+    database_errors,
+    imported_captions,
+    query_ints,
+    schema_ready,
+    set_query,
+)
 from db import queries
 from db.engine import transaction
 from db.models import Study
@@ -115,6 +122,7 @@ def render() -> None:
         f"**{markdown(study['name'])}** · task {markdown(study['task'])} · train length "
         f"{study['train_length']} · {study['runs']} runs"
     )
+    imported_captions(studies[studies["id"] == study_id])
     left, right, _ = st.columns([1, 1, 4])
     if left.button("Cancel study", key="cancel"):
         from jobs.service import cancel

@@ -5,7 +5,8 @@ Tables (documented for plain SQL in docs/results-database.md):
 - ``studies``: what a user submitted (the validated spec as JSON);
 - ``runs``: one trained model of a study, (encoding label, seed), with its status,
   progress, heartbeat, lease, config hash, control state (skip_cache, waiting_for,
-  phase), failure reason and provenance (an audit record);
+  phase), failure reason, provenance (an audit record) and, for results imported
+  rather than trained here, the file they came from (``imported_from``);
 - ``train_points``: the training curve (step, loss, learning rate, tokens/s, and the
   validation loss at the steps that validate);
 - ``evaluations``: one point of an extrapolation curve, (run, variant, protocol,
@@ -121,6 +122,10 @@ class Run(Base):
     # Audit only: how the results came about (versions, device, data, a model taken from
     # the result cache, fine-tunings); never read to decide what the run does next.
     provenance: Mapped[dict[str, Any] | None]
+    # Not trained by this service: the results.json it was imported from (``posbench
+    # import``), or that of the imported run it reused. Such a run is never reused as a
+    # trained one unless the submitter asks (``posbench submit --reuse-imported``).
+    imported_from: Mapped[str | None] = mapped_column(Text)
     reused_from_run_id: Mapped[int | None] = mapped_column(
         ForeignKey("runs.id", ondelete="SET NULL")
     )

@@ -46,6 +46,21 @@ def studies(url: str, study_ids: Sequence[int] | None = None) -> pd.DataFrame:
     return _frame(url, statement)
 
 
+def imported_runs(url: str, study_ids: Sequence[int] | None = None) -> dict[int, int]:
+    """How many runs of each study were imported rather than trained here (studies
+    with none are left out): what ``posbench status``, ``posbench results`` and the
+    dashboard mark."""
+    statement = (
+        select(Run.study_id, func.count(Run.id))
+        .where(Run.imported_from.is_not(None))
+        .group_by(Run.study_id)
+    )
+    if study_ids:
+        statement = statement.where(Run.study_id.in_(study_ids))
+    with engine_for(normalize_url(url)).connect() as connection:
+        return {int(study): int(count) for study, count in connection.execute(statement)}
+
+
 def study_spec(url: str, study_id: int) -> dict | None:
     """The spec a study was submitted with (as stored), or None for no such study."""
     with engine_for(normalize_url(url)).connect() as connection:
@@ -79,6 +94,7 @@ def runs(
         Run.skip_cache,
         Run.waiting_for,
         Run.phase,
+        Run.imported_from,
         Run.provenance,
     ).order_by(Run.id)
     if study_id is not None:

@@ -6,7 +6,7 @@
       │          ^  │               │ release (worker shutting down) ──> queued
       │          │  └─cancel──> cancelled   requeue (its worker died) ──> queued
       │          └─────retry─────── failed | cancelled
-      └─ reuse (the result cache has it) ──> done         import ──> done
+      └─ reuse (the result cache has it) ──> done         import ──> done (imported)
 
 This module is the only code that writes a run's ``status`` (``jobs.status``). A
 worker *claims* a queued run by writing a fresh lease token in the same UPDATE that
@@ -81,17 +81,23 @@ def submit(study: Study, spec: StudySpec, run_spec: RunSpec, *, skip_cache: bool
 def reuse(run: Run, cached: Run) -> None:
     """A submitted run whose results the result cache holds (``cached``: a finished run
     of the same config hash) is done at once, with that run's progress and provenance;
-    its caller copies the results."""
+    its caller copies the results. Results ``cached`` imported rather than trained stay
+    marked as imported (its ``imported_from``)."""
     now = utcnow()
     run.status, run.step = RunStatus.DONE, cached.step
     run.latest_loss, run.provenance = cached.latest_loss, cached.provenance
+    run.imported_from = cached.imported_from
     run.reused_from_run_id = cached.reused_from_run_id or cached.id
     run.started_at, run.finished_at = now, now
 
 
-def import_run(study: Study, spec: StudySpec, run_spec: RunSpec, **values: object) -> Run:
-    """A run imported with its results (``posbench import``): done as it is written."""
-    return new_run(study, spec, run_spec, status=RunStatus.DONE, **values)
+def import_run(
+    study: Study, spec: StudySpec, run_spec: RunSpec, source: str, **values: object
+) -> Run:
+    """A run imported with its results (``posbench import``) from the file ``source``:
+    done as it is written, and marked imported (``imported_from``): not trained here, so
+    the result cache reuses it only when a submitter asks (``--reuse-imported``)."""
+    return new_run(study, spec, run_spec, status=RunStatus.DONE, imported_from=source, **values)
 
 
 # --- claim, heartbeat, progress, phase: a worker holds the run -------------------------

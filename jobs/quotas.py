@@ -36,28 +36,34 @@ def flops_problem(spec: StudySpec, settings: Settings) -> str | None:
     )
 
 
-def new_active_runs(session: Session, spec: StudySpec, *, force: bool) -> int:
+def new_active_runs(
+    session: Session, spec: StudySpec, *, force: bool, reuse_imported: bool = False
+) -> int:
     """How many of the study's runs would be queued: all with ``force``, otherwise those
-    the result cache cannot serve."""
+    the result cache cannot serve (imported results serve only with ``reuse_imported``)."""
     hashes = [run.config_hash for run in spec.runs()]
     if force:
         return len(hashes)
-    done = set(
-        session.scalars(
-            select(Run.config_hash).where(
-                Run.config_hash.in_(set(hashes)), Run.status == RunStatus.DONE
-            )
-        )
+    statement = select(Run.config_hash).where(
+        Run.config_hash.in_(set(hashes)), Run.status == RunStatus.DONE
     )
+    if not reuse_imported:
+        statement = statement.where(Run.imported_from.is_(None))
+    done = set(session.scalars(statement))
     return sum(value not in done for value in hashes)
 
 
 def active_runs_problem(
-    session: Session, spec: StudySpec, settings: Settings, *, force: bool
+    session: Session,
+    spec: StudySpec,
+    settings: Settings,
+    *,
+    force: bool,
+    reuse_imported: bool = False,
 ) -> str | None:
     """The refusal of a study that would leave more runs queued or running than the
     quota (None: within)."""
-    adding = new_active_runs(session, spec, force=force)
+    adding = new_active_runs(session, spec, force=force, reuse_imported=reuse_imported)
     if not adding:
         return None
     active = session.scalar(select(func.count()).select_from(Run).where(Run.status.in_(ACTIVE)))

@@ -72,6 +72,7 @@ class Submitted:
     queued: list[int]
     reused: list[int]
     unsent: list[int]  # stored, but the broker could not be reached; the reconciler re-sends
+    imported: list[int] = dataclasses.field(default_factory=list)  # reused imported results
 
 
 def study_queue(spec: dict | None) -> str:
@@ -133,10 +134,24 @@ def new_study(spec: StudySpec) -> Study:
     )
 
 
+def _cached_run(session: Session, config_hash: str, *, reuse_imported: bool) -> Run | None:
+    """The finished run whose results a run of ``config_hash`` reuses: the newest one
+    trained here; a run imported (``posbench import``, or a run that reused one) only
+    with ``reuse_imported``, and then a trained one still first."""
+    statement = select(Run).where(Run.config_hash == config_hash, Run.status == RunStatus.DONE)
+    if not reuse_imported:
+        statement = statement.where(Run.imported_from.is_(None))
+    imported_last = Run.imported_from.is_not(None)
+    return session.scalars(
+        statement.order_by(imported_last, Run.finished_at.desc()).limit(1)
+    ).first()
+
+
 def submit(
     spec: StudySpec,
     *,
     force: bool = False,
+    reuse_imported: bool = False,
     settings: Settings | None = None,
     send: Send | None = None,
 ) -> Submitted:
@@ -144,20 +159,24 @@ def submit(
 
     The result cache: a run whose config hash already finished (status done) in any
     study reuses those results, unless ``force`` asks to train again (and to take no
-    trained model from the cache either). A corpus outside the operator's rules is
-    ``Refused`` before anything is written, and so is a study over a quota (its
-    estimated compute, or the runs it would leave queued or running).
+    trained model from the cache either). Results imported rather than trained here
+    are reused only with ``reuse_imported`` (and the run stays marked imported). A
+    corpus outside the operator's rules is ``Refused`` before anything is written, and
+    so is a study over a quota (its estimated compute, or the runs it would leave
+    queued or running).
     """
     settings = settings or get_settings()
     check_sources(spec, settings)
     problem = quotas.flops_problem(spec, settings)
     if problem:
         raise Refused(problem)
-    queued, reused = [], []
+    queued, reused, imported = [], [], []
     with transaction(settings.database) as session:
         # In the writing transaction, before its first write: SQLite's BEGIN IMMEDIATE
         # serialises submissions, so two cannot both pass on the same count.
-        problem = quotas.active_runs_problem(session, spec, settings, force=force)
+        problem = quotas.active_runs_problem(
+            session, spec, settings, force=force, reuse_imported=reuse_imported
+        )
         if problem:
             raise Refused(problem)
         study = new_study(spec)
@@ -170,22 +189,19 @@ def submit(
             previous = (
                 None
                 if force
-                else session.scalars(
-                    select(Run)
-                    .where(Run.config_hash == run_spec.config_hash, Run.status == RunStatus.DONE)
-                    .order_by(Run.finished_at.desc())
-                    .limit(1)
-                ).first()
+                else _cached_run(session, run_spec.config_hash, reuse_imported=reuse_imported)
             )
             if previous is not None:
                 lifecycle.reuse(run, previous)
                 _copy_results(session, previous, run)
                 reused.append(run.id)
+                if previous.imported_from is not None:
+                    imported.append(run.id)
             else:
                 queued.append(run.id)
         study_id = study.id
     unsent = enqueue(queued, settings=settings, send=send)
-    return Submitted(study_id, queued, reused, unsent)
+    return Submitted(study_id, queued, reused, unsent, imported)
 
 
 def enqueue(

@@ -59,6 +59,7 @@ def test_a_local_study_is_imported_whole_and_reused(
     runs = queries.runs(settings.database, study_id=1)
     assert list(runs["label"]) == ["rope", "alibi"] and set(runs["status"]) == {"done"}
     assert all(p["imported_from"] == str(path) for p in runs["provenance"])
+    assert set(runs["imported_from"]) == {str(path)}
     # The numbers are the file's, point for point.
     curves = queries.curves(settings.database, study_ids=[1]).set_index(
         ["label", "variant", "eval_length"]
@@ -76,9 +77,16 @@ def test_a_local_study_is_imported_whole_and_reused(
     assert len(summaries) == sum(len(r["summaries"]) for r in payload["runs"])
     shown = posbench(settings, "results", "--study", "1")
     assert shown.returncode == 0 and "yarn:2" in shown.stdout
-    # A later submit of the same study reuses the imported runs, trains nothing.
+    # A later submit of the same study trains: imported numbers are not reused as if
+    # they were trained here, unless the submitter asks.
     again = submit(parse_spec(SPEC), settings=settings, send=lambda run_id: None)
-    assert again.queued == [] and len(again.reused) == 2
+    assert len(again.queued) == 2 and again.reused == [] and again.imported == []
+    asked = submit(
+        parse_spec(SPEC), settings=settings, send=lambda run_id: None, reuse_imported=True
+    )
+    assert asked.queued == [] and asked.reused == asked.imported and len(asked.reused) == 2
+    reused = queries.runs(settings.database, study_id=asked.study_id)
+    assert set(reused["imported_from"]) == {str(path)}
     # Importing it twice is refused; --force stores a second copy.
     twice = posbench(settings, "import", str(path))
     assert twice.returncode == 2
@@ -86,7 +94,7 @@ def test_a_local_study_is_imported_whole_and_reused(
         twice.stderr
     )
     forced = posbench(settings, "import", str(path), "--force")
-    assert forced.returncode == 0 and "imported study 3" in forced.stdout
+    assert forced.returncode == 0 and "imported study 4" in forced.stdout
 
 
 def _edited(payload: dict, change) -> dict:

@@ -108,7 +108,7 @@ def test_a_database_of_the_release_before_upgrades_and_reads_the_same(tmp_path: 
     studies_before = queries.studies(url)
     curves_before = queries.curves(url, study_ids=[1])
     upgrade(url)
-    assert current(url) == "0008"
+    assert current(url) == "0009"
     # The flags are columns now, with their values; provenance keeps the audit only.
     assert _stored(url) == EXPECTED
     # The same results, counts and curves.

@@ -68,7 +68,7 @@ def count(settings: Settings, model: type) -> int:
 
 
 def test_migrations_create_the_schema(settings: Settings) -> None:
-    assert current(settings.database) == "0008"
+    assert current(settings.database) == "0009"
     upgrade(settings.database)  # idempotent
 
 

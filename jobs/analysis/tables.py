@@ -44,18 +44,31 @@ def run_notes(runs: pd.DataFrame) -> list[str]:
     """Per run (``db.queries.runs``), what it is doing that its status does not say: a
     queued run waiting for the run that trains the same model, a running one
     fine-tuning a variant after its training (its ``waiting_for`` and ``phase``,
-    ``jobs.lifecycle``)."""
+    ``jobs.lifecycle``), a run whose results were imported, not trained here (its
+    ``imported_from``)."""
     notes = []
-    for status, waiting_for, phase in zip(
-        runs["status"], runs["waiting_for"], runs["phase"], strict=True
+    imported = runs["imported_from"] if "imported_from" in runs else [None] * len(runs)
+    for status, waiting_for, phase, source in zip(
+        runs["status"], runs["waiting_for"], runs["phase"], imported, strict=True
     ):
-        if status == RunStatus.QUEUED and _given(waiting_for):
+        if _given(source):
+            notes.append(f"imported from {source} (not trained here)")
+        elif status == RunStatus.QUEUED and _given(waiting_for):
             notes.append(f"waiting for run {int(waiting_for)}, which trains the same model")
         elif status == RunStatus.RUNNING and _given(phase) and phase:
             notes.append(str(phase))
         else:
             notes.append("")
     return notes
+
+
+def imported_note(study_id: int, imported: int, runs: int) -> str:
+    """The line that says a study's results were imported, not trained here."""
+    which = "all its runs were" if imported >= runs else f"{imported} of its {runs} runs were"
+    return (
+        f"study {study_id}: {which} imported from a results.json (posbench import), "
+        "not trained by this service's workers"
+    )
 
 
 def _given(value: Any) -> bool:

@@ -33,8 +33,9 @@ def import_(
         bool, typer.Option("--force", help="Import results already in the database again.")
     ] = False,
 ) -> None:
-    """Store the results of `posbench run` as a finished study: the dashboard compares
-    it, `posbench results` and SQL query it, and later submits reuse its runs."""
+    """Store the results of `posbench run` as a finished study, marked imported: the
+    dashboard compares it, `posbench results` and SQL query it, and a later submit
+    reuses its runs only with --reuse-imported."""
     from jobs.settings import get_settings
     from jobs.transfer.importer import ImportProblem, import_results
 
@@ -45,7 +46,8 @@ def import_(
         fail(str(err), code=2)
     typer.echo(
         f"imported study {done.study_id} ({done.name}): {done.runs} runs, "
-        f"{done.evaluations} evaluations (database {_redact(url)})"
+        f"{done.evaluations} evaluations (database {_redact(url)}); its runs are marked "
+        "imported, and a submit reuses them only with --reuse-imported"
     )
 
 
@@ -156,7 +158,29 @@ def results(
             code=2,
         )
     frame, title = _view_frame(url, row, view, protocol, factor)
+    frame, note = _mark_imported(url, row, frame, output)
     _print_results(frame, row, view, output, title)
+    if note:  # after the table; on stderr beside csv and json, which stay parseable
+        if output == "table":
+            console.print(note, markup=False, highlight=False)
+        else:
+            typer.echo(f"note: {note}", err=True)
+
+
+def _mark_imported(url: str, row, frame, output: str):
+    """The frame with an ``imported`` column (csv and json of the views with a run per
+    row), and the note to print when some of the study's runs were imported rather
+    than trained here; None when none was."""
+    from db import queries
+    from jobs.analysis import imported_note
+
+    runs = queries.runs(url, study_id=int(row["id"]))
+    imported = set(runs.loc[runs["imported_from"].notna(), "id"].tolist())
+    if output != "table" and "run_id" in frame.columns:
+        frame = frame.assign(imported=frame["run_id"].isin(imported))
+    if not imported:
+        return frame, None
+    return frame, imported_note(int(row["id"]), len(imported), len(runs))
 
 
 RESULT_VIEWS = ("curves", "summaries", "pairwise", "groups", "train")

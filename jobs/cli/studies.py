@@ -108,6 +108,14 @@ def submit(
             help="Train again even where a run with the same config hash already finished.",
         ),
     ] = False,
+    reuse_imported: Annotated[
+        bool,
+        typer.Option(
+            "--reuse-imported",
+            help="Also reuse results imported with posbench import (not trained by this "
+            "service); they stay marked imported.",
+        ),
+    ] = False,
     wait: Annotated[bool, typer.Option("--wait", help="Show live progress until done.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the submission as JSON.")] = False,
     queue: Annotated[
@@ -130,7 +138,7 @@ def submit(
     from jobs.service import submit as submit_study
 
     try:
-        submitted = submit_study(spec, force=force)
+        submitted = submit_study(spec, force=force, reuse_imported=reuse_imported)
     except Refused as err:
         fail(str(err), code=2)
     payload = {
@@ -138,6 +146,7 @@ def submit(
         RunStatus.QUEUED.value: submitted.queued,
         "reused": submitted.reused,
         "unsent": submitted.unsent,
+        "imported": submitted.imported,
     }
     if as_json:
         typer.echo(json.dumps(payload))
@@ -146,6 +155,11 @@ def submit(
             f"study [bold]{submitted.study_id}[/] ({markup(spec.name)}): "
             f"{len(submitted.queued)} runs queued, {len(submitted.reused)} reused from "
             "earlier results"
+            + (
+                f" ({len(submitted.imported)} of them imported, not trained here)"
+                if submitted.imported
+                else ""
+            )
         )
         if submitted.unsent:
             console.print(
@@ -174,7 +188,9 @@ def status(
     url = _database()
     if study is None:
         frame = queries.studies(url)
-        shown = ["id", "name", "task", "runs", *RUN_STATUSES]
+        imported = queries.imported_runs(url)
+        frame["imported"] = [imported.get(int(study_id), 0) for study_id in frame["id"]]
+        shown = ["id", "name", "task", "runs", *RUN_STATUSES, "imported"]
     else:
         if queries.studies(url, [study]).empty:
             fail(f"no study with id {study}", code=2)
@@ -182,6 +198,7 @@ def status(
 
         frame = queries.runs(url, study_id=study)
         frame["note"] = run_notes(frame)
+        frame["imported"] = frame["imported_from"].notna()
         shown = [
             "id",
             "label",

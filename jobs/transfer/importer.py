@@ -1,11 +1,13 @@
 """Import the ``results.json`` of ``posbench run`` into the results database.
 
 A study run on a laptop or a lone GPU box, without the service, joins the others: the
-dashboard compares it, ``posbench results`` and SQL query it, and a later submit reuses
-its runs by config hash like any finished run. The file is checked whole before
-anything is written (its spec is validated as a submitted one; every run must be one of
-that spec's runs, by the config hash this version computes), and the study is written in
-one transaction: all of it or nothing.
+dashboard compares it, ``posbench results`` and SQL query it. Its runs are marked
+imported (``runs.imported_from``) wherever they are shown, and a later submit reuses
+them by config hash only when asked to (``posbench submit --reuse-imported``): numbers
+no worker of this service trained are never passed off as trained. The file is checked
+whole before anything is written (its spec is validated as a submitted one; every run
+must be one of that spec's runs, by the config hash this version computes), and the
+study is written in one transaction: all of it or nothing.
 """
 
 from __future__ import annotations
@@ -328,6 +330,7 @@ def import_results(path: Path, *, settings: Settings | None = None, force: bool 
                 study,
                 spec,
                 planned[run.config_hash],
+                str(path),
                 step=run.train.steps,
                 latest_loss=last.loss,
                 tokens_per_second=last.tokens_per_second,

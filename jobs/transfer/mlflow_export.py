@@ -126,6 +126,10 @@ def run_tags(study: Study, run: Run, variants: Iterable[str]) -> dict[str, str]:
             tags[f"posbench.{name}"] = str(provenance[name])
     if "trained_by_run" in provenance:
         tags["posbench.trained_by_run"] = str(provenance["trained_by_run"])
+    # Imported with posbench import (or reused from such a run): not trained here.
+    tags["posbench.imported"] = "true" if run.imported_from is not None else "false"
+    if run.imported_from is not None:
+        tags["posbench.imported_from"] = run.imported_from[:5000]
     if run.reused_from_run_id is not None:  # the same results as that run's
         tags["posbench.reused_from_run"] = str(run.reused_from_run_id)
     if provenance.get("finetune"):  # each fine-tuned variant's recipe, loss and time

@@ -11,7 +11,9 @@ It has two levels, both keyed by hashes of the run's spec:
   the run waits for it (``training_run``, ``wait_for``: its ``waiting_for`` column).
 
 A run submitted with ``--force`` skips the cache (its ``skip_cache`` column): it
-trains afresh, and its model serves later runs.
+trains afresh, and its model serves later runs. A run imported rather than trained here
+(``imported_from``) serves neither level by default: its results only when the
+submitter asks (``--reuse-imported``), its model never (it has no checkpoint).
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ def cached_models(
     with transaction(url) as session:
         rows = session.execute(
             select(Run.id, Run.checkpoint_uri, Run.provenance, Run.status)
-            .where(Run.train_hash == train_hash, Run.id != run_id)
+            # An imported run has no checkpoint here, and its training is not ours.
+            .where(Run.train_hash == train_hash, Run.id != run_id, Run.imported_from.is_(None))
             .order_by((Run.status == RunStatus.DONE).desc(), Run.finished_at.desc(), Run.id)
         )
         return [
