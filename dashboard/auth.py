@@ -96,9 +96,10 @@ def _client() -> tuple[str, list[str]]:
     """The client's address (as Streamlit saw the connection) and the throttle's keys."""
     session = st.session_state.setdefault(SESSION_ID, uuid.uuid4().hex)
     try:
-        address = st.context.ip_address or "local"
-    except Exception:  # no request context (AppTest)
-        address = "local"
+        address = st.context.ip_address
+    except Exception:  # no request context
+        address = None
+    address = address if isinstance(address, str) and address else "local"
     return address, [f"session:{session}", f"address:{address}"]
 
 
