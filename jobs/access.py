@@ -18,11 +18,12 @@ import ipaddress
 import socket
 import threading
 import time
-import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+import tomllib
 
 from jobs.settings import Settings
 
@@ -168,7 +169,9 @@ def oidc_role(user: Mapping[str, object], settings: Settings) -> Role | None:
     return None
 
 
-def session_expired(logged_in_at: float | None, settings: Settings, now: float | None = None) -> bool:
+def session_expired(
+    logged_in_at: float | None, settings: Settings, now: float | None = None
+) -> bool:
     if logged_in_at is None:
         return True
     now = time.time() if now is None else now

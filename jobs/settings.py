@@ -14,8 +14,8 @@
 | POSBENCH_MAX_ATTEMPTS | 3 | a run whose worker died this many times fails |
 | POSBENCH_PIN_GPUS | false | pin pool process i to GPU i (CUDA_VISIBLE_DEVICES) |
 | POSBENCH_VISIBILITY_TIMEOUT | 172800 | Redis redelivers an unacknowledged message after this |
-| POSBENCH_DASHBOARD_PASSWORD | unset | when set, the dashboard asks for it (operators: submit, cancel, retry, delete) |
-| POSBENCH_DASHBOARD_VIEWER_PASSWORD | unset | when set, a password that opens the dashboard read-only |
+| POSBENCH_DASHBOARD_PASSWORD | unset | when set, the dashboard asks for it (the operator role) |
+| POSBENCH_DASHBOARD_VIEWER_PASSWORD | unset | a password that opens the dashboard read-only |
 | POSBENCH_DASHBOARD_SESSION_HOURS | 12 | a dashboard login lasts this long |
 | POSBENCH_DASHBOARD_OPERATORS | unset | OIDC: e-mails or @domains with the operator role (',') |
 | POSBENCH_DASHBOARD_VIEWERS | unset | OIDC: e-mails or @domains with the viewer role (',') |

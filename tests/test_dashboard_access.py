@@ -97,8 +97,7 @@ def test_a_network_bind_without_a_login_is_refused(tmp_path: Path, address: str)
 
 def dashboard_exec(monkeypatch: pytest.MonkeyPatch, *args: str) -> list[str]:
     """What `posbench dashboard ARGS` would exec (in-process; nothing is started)."""
-    from jobs.cli import app
-    from jobs.cli import serving
+    from jobs.cli import app, serving
 
     started: list[list[str]] = []
 
@@ -189,9 +188,7 @@ def test_the_dashboard_stays_closed_with_a_malformed_secrets_file(
 
 
 def test_an_oidc_account_needs_the_allow_list() -> None:
-    config = Settings(
-        dashboard_operators=["alice@lab.example"], dashboard_viewers=["@example.org"]
-    )
+    config = Settings(dashboard_operators=["alice@lab.example"], dashboard_viewers=["@example.org"])
     assert oidc_role({"email": "Alice@Lab.Example"}, config) == OPERATOR
     assert oidc_role({"email": "bob@example.org", "email_verified": True}, config) == VIEWER
     for refused in (
