@@ -1,42 +1,168 @@
-"""Access control: when POSBENCH_DASHBOARD_PASSWORD is set, nothing shows before login.
+"""Access control (docs/security.md): the login before anything shows, the role of the
+visitor, logout and session expiry. The decisions are ``jobs.access``'s.
 
-An OIDC provider configured in ``.streamlit/secrets.toml`` (``[auth]``) is used through
-``st.login`` instead.
+- no login configured: loopback only (`posbench dashboard` refuses other binds), and
+  the visitor is an operator;
+- ``POSBENCH_DASHBOARD_PASSWORD`` / ``POSBENCH_DASHBOARD_VIEWER_PASSWORD``: a password
+  form, slowed down after wrong passwords (per session and per client address);
+- an OIDC provider in ``.streamlit/secrets.toml`` (``[auth]``): ``st.login``, then the
+  allow-lists decide the role; a secrets file that cannot be parsed closes the dashboard.
 """
 
 from __future__ import annotations
 
-import hmac
+import logging
+import math
+import time
+import uuid
 
 import streamlit as st
 
+from jobs.access import (
+    OPERATOR,
+    THROTTLE,
+    Role,
+    Secrets,
+    oidc_role,
+    password_configured,
+    password_role,
+    read_secrets,
+    session_expired,
+)
+from jobs.safe_text import markdown
 from jobs.settings import get_settings
 
+log = logging.getLogger("posbench.dashboard.auth")
 
-def _oidc_configured() -> bool:
-    try:
-        return "auth" in st.secrets
-    except Exception:  # no secrets file at all
-        return False
+ROLE = "posbench_role"
+LOGGED_IN_AT = "posbench_logged_in_at"
+SESSION_ID = "posbench_session_id"
+
+
+def _secrets() -> Secrets:
+    return read_secrets(st.get_option("secrets.files") or ())
 
 
 def gate() -> bool:
-    """True when the visitor may see the dashboard; otherwise render a login and stop."""
-    if _oidc_configured():
-        if not st.user.is_logged_in:
-            st.title("posbench")
-            st.button("Log in", on_click=st.login)
-            return False
+    """True when the visitor may see the dashboard (``role()`` then says what they may
+    do); otherwise render a login (or the reason it is closed) and return False."""
+    settings = get_settings()
+    secrets = _secrets()
+    if secrets.broken is not None:
+        log.error("dashboard closed: cannot parse %s: %s", secrets.broken, secrets.error)
+        st.title("posbench")
+        st.error(
+            "The dashboard is closed: its secrets file cannot be parsed "
+            "(the server log says which file and why)."
+        )
+        return False
+    if secrets.oidc:
+        return _oidc_gate()
+    if not password_configured(settings):
+        st.session_state[ROLE] = OPERATOR  # loopback only: the CLI refuses other binds
         return True
-    password = get_settings().dashboard_password
-    if password is None or st.session_state.get("authenticated"):
-        return True
+    return _password_gate()
+
+
+def role() -> Role | None:
+    """The visitor's role; a page rendered without the gate (tests) is an operator's only
+    when no login is configured."""
+    given = st.session_state.get(ROLE)
+    if given is not None:
+        return given
+    secrets = _secrets()
+    if secrets.broken is None and not secrets.oidc and not password_configured(get_settings()):
+        return OPERATOR
+    return None
+
+
+def can_operate() -> bool:
+    """Whether the visitor may submit, cancel, retry and delete."""
+    return role() == OPERATOR
+
+
+def _logout() -> None:
+    for key in (ROLE, LOGGED_IN_AT):
+        st.session_state.pop(key, None)
+
+
+def _signed_in_sidebar(who: str, on_logout) -> None:
+    with st.sidebar:
+        st.caption(f"signed in as {markdown(who)}")
+        st.button("Log out", key="logout", on_click=on_logout)
+
+
+def _client() -> tuple[str, list[str]]:
+    """The client's address (as Streamlit saw the connection) and the throttle's keys."""
+    session = st.session_state.setdefault(SESSION_ID, uuid.uuid4().hex)
+    try:
+        address = st.context.ip_address
+    except Exception:  # no request context
+        address = None
+    address = address if isinstance(address, str) and address else "local"
+    return address, [f"session:{session}", f"address:{address}"]
+
+
+def _password_gate() -> bool:
+    settings = get_settings()
+    current = st.session_state.get(ROLE)
+    expired = False
+    if current is not None:
+        if not session_expired(st.session_state.get(LOGGED_IN_AT), settings):
+            _signed_in_sidebar(current, _logout)
+            return True
+        _logout()
+        expired = True
     st.title("posbench")
+    if expired:
+        st.info("Your session expired: log in again.")
+    address, keys = _client()
     with st.form("login"):
         given = st.text_input("Password", type="password")
         if st.form_submit_button("Log in"):
-            if hmac.compare_digest(given.encode(), password.get_secret_value().encode()):
-                st.session_state["authenticated"] = True
-                st.rerun()
-            st.error("Wrong password.")
+            wait = THROTTLE.wait(keys)
+            if wait > 0:
+                log.warning("dashboard login refused from %s: backing off %.0f s", address, wait)
+                st.error(f"Too many wrong passwords: try again in {math.ceil(wait)} s.")
+                return False
+            found = password_role(given, settings)
+            if found is None:
+                failures = THROTTLE.failed(keys)
+                log.warning("dashboard login failed from %s (%d wrong in a row)", address, failures)
+                st.error("Wrong password.")
+                return False
+            THROTTLE.succeeded(keys)
+            log.info("dashboard login from %s as %s", address, found)
+            st.session_state[ROLE] = found
+            st.session_state[LOGGED_IN_AT] = time.time()
+            st.rerun()
     return False
+
+
+def _oidc_gate() -> bool:
+    settings = get_settings()
+    st.session_state.pop(ROLE, None)
+    if not st.user.is_logged_in:
+        st.title("posbench")
+        st.button("Log in", on_click=st.login)
+        return False
+    user = st.user.to_dict()
+    found = oidc_role(user, settings)
+    email = str(user.get("email", ""))
+    if found is None:
+        log.warning("dashboard login refused: %r is on no allow-list", email)
+        st.title("posbench")
+        st.error(
+            "This account is not allowed here: an administrator adds it (or its domain) to "
+            "POSBENCH_DASHBOARD_OPERATORS or POSBENCH_DASHBOARD_VIEWERS."
+        )
+        st.button("Log out", on_click=st.logout)
+        return False
+    issued = user.get("iat")
+    if isinstance(issued, int | float) and session_expired(float(issued), settings):
+        log.info("dashboard session of %r expired", email)
+        st.logout()
+        return False
+    st.session_state[ROLE] = found
+    _signed_in_sidebar(f"{email} ({found})", st.logout)
+    return True

@@ -7,6 +7,7 @@ import datetime as dt
 import pandas as pd
 import streamlit as st
 
+from dashboard.auth import can_operate
 from dashboard.common import (
     database,
     database_errors,
@@ -123,17 +124,24 @@ def render() -> None:
         f"{study['train_length']} · {study['runs']} runs"
     )
     imported_captions(studies[studies["id"] == study_id])
-    left, right, _ = st.columns([1, 1, 4])
-    if left.button("Cancel study", key="cancel"):
+    operator = can_operate()  # viewers read; operators cancel, retry and delete
+    left, right, _ = st.columns([1, 1, 4]) if operator else (None, None, None)
+    if left is not None and left.button("Cancel study", key="cancel"):
         from jobs.service import cancel
 
         counts = cancel(study_id=study_id)
         st.toast(f"{counts[RunStatus.CANCELLED]} cancelled, {counts[STOPPING]} stopping")
-    if right.button("Retry failed / cancelled", key="retry"):
+    if right is not None and right.button("Retry failed / cancelled", key="retry"):
         from jobs.service import retry
 
         st.toast(f"{len(retry(study_id=study_id))} runs queued again")
     live_runs(study_id, tokens_per_step)
+    if operator:
+        _one_run(study_id)
+        _delete(study_id, study)
+
+
+def _one_run(study_id: int) -> None:
     with st.expander("One run"):
         runs = queries.runs(database(), study_id=study_id)
         run_id = st.selectbox(
@@ -151,7 +159,6 @@ def render() -> None:
             from jobs.service import retry
 
             retry(run_id=run_id)
-    _delete(study_id, study)
 
 
 def _delete(study_id: int, study: pd.Series) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import streamlit as st
 import yaml
 
+from dashboard.auth import can_operate
 from dashboard.common import schema_ready
 from dashboard.submit_form import form
 from jobs.safe_text import markdown
@@ -41,6 +42,9 @@ def estimate(spec: StudySpec) -> str:
 def render() -> None:
 
     st.title("Submit a study")
+    if not can_operate():  # the navigation has no Submit page for viewers; belt and braces
+        st.info("Submitting needs the operator role.")
+        return
     presets = ["custom", *PRESET_SPECS]
     preset = st.selectbox(
         "Start from",

@@ -26,7 +26,7 @@ from jobs.settings import get_settings
 DASHBOARD_APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
 
 
-def dashboard_command(port: int, address: str = "0.0.0.0") -> list[str]:
+def dashboard_command(port: int, address: str = "127.0.0.1") -> list[str]:
     """``streamlit run`` for the dashboard, headless, with the developer toolbar hidden."""
     options = {
         "server.port": str(port),

@@ -14,7 +14,11 @@
 | POSBENCH_MAX_ATTEMPTS | 3 | a run whose worker died this many times fails |
 | POSBENCH_PIN_GPUS | false | pin pool process i to GPU i (CUDA_VISIBLE_DEVICES) |
 | POSBENCH_VISIBILITY_TIMEOUT | 172800 | Redis redelivers an unacknowledged message after this |
-| POSBENCH_DASHBOARD_PASSWORD | unset | when set, the dashboard asks for it |
+| POSBENCH_DASHBOARD_PASSWORD | unset | when set, the dashboard asks for it (the operator role) |
+| POSBENCH_DASHBOARD_VIEWER_PASSWORD | unset | a password that opens the dashboard read-only |
+| POSBENCH_DASHBOARD_SESSION_HOURS | 12 | a dashboard login lasts this long |
+| POSBENCH_DASHBOARD_OPERATORS | unset | OIDC: e-mails or @domains with the operator role (',') |
+| POSBENCH_DASHBOARD_VIEWERS | unset | OIDC: e-mails or @domains with the viewer role (',') |
 | POSBENCH_CORPUS_ROOTS | <home>/corpora | folders a text: corpus may come from (':'-separated) |
 | POSBENCH_CORPUS_MAX_FILE_BYTES | 268435456 (256 MiB) | a larger text: corpus file is refused |
 | POSBENCH_CORPUS_MAX_TOTAL_BYTES | 1073741824 (1 GiB) | a larger corpus (in all) is refused |
@@ -71,6 +75,16 @@ class Settings(BaseSettings):
     # whose run is still training; the reconciler handles dead workers sooner.
     visibility_timeout: int = Field(172_800, ge=HOUR, le=30 * DAY)
     dashboard_password: SecretStr | None = None
+    dashboard_viewer_password: SecretStr | None = Field(
+        None, description="a password that opens the dashboard read-only"
+    )
+    dashboard_session_hours: float = Field(12.0, gt=0, le=30 * 24, description="login lifetime")
+    dashboard_operators: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="OIDC e-mails or @domains with the operator role"
+    )
+    dashboard_viewers: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="OIDC e-mails or @domains with the viewer role"
+    )
     corpus_roots: Annotated[list[Path] | None, NoDecode] = Field(
         None, description="folders a text: corpus may come from (default: <home>/corpora)"
     )
@@ -106,6 +120,16 @@ class Settings(BaseSettings):
             return json.loads(value)
         separator = os.pathsep if info.field_name == "corpus_roots" else ","
         return [part.strip() for part in value.split(separator) if part.strip()]
+
+    @field_validator("dashboard_operators", "dashboard_viewers", mode="before")
+    @classmethod
+    def _split_allow_list(cls, value: Any) -> Any:
+        # From the environment: a JSON list, or e-mails / @domains separated by ','.
+        if not isinstance(value, str):
+            return value
+        if value.lstrip().startswith("["):
+            return json.loads(value)
+        return [part.strip().lower() for part in value.split(",") if part.strip()]
 
     @field_validator("corpus_roots")
     @classmethod

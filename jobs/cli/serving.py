@@ -86,7 +86,13 @@ def worker(
 @app.command()
 def dashboard(
     port: Annotated[int, typer.Option(help="Port to serve on.")] = 8501,
-    address: Annotated[str, typer.Option(help="Interface to bind.")] = "0.0.0.0",
+    address: Annotated[
+        str,
+        typer.Option(
+            help="Interface to bind; beyond loopback only with a login "
+            "(POSBENCH_DASHBOARD_PASSWORD or OIDC)."
+        ),
+    ] = "127.0.0.1",
 ) -> None:
     """Serve the Streamlit dashboard (health check: /_stcore/health)."""
     import socket
@@ -98,9 +104,20 @@ def dashboard(
         socket.getaddrinfo(address, port)
     except (socket.gaierror, UnicodeError):
         fail(f"--address {address!r} is not an address or host name of this machine", code=2)
+    _refuse_unsafe_serving(address)
 
     command = dashboard_command(port, address)
     os.execvp(command[0], command)
+
+
+def _refuse_unsafe_serving(address: str) -> None:
+    """Exit 2 with one line when serving at ``address`` would be open or half-configured."""
+    from jobs.access import read_secrets, secrets_files, serving_problem
+    from jobs.settings import get_settings
+
+    problem = serving_problem(address, get_settings(), read_secrets(secrets_files()))
+    if problem is not None:
+        fail(problem, code=2)
 
 
 @app.command()
@@ -112,4 +129,6 @@ def up(
     from jobs.embedded import serve
 
     _check_port(port)
+    if dashboard:
+        _refuse_unsafe_serving("127.0.0.1")
     raise typer.Exit(serve(dashboard=dashboard, port=port, console=console))

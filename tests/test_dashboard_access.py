@@ -1,0 +1,335 @@
+"""Dashboard access (docs/security.md): nothing is served to the network without a login,
+wrong passwords are slowed down and logged, logout and session expiry work, a broken
+secrets file closes the dashboard, OIDC accounts need an allow-list, viewers only read."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, isolated_env
+from dashboard_seed import seed_study
+from pydantic import SecretStr
+from streamlit.testing.v1 import AppTest
+from typer.testing import CliRunner
+
+from db.migrate import upgrade
+from jobs import access
+from jobs.access import (
+    FREE_ATTEMPTS,
+    MAX_BACKOFF_SECONDS,
+    OPERATOR,
+    VIEWER,
+    Secrets,
+    Throttle,
+    backoff_seconds,
+    is_loopback,
+    oidc_role,
+    password_role,
+    read_secrets,
+    serving_problem,
+    session_expired,
+)
+from jobs.settings import Settings, get_settings
+
+APP = str(ROOT / "dashboard" / "app.py")
+BROKEN_TOML = '[auth]\nclient_id = "posbench\n'
+
+
+@pytest.fixture(autouse=True)
+def fresh_throttle():
+    access.THROTTLE.clear()
+    yield
+    access.THROTTLE.clear()
+
+
+@pytest.fixture
+def settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    for name in list(os.environ):
+        if name.startswith("POSBENCH_DASHBOARD_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("POSBENCH_HOME", str(tmp_path))
+    monkeypatch.setenv("POSBENCH_DATABASE_URL", f"sqlite:///{tmp_path}/dash.db")
+    get_settings.cache_clear()
+    upgrade(Settings().database)
+    yield
+    get_settings.cache_clear()
+
+
+def passwords(monkeypatch: pytest.MonkeyPatch, operator: str | None, viewer: str | None = None):
+    for name, value in (("PASSWORD", operator), ("VIEWER_PASSWORD", viewer)):
+        if value is not None:
+            monkeypatch.setenv(f"POSBENCH_DASHBOARD_{name}", value)
+    get_settings.cache_clear()
+
+
+def dashboard_cli(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """`posbench dashboard ARGS` in a real subprocess, in an empty folder with an empty home
+    (no secrets file but the test's)."""
+    environment = isolated_env(tmp_path, HOME=str(tmp_path), **env)
+    environment["PYTHONPATH"] = os.pathsep.join([str(ROOT), environment.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [sys.executable, "-m", "jobs.cli", "dashboard", *args],
+        cwd=tmp_path,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+# --- finding 1: the open dashboard ---
+
+
+@pytest.mark.parametrize("address", ["0.0.0.0", "::", "192.0.2.1"])
+def test_a_network_bind_without_a_login_is_refused(tmp_path: Path, address: str) -> None:
+    done = dashboard_cli(tmp_path, "--address", address)
+    assert done.returncode == 2, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert "set POSBENCH_DASHBOARD_PASSWORD" in done.stderr
+    assert f"--address {address} serves the dashboard to the network" in done.stderr
+
+
+def dashboard_exec(monkeypatch: pytest.MonkeyPatch, *args: str) -> list[str]:
+    """What `posbench dashboard ARGS` would exec (in-process; nothing is started)."""
+    from jobs.cli import app, serving
+
+    started: list[list[str]] = []
+
+    def execvp(_: str, command: list[str]) -> None:
+        started.append(command)
+
+    monkeypatch.setattr(serving.os, "execvp", execvp)
+    result = CliRunner().invoke(app, ["dashboard", *args])
+    assert result.exit_code == 0, result.output
+    (command,) = started
+    return command
+
+
+def test_the_dashboard_binds_loopback_by_default(
+    settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    command = dashboard_exec(monkeypatch)
+    assert command[command.index("--server.address") + 1] == "127.0.0.1"
+
+
+def test_a_network_bind_with_a_password_is_served(
+    settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    passwords(monkeypatch, "s3cret")
+    command = dashboard_exec(monkeypatch, "--address", "0.0.0.0")
+    assert command[command.index("--server.address") + 1] == "0.0.0.0"
+
+
+def test_only_loopback_addresses_count_as_loopback() -> None:
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not any(is_loopback(a) for a in ("0.0.0.0", "::", "", "192.0.2.1", "no such host!"))
+
+
+def test_serving_needs_a_login_beyond_loopback() -> None:
+    open_ = Settings()
+    assert serving_problem("127.0.0.1", open_, Secrets(oidc=False)) is None
+    assert "POSBENCH_DASHBOARD_PASSWORD" in serving_problem("0.0.0.0", open_, Secrets(oidc=False))
+    viewer_only = Settings(dashboard_viewer_password=SecretStr("v"))
+    assert serving_problem("0.0.0.0", viewer_only, Secrets(oidc=False)) is None
+    oidc = Settings(dashboard_viewers=["@example.org"])
+    assert serving_problem("0.0.0.0", oidc, Secrets(oidc=True)) is None
+    nobody = serving_problem("0.0.0.0", open_, Secrets(oidc=True))
+    assert "POSBENCH_DASHBOARD_OPERATORS" in nobody
+
+
+# --- finding 5: the malformed secrets file fails closed ---
+
+
+def test_a_malformed_secrets_file_refuses_to_serve(tmp_path: Path) -> None:
+    (tmp_path / ".streamlit").mkdir()
+    secrets = tmp_path / ".streamlit" / "secrets.toml"
+    secrets.write_text(BROKEN_TOML)
+    for address in ("127.0.0.1", "0.0.0.0"):
+        done = dashboard_cli(tmp_path, "--address", address, POSBENCH_DASHBOARD_PASSWORD="pw")
+        assert done.returncode == 2, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1
+        assert f"the secrets file {secrets} cannot be parsed" in done.stderr
+
+
+def test_read_secrets_tells_oidc_absent_and_broken_apart(tmp_path: Path) -> None:
+    good, broken = tmp_path / "good.toml", tmp_path / "broken.toml"
+    good.write_text('[auth]\nclient_id = "posbench"\n')
+    broken.write_text(BROKEN_TOML)
+    assert read_secrets([tmp_path / "absent.toml"]) == Secrets(oidc=False)
+    assert read_secrets([good]) == Secrets(oidc=True)
+    found = read_secrets([good, broken])
+    assert found.broken == broken and not found.oidc
+
+
+def test_the_dashboard_stays_closed_with_a_malformed_secrets_file(
+    settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    (tmp_path / ".streamlit").mkdir()
+    (tmp_path / ".streamlit" / "secrets.toml").write_text(BROKEN_TOML)
+    monkeypatch.chdir(tmp_path)  # Streamlit reads ./.streamlit/secrets.toml
+    with caplog.at_level(logging.ERROR, logger="posbench.dashboard.auth"):
+        app = AppTest.from_file(APP, default_timeout=60).run()
+    assert not app.exception
+    assert [t.value for t in app.title] == ["posbench"]
+    assert "cannot be parsed" in app.error[0].value
+    assert not app.text_input and not app.button  # no login to get around it either
+    assert "cannot parse" in caplog.text
+
+
+# --- finding 5: OIDC allow-lists ---
+
+
+def test_an_oidc_account_needs_the_allow_list() -> None:
+    config = Settings(dashboard_operators=["alice@lab.example"], dashboard_viewers=["@example.org"])
+    assert oidc_role({"email": "Alice@Lab.Example"}, config) == OPERATOR
+    assert oidc_role({"email": "bob@example.org", "email_verified": True}, config) == VIEWER
+    for refused in (
+        {"email": "mallory@gmail.com"},
+        {"email": "bob@example.org", "email_verified": False},
+        {"email": "eve@sub.example.org"},
+        {"email": "eve@notexample.org"},
+        {"email": "alice@lab.example@evil.test"},
+        {"name": "no e-mail"},
+    ):
+        assert oidc_role(refused, config) is None, refused
+    assert oidc_role({"email": "alice@lab.example"}, Settings()) is None  # empty: nobody
+
+
+def test_allow_lists_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POSBENCH_DASHBOARD_OPERATORS", "Alice@Lab.example, @ops.example")
+    monkeypatch.setenv("POSBENCH_DASHBOARD_VIEWERS", '["@example.org"]')
+    config = Settings()
+    assert config.dashboard_operators == ["alice@lab.example", "@ops.example"]
+    assert config.dashboard_viewers == ["@example.org"]
+
+
+# --- finding 5: back-off, logging, logout, expiry ---
+
+
+def test_wrong_passwords_back_off_exponentially() -> None:
+    assert [backoff_seconds(n) for n in range(FREE_ATTEMPTS + 4)] == [0] * FREE_ATTEMPTS + [
+        1,
+        2,
+        4,
+        8,
+    ]
+    assert backoff_seconds(100) == MAX_BACKOFF_SECONDS
+    throttle, keys = Throttle(), ["session:a", "address:192.0.2.7"]
+    for _ in range(FREE_ATTEMPTS + 3):
+        throttle.failed(keys, now=1000.0)
+    assert throttle.wait(keys, now=1000.0) == 8
+    assert throttle.wait(["session:new", "address:192.0.2.7"], now=1004.0) == 4  # same client
+    assert throttle.wait(["session:b", "address:192.0.2.8"], now=1000.0) == 0  # someone else
+    throttle.succeeded(keys)
+    assert throttle.wait(keys, now=1000.0) == 0
+
+
+def log_in(app: AppTest, password: str) -> AppTest:
+    app.text_input[0].set_value(password)
+    return app.button[0].click().run()
+
+
+def test_repeated_wrong_passwords_are_slowed_and_logged(
+    settings, monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    passwords(monkeypatch, "s3cret")
+    app = AppTest.from_file(APP, default_timeout=60).run()
+    with caplog.at_level(logging.INFO, logger="posbench.dashboard.auth"):
+        for _ in range(FREE_ATTEMPTS):
+            assert [e.value for e in log_in(app, "wrong").error] == ["Wrong password."]
+        # Now even the right password waits: nothing is checked during the back-off.
+        assert [e.value for e in log_in(app, "s3cret").error] == [
+            "Too many wrong passwords: try again in 1 s."
+        ]
+        assert "Submit a study" not in [t.value for t in app.title]
+        # A fresh session from the same address waits too.
+        other = AppTest.from_file(APP, default_timeout=60).run()
+        assert log_in(other, "s3cret").error[0].value.startswith("Too many wrong passwords")
+    time.sleep(1.1)  # the back-off over, the right password opens it
+    assert "Submit a study" in [t.value for t in log_in(app, "s3cret").title]
+    failed = [r for r in caplog.records if "login failed" in r.getMessage()]
+    assert len(failed) == FREE_ATTEMPTS
+    assert "backing off" in caplog.text
+
+
+def test_logout_returns_to_the_login(settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    passwords(monkeypatch, "s3cret")
+    app = log_in(AppTest.from_file(APP, default_timeout=60).run(), "s3cret")
+    assert "Submit a study" in [t.value for t in app.title]
+    app.button(key="logout").click().run()
+    assert [t.value for t in app.title] == ["posbench"]
+    assert app.text_input[0].label == "Password"
+
+
+def test_an_expired_session_asks_for_the_password_again(
+    settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    passwords(monkeypatch, "s3cret")
+    monkeypatch.setenv("POSBENCH_DASHBOARD_SESSION_HOURS", "2")
+    get_settings.cache_clear()
+    app = log_in(AppTest.from_file(APP, default_timeout=60).run(), "s3cret")
+    assert "Submit a study" in [t.value for t in app.title]
+    app.session_state["posbench_logged_in_at"] = time.time() - 2 * 3600 - 1
+    app.run()
+    assert [t.value for t in app.title] == ["posbench"]
+    assert app.info[0].value == "Your session expired: log in again."
+    assert app.text_input[0].label == "Password"
+    assert session_expired(time.time() - 60, Settings(dashboard_session_hours=2)) is False
+    assert session_expired(None, Settings()) is True
+
+
+# --- roles ---
+
+
+def test_passwords_give_roles() -> None:
+    config = Settings(
+        dashboard_password=SecretStr("op"), dashboard_viewer_password=SecretStr("view")
+    )
+    assert password_role("op", config) == OPERATOR
+    assert password_role("view", config) == VIEWER
+    assert password_role("", config) is None and password_role("opx", config) is None
+
+
+def test_a_viewer_reads_but_cannot_submit_cancel_retry_or_delete(
+    settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    passwords(monkeypatch, "op", viewer="view")
+    seed_study(get_settings())
+    app = log_in(AppTest.from_file(APP, default_timeout=60).run(), "view")
+    assert not app.exception
+    assert "Queue" in [t.value for t in app.title]  # a viewer lands on the Queue
+    labels = [b.label for b in app.button]
+    assert labels == ["Log out"], labels  # no cancel, retry or delete
+    operator = log_in(AppTest.from_file(APP, default_timeout=60).run(), "op")
+    assert "Submit a study" in [t.value for t in operator.title]
+
+
+def test_the_queue_shows_operator_actions_only_to_operators(
+    settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    passwords(monkeypatch, "op", viewer="view")
+    seed_study(get_settings())
+
+    def script() -> None:
+        from dashboard import queue_page, submit_page
+
+        queue_page.render()
+        submit_page.render()
+
+    for role, expected in ((VIEWER, set()), (OPERATOR, {"cancel", "retry", "cancel-run"})):
+        app = AppTest.from_function(script, default_timeout=60)
+        app.session_state["posbench_role"] = role
+        app.run()
+        assert not app.exception
+        keys = {b.key for b in app.button}
+        assert expected <= keys and (role == OPERATOR or not keys & {"cancel", "delete"})
+        refused = [i.value for i in app.info] == ["Submitting needs the operator role."]
+        assert refused == (role == VIEWER)
