@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from jobs.files import PRIVATE_FILE, private_folder
+from jobs.files import private_folder, write_atomic
 
 CHECKPOINT_VERSION = 2
 log = logging.getLogger(__name__)
@@ -28,18 +28,7 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     """Write to a temporary file in the same folder, flush it to disk, then rename: never
     half a checkpoint, even after a power loss; the temporary is removed on failure."""
     private_folder(path.parent)
-    # A random name: processes on different hosts sharing the folder can share a pid.
-    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-        with os.fdopen(os.open(temporary, flags, PRIVATE_FILE), "wb") as handle:
-            torch.save(state, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
+    write_atomic(path, lambda handle: torch.save(state, handle), private=True)
     folder = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(folder)  # the rename itself is durable
