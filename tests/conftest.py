@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 # Isolate every test process: its own posbench home (prepared corpora) and an
@@ -37,6 +38,24 @@ def dims(n_heads: int = 4, head_dim: int = 16, train_length: int = 32) -> dict[s
 
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def dashboard_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
+    """For a dashboard fixture: its own home and migrated SQLite database, no login set up
+    (every POSBENCH_DASHBOARD_* unset), the settings read afresh before and after."""
+    from db.migrate import upgrade
+    from jobs.settings import Settings, get_settings
+
+    for name in list(os.environ):
+        if name.startswith("POSBENCH_DASHBOARD_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("POSBENCH_HOME", str(tmp_path))
+    monkeypatch.setenv("POSBENCH_DATABASE_URL", f"sqlite:///{tmp_path}/dash.db")
+    get_settings.cache_clear()
+    config = Settings()
+    upgrade(config.database)
+    yield config
+    get_settings.cache_clear()
 
 
 def isolated_env(home: Path, **extra: str) -> dict[str, str]:

@@ -8,28 +8,21 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import dashboard_settings
 from dashboard_seed import SEEDED_SPEC, seed_study
 from sqlalchemy import insert
 from streamlit.testing.v1 import AppTest
 
 from db import queries
 from db.engine import engine_for, normalize_url
-from db.migrate import upgrade
 from db.models import TrainPoint
 from jobs.service import submit
-from jobs.settings import Settings, get_settings
+from jobs.settings import Settings
 
 
 @pytest.fixture
 def settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setenv("POSBENCH_HOME", str(tmp_path))
-    monkeypatch.setenv("POSBENCH_DATABASE_URL", f"sqlite:///{tmp_path}/dash.db")
-    monkeypatch.delenv("POSBENCH_DASHBOARD_PASSWORD", raising=False)
-    get_settings.cache_clear()
-    config = Settings()
-    upgrade(config.database)
-    yield config
-    get_settings.cache_clear()
+    yield from dashboard_settings(tmp_path, monkeypatch)
 
 
 def store_points(url: str, counts: dict[int, int]) -> None:

@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 from annotated_types import Ge, Le
+from conftest import dashboard_settings
 from dashboard_seed import seed_study
 from sqlalchemy import update
 from streamlit.testing.v1 import AppTest
 
 from dashboard.submit_form import parse_seeds, spec_bounds
 from db.engine import transaction
-from db.migrate import upgrade
 from db.models import Run
-from jobs.settings import Settings, get_settings
+from jobs.settings import get_settings
 from jobs.spec import EvalSpec, ModelSpec, TrainSpec
 from worker.encodings import REGISTRY
 
@@ -25,14 +25,7 @@ APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
 
 @pytest.fixture
 def settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setenv("POSBENCH_HOME", str(tmp_path))
-    monkeypatch.setenv("POSBENCH_DATABASE_URL", f"sqlite:///{tmp_path}/dash.db")
-    monkeypatch.delenv("POSBENCH_DASHBOARD_PASSWORD", raising=False)
-    get_settings.cache_clear()
-    config = Settings()
-    upgrade(config.database)
-    yield config
-    get_settings.cache_clear()
+    yield from dashboard_settings(tmp_path, monkeypatch)
 
 
 def page(name: str) -> AppTest:

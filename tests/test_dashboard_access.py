@@ -12,13 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, isolated_env
+from conftest import ROOT, dashboard_settings, isolated_env
 from dashboard_seed import seed_study
 from pydantic import SecretStr
 from streamlit.testing.v1 import AppTest
 from typer.testing import CliRunner
 
-from db.migrate import upgrade
 from jobs import access
 from jobs.access import (
     FREE_ATTEMPTS,
@@ -50,15 +49,7 @@ def fresh_throttle():
 
 @pytest.fixture
 def settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    for name in list(os.environ):
-        if name.startswith("POSBENCH_DASHBOARD_"):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("POSBENCH_HOME", str(tmp_path))
-    monkeypatch.setenv("POSBENCH_DATABASE_URL", f"sqlite:///{tmp_path}/dash.db")
-    get_settings.cache_clear()
-    upgrade(Settings().database)
-    yield
-    get_settings.cache_clear()
+    yield from dashboard_settings(tmp_path, monkeypatch)
 
 
 def passwords(monkeypatch: pytest.MonkeyPatch, operator: str | None, viewer: str | None = None):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from conftest import isolated_env, posbench_cli
+from conftest import dashboard_settings, isolated_env, posbench_cli
 from dashboard_seed import seed_study
 from sqlalchemy import update
 from test_dashboard import page, plain
@@ -118,14 +118,7 @@ def test_an_imported_run_lends_no_model(settings: Settings) -> None:
 
 @pytest.fixture
 def dashboard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setenv("POSBENCH_HOME", str(tmp_path))
-    monkeypatch.setenv("POSBENCH_DATABASE_URL", f"sqlite:///{tmp_path}/dash.db")
-    monkeypatch.delenv("POSBENCH_DASHBOARD_PASSWORD", raising=False)
-    get_settings.cache_clear()
-    config = Settings()
-    upgrade(config.database)
-    yield config
-    get_settings.cache_clear()
+    yield from dashboard_settings(tmp_path, monkeypatch)
 
 
 def test_the_dashboard_says_which_runs_were_imported(dashboard: Settings) -> None:

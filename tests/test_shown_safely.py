@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, isolated_env, posbench_cli
+from conftest import ROOT, dashboard_settings, isolated_env, posbench_cli
 from markdown_it import MarkdownIt
 from rich.console import Console
 
@@ -272,14 +272,4 @@ def test_a_database_error_is_summarised_on_the_dashboard_and_logged_in_full(
 
 @pytest.fixture
 def settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    from db.migrate import upgrade
-    from jobs.settings import Settings, get_settings
-
-    monkeypatch.setenv("POSBENCH_HOME", str(tmp_path))
-    monkeypatch.setenv("POSBENCH_DATABASE_URL", f"sqlite:///{tmp_path}/dash.db")
-    monkeypatch.delenv("POSBENCH_DASHBOARD_PASSWORD", raising=False)
-    get_settings.cache_clear()
-    config = Settings()
-    upgrade(config.database)
-    yield config
-    get_settings.cache_clear()
+    yield from dashboard_settings(tmp_path, monkeypatch)
