@@ -10,6 +10,8 @@ from typing import Annotated, NoReturn
 import typer
 from rich.console import Console
 
+from jobs.safe_text import redact_url, redact_urls
+
 app = typer.Typer(
     name="posbench",
     help="Benchmark transformer position encodings: train, evaluate far beyond the "
@@ -84,22 +86,14 @@ def _database() -> str:
     try:
         revision = current(url)
     except Exception as err:
-        fail(f"cannot reach the database {_redact(url)}: {_first_line(err)}", code=1)
+        fail(f"cannot reach the database {redact_url(url)}: {_first_line(err)}", code=1)
     if revision is None:
-        fail(f"the database {_redact(url)} has no schema yet: run `posbench db upgrade`", code=1)
+        fail(f"the database {redact_url(url)} has no schema yet: run `posbench db upgrade`", code=1)
     return url
-
-
-def _redact(url: str) -> str:
-    from jobs.safe_text import redact_url
-
-    return redact_url(url)
 
 
 def _first_line(err: BaseException) -> str:
     """The error's first line, every URL in it without its password."""
-    from jobs.safe_text import redact_urls
-
     text = str(getattr(err, "orig", None) or err).strip()
     return redact_urls(text.splitlines()[0]) if text else type(err).__name__
 

@@ -15,12 +15,11 @@ from jobs.cli.common import (
     _check_id,
     _database,
     _first_line,
-    _redact,
     app,
     console,
     fail,
 )
-from jobs.safe_text import markup
+from jobs.safe_text import markup, redact_url
 from jobs.status import ACTIVE
 
 
@@ -46,7 +45,7 @@ def import_(
         fail(str(err), code=2)
     typer.echo(
         f"imported study {done.study_id} ({done.name}): {done.runs} runs, "
-        f"{done.evaluations} evaluations (database {_redact(url)}); its runs are marked "
+        f"{done.evaluations} evaluations (database {redact_url(url)}); its runs are marked "
         "imported, and a submit reuses them only with --reuse-imported"
     )
 
@@ -94,7 +93,7 @@ def export(
     except ExportError as err:
         fail(str(err), code=2)
     except SQLAlchemyError as err:
-        fail(f"the database {_redact(url)}: {_first_line(err)}", code=1)
+        fail(f"the database {redact_url(url)}: {_first_line(err)}", code=1)
     except Exception as err:  # the tracking server refused or is unreachable
         # No credentials in the message: MLflow's own repeats the whole URL.
         message = re.sub(r"//[^/@\s]*@", "//", f"MLflow at {tracking_uri}: {_first_line(err)}")

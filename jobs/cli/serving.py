@@ -11,12 +11,11 @@ import typer
 from jobs.cli.common import (
     _check_port,
     _first_line,
-    _redact,
     app,
     console,
     fail,
 )
-from jobs.safe_text import markup
+from jobs.safe_text import markup, redact_url
 
 db_app = typer.Typer(help="The results database.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
@@ -33,8 +32,8 @@ def db_upgrade() -> None:
     try:
         upgrade(url)
     except Exception as err:
-        fail(f"cannot upgrade the database {_redact(url)}: {_first_line(err)}", code=1)
-    console.print(f"database {markup(_redact(url))} is at the latest schema")
+        fail(f"cannot upgrade the database {redact_url(url)}: {_first_line(err)}", code=1)
+    console.print(f"database {markup(redact_url(url))} is at the latest schema")
     filled = backfill_summaries(url)
     if filled:
         console.print(f"summarised {filled} runs finished before summaries were stored")
