@@ -38,19 +38,40 @@ def kind_of(mode: int) -> str:
     return next((words for test, words in _KINDS if test(mode)), "not a regular file")
 
 
-def read_bounded(path: str | Path, limit: int, what: str = "the file") -> bytes:
-    """The bytes of the regular file at ``path``, at most ``limit`` of them; FileRefused
-    for anything else (a device, a FIFO, a folder) or a larger file, before reading it,
-    and never more than ``limit + 1`` bytes read (a file that grows meanwhile). OSError
-    as ``open`` raises it (a missing or unreadable file)."""
+class NotRegularFile(FileRefused):
+    """A path that is not a regular file: ``kind`` says what it is (a device, a FIFO...)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        super().__init__(kind)
+
+
+class TooLarge(FileRefused):
+    """A file over a byte limit: ``size`` is its stated size, or None when it grew past the
+    limit while it was read."""
+
+    def __init__(self, size: int | None) -> None:
+        self.size = size
+        super().__init__("too large")
+
+
+def read_at_most(path: str | Path, limit: int, *, follow_links: bool = True) -> bytes:
+    """The bytes of the regular file at ``path``, at most ``limit`` of them: NotRegularFile
+    for anything else (a device, a FIFO, a folder; ``follow_links`` False: a link too) and
+    TooLarge for a larger file, before reading it, and never more than ``limit + 1`` bytes
+    read (a file that grows meanwhile). OSError as ``open`` raises it (a missing or
+    unreadable file). Callers word the refusal: the path is theirs to show or not."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    if not follow_links:
+        flags |= os.O_NOFOLLOW
     # O_NONBLOCK: opening a FIFO with no writer returns at once instead of waiting.
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    fd = os.open(path, flags)
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise FileRefused(f"{path} is not a regular file ({kind_of(info.st_mode)})")
+            raise NotRegularFile(kind_of(info.st_mode))
         if info.st_size > limit:
-            raise FileRefused(f"{path} is {info.st_size:,} bytes; {what} is at most {limit:,}")
+            raise TooLarge(info.st_size)
         os.set_blocking(fd, True)
         chunks, left = [], limit + 1
         while left > 0:
@@ -63,8 +84,20 @@ def read_bounded(path: str | Path, limit: int, what: str = "the file") -> bytes:
         os.close(fd)
     data = b"".join(chunks)
     if len(data) > limit:
-        raise FileRefused(f"{path} is more than {limit:,} bytes; {what} is at most {limit:,}")
+        raise TooLarge(None)
     return data
+
+
+def read_bounded(path: str | Path, limit: int, what: str = "the file") -> bytes:
+    """``read_at_most`` for a file a user gave: its refusals name the path and ``what``
+    (e.g. "a spec") it is at most."""
+    try:
+        return read_at_most(path, limit)
+    except NotRegularFile as err:
+        raise FileRefused(f"{path} is not a regular file ({err.kind})") from None
+    except TooLarge as err:
+        size = f"more than {limit:,}" if err.size is None else f"{err.size:,}"
+        raise FileRefused(f"{path} is {size} bytes; {what} is at most {limit:,}") from None
 
 
 def write_atomic(

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import inspect
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from jobs.files import NotRegularFile, TooLarge, read_at_most
 from worker.catalog.corpora import (
     FILE_CAP_SETTING,
     TOTAL_CAP_SETTING,
@@ -24,8 +24,6 @@ from worker.catalog.corpora import (
 )
 from worker.catalog.tasks import TaskConfigError
 
-READ_CHUNK = 1 << 20
-
 
 class CorpusError(TaskConfigError):
     """A corpus that cannot be read: missing, not UTF-8, empty, or an unusable dataset."""
@@ -38,22 +36,14 @@ class Document:
 
 
 def _read_capped(path: Path, cap: int) -> bytes | None:
-    """The bytes of the regular file ``path``, or None once it holds more than ``cap``:
-    reading stops there (a file's stated size is not trusted: it may grow, or be a
-    sparse giant)."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-    descriptor = os.open(path, flags)
-    with os.fdopen(descriptor, "rb", buffering=0) as handle:
-        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
-            raise CorpusError(f"{path.name} is not a regular file")
-        chunks, size = [], 0
-        while size <= cap:
-            chunk = handle.read(min(READ_CHUNK, cap + 1 - size))
-            if not chunk:
-                return b"".join(chunks)
-            chunks.append(chunk)
-            size += len(chunk)
-    return None
+    """The bytes of the regular file ``path``, or None when it holds more than ``cap``
+    (by its stated size, or once read: a file may grow). Named by its file name only."""
+    try:
+        return read_at_most(path, cap, follow_links=False)
+    except NotRegularFile:
+        raise CorpusError(f"{path.name} is not a regular file") from None
+    except TooLarge:
+        return None
 
 
 def _files(folder: Path, root: Path) -> list[tuple[str, Path]]:
@@ -97,7 +87,7 @@ def text_documents(location: str, policy: SourcePolicy) -> list[Document]:
                 )
                 scope = "file" if which == FILE_CAP_SETTING else "corpus"
                 raise CorpusError(
-                    f"{name}: the {scope} is over {limit:,} bytes ({which}); reading stopped there"
+                    f"{name}: the {scope} is over {limit:,} bytes ({which}); it is not read past that"
                 )
             total += len(content)
             try:
