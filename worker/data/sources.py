@@ -87,7 +87,8 @@ def text_documents(location: str, policy: SourcePolicy) -> list[Document]:
                 )
                 scope = "file" if which == FILE_CAP_SETTING else "corpus"
                 raise CorpusError(
-                    f"{name}: the {scope} is over {limit:,} bytes ({which}); it is not read past that"
+                    f"{name}: the {scope} is over {limit:,} bytes ({which}); "
+                    "it is not read past that"
                 )
             total += len(content)
             try:
