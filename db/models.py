@@ -50,6 +50,11 @@ def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
 
 
+def as_utc(moment: dt.datetime) -> dt.datetime:
+    """A stored time as an aware UTC datetime: SQLite hands back naive ones (they are UTC)."""
+    return moment.replace(tzinfo=dt.timezone.utc) if moment.tzinfo is None else moment
+
+
 class Base(DeclarativeBase):
     type_annotation_map: ClassVar[dict[Any, Any]] = {
         dict[str, Any]: JSON,

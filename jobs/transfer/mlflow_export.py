@@ -30,7 +30,6 @@ last); ``replace`` deletes and writes them, children included, anew.
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import math
 import re
@@ -42,7 +41,7 @@ from typing import Any
 from sqlalchemy import select
 
 from db.engine import transaction
-from db.models import Evaluation, Run, RunSummary, Study, TrainPoint
+from db.models import Evaluation, Run, RunSummary, Study, TrainPoint, as_utc
 from jobs.analysis import ANY_PROTOCOL, line_name
 from jobs.metrics import METRICS
 from jobs.status import RunStatus
@@ -94,9 +93,7 @@ def _client(tracking_uri: str):
 
 
 def _millis(moment) -> int:
-    if moment.tzinfo is None:  # SQLite hands back naive datetimes: they are UTC
-        moment = moment.replace(tzinfo=dt.timezone.utc)
-    return int(moment.timestamp() * 1000)
+    return int(as_utc(moment).timestamp() * 1000)
 
 
 def run_params(spec: dict[str, Any], run: Run) -> dict[str, str]:

@@ -15,7 +15,7 @@ import traceback
 from collections.abc import Callable
 from time import monotonic
 
-from db.models import utcnow
+from db.models import as_utc, utcnow
 from jobs import lifecycle
 from jobs.files import private_folder
 from jobs.lifecycle import ClaimedRun, LeaseLost
@@ -204,9 +204,7 @@ def seconds_left(started_at: dt.datetime | None, deadline_seconds: float) -> flo
     (the whole deadline when it has not started)."""
     if started_at is None:
         return deadline_seconds
-    if started_at.tzinfo is None:  # SQLite gives back naive UTC
-        started_at = started_at.replace(tzinfo=dt.timezone.utc)
-    return deadline_seconds - (utcnow() - started_at).total_seconds()
+    return deadline_seconds - (utcnow() - as_utc(started_at)).total_seconds()
 
 
 def matching_run(spec, run):
