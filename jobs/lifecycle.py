@@ -78,6 +78,15 @@ def submit(study: Study, spec: StudySpec, run_spec: RunSpec, *, skip_cache: bool
     return new_run(study, spec, run_spec, status=RunStatus.QUEUED, skip_cache=skip_cache)
 
 
+def reusable(*, reuse_imported: bool) -> list[Any]:
+    """The conditions on a run whose results the result cache serves: finished (done),
+    and trained here unless ``reuse_imported`` (results from ``posbench import``)."""
+    conditions: list[Any] = [Run.status == RunStatus.DONE]
+    if not reuse_imported:
+        conditions.append(Run.imported_from.is_(None))
+    return conditions
+
+
 def reuse(run: Run, cached: Run) -> None:
     """A submitted run whose results the result cache holds (``cached``: a finished run
     of the same config hash) is done at once, with that run's progress and provenance;

@@ -19,9 +19,10 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from db.models import Run
+from jobs.lifecycle import reusable
 from jobs.settings import Settings
 from jobs.spec import StudySpec
-from jobs.status import ACTIVE, RunStatus
+from jobs.status import ACTIVE
 
 
 def flops_problem(spec: StudySpec, settings: Settings) -> str | None:
@@ -45,10 +46,8 @@ def new_active_runs(
     if force:
         return len(hashes)
     statement = select(Run.config_hash).where(
-        Run.config_hash.in_(set(hashes)), Run.status == RunStatus.DONE
+        Run.config_hash.in_(set(hashes)), *reusable(reuse_imported=reuse_imported)
     )
-    if not reuse_imported:
-        statement = statement.where(Run.imported_from.is_(None))
     done = set(session.scalars(statement))
     return sum(value not in done for value in hashes)
 

@@ -138,9 +138,9 @@ def _cached_run(session: Session, config_hash: str, *, reuse_imported: bool) -> 
     """The finished run whose results a run of ``config_hash`` reuses: the newest one
     trained here; a run imported (``posbench import``, or a run that reused one) only
     with ``reuse_imported``, and then a trained one still first."""
-    statement = select(Run).where(Run.config_hash == config_hash, Run.status == RunStatus.DONE)
-    if not reuse_imported:
-        statement = statement.where(Run.imported_from.is_(None))
+    statement = select(Run).where(
+        Run.config_hash == config_hash, *lifecycle.reusable(reuse_imported=reuse_imported)
+    )
     imported_last = Run.imported_from.is_not(None)
     return session.scalars(
         statement.order_by(imported_last, Run.finished_at.desc()).limit(1)

@@ -152,7 +152,7 @@ class StoreHooks(BaseHooks):
         self.claimed, self.run, self.beat = claimed, run, beat
         self.noted = noted  # the run's provenance as stored, kept up to date
         self.asked = False
-        self.deadline, self.clock = deadline, clock or (lambda: monotonic())
+        self.deadline, self.clock = deadline, clock or monotonic
         self.expired = False  # the deadline passed: the run fails with its reason
 
     def cancel_asked(self) -> bool:
