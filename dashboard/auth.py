@@ -37,6 +37,7 @@ log = logging.getLogger("posbench.dashboard.auth")
 ROLE = "posbench_role"
 LOGGED_IN_AT = "posbench_logged_in_at"
 SESSION_ID = "posbench_session_id"
+ACTOR = "posbench_actor"
 
 
 def _secrets() -> Secrets:
@@ -76,13 +77,23 @@ def role() -> Role | None:
     return None
 
 
+def actor() -> str:
+    """Who acts, as the audit trail records it: the OIDC e-mail, or the role that logged
+    in with a password and the client's address, or the loopback operator when no login
+    is configured."""
+    given = st.session_state.get(ACTOR)
+    if isinstance(given, str) and given:
+        return given
+    return f"dashboard {role() or 'visitor'} (no login)"
+
+
 def can_operate() -> bool:
     """Whether the visitor may submit, cancel, retry and delete."""
     return role() == OPERATOR
 
 
 def _logout() -> None:
-    for key in (ROLE, LOGGED_IN_AT):
+    for key in (ROLE, LOGGED_IN_AT, ACTOR):
         st.session_state.pop(key, None)
 
 
@@ -135,6 +146,7 @@ def _password_gate() -> bool:
             log.info("dashboard login from %s as %s", address, found)
             st.session_state[ROLE] = found
             st.session_state[LOGGED_IN_AT] = time.time()
+            st.session_state[ACTOR] = f"dashboard {found} from {address}"
             st.rerun()
     return False
 
@@ -142,6 +154,7 @@ def _password_gate() -> bool:
 def _oidc_gate() -> bool:
     settings = get_settings()
     st.session_state.pop(ROLE, None)
+    st.session_state.pop(ACTOR, None)
     if not st.user.is_logged_in:
         st.title("posbench")
         st.button("Log in", on_click=st.login)
@@ -164,5 +177,6 @@ def _oidc_gate() -> bool:
         st.logout()
         return False
     st.session_state[ROLE] = found
+    st.session_state[ACTOR] = email
     _signed_in_sidebar(f"{email} ({found})", st.logout)
     return True
