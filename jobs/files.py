@@ -153,3 +153,42 @@ def open_private_log(path: Path) -> BinaryIO:
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
     fd = os.open(path, flags, PRIVATE_FILE)
     return os.fdopen(fd, "ab")
+
+
+def folder_bytes(path: Path) -> int:
+    """Bytes held by the regular files under ``path`` (0 when it does not exist), for the
+    disk budgets: links are not followed, a file linked twice (a checkpoint a run took
+    from the cache is a hard link) counts once, and a file removed while it is counted
+    is skipped."""
+    seen: set[tuple[int, int]] = set()
+    total, folders = 0, [Path(path)]
+    while folders:
+        try:
+            with os.scandir(folders.pop()) as found:
+                entries = list(found)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for entry in entries:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    folders.append(Path(entry.path))
+                    continue
+                if not entry.is_file(follow_symlinks=False):
+                    continue
+                info = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if (info.st_dev, info.st_ino) not in seen:
+                seen.add((info.st_dev, info.st_ino))
+                total += info.st_size
+    return total
+
+
+def shown_bytes(count: int) -> str:
+    """``count`` bytes in the largest binary unit that keeps it at least 1, three
+    significant digits (``1.5 GiB``), for the messages of the disk quotas."""
+    units = ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB")
+    power = 0
+    while power < len(units) - 1 and abs(count) >= 1024 ** (power + 1):
+        power += 1
+    return f"{count / 1024**power:.3g} {units[power]}" if power else f"{count} bytes"

@@ -5,12 +5,18 @@ these return).
 - ``POSBENCH_MAX_STUDY_FLOPS``: the study's estimated compute
   (``StudySpec.estimated_flops``, 6 x parameters x tokens, as the Submit page shows);
 - ``POSBENCH_MAX_ACTIVE_RUNS``: runs queued or running across the service, the new
-  study's included.
+  study's included;
+- ``POSBENCH_MAX_CHECKPOINT_BYTES``: one run's checkpoint
+  (``StudySpec.estimated_checkpoint_bytes``, 12 bytes per parameter);
+- ``POSBENCH_MAX_ARTIFACTS_BYTES``: the checkpoints the study's runs keep once done (one
+  each), against the artifacts folder's whole budget.
 
 The worker bounds a run's wall time (``POSBENCH_RUN_DEADLINE_HOURS``, see
-``worker.runtime.execute`` and ``jobs.lifecycle.reconcile``) and spaces its
-checkpoints (``POSBENCH_MIN_CHECKPOINT_SECONDS``). ``posbench run`` trains on the
-user's own machine and is bound by none of these.
+``worker.runtime.execute`` and ``jobs.lifecycle.reconcile``), spaces its checkpoints
+(``POSBENCH_MIN_CHECKPOINT_SECONDS``), skips a periodic checkpoint that would take the
+artifacts folder past POSBENCH_MAX_ARTIFACTS_BYTES (``worker.training.DiskBudget``), and
+leaves a finished run one checkpoint (``worker.runtime.artifacts``). ``posbench run``
+trains on the user's own machine and is bound by none of these.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from db.models import Run
+from jobs.files import shown_bytes
 from jobs.lifecycle import reusable
 from jobs.settings import Settings
 from jobs.spec import StudySpec
@@ -35,6 +42,32 @@ def flops_problem(spec: StudySpec, settings: Settings) -> str | None:
         f"(6 x parameters x tokens), over the limit of {limit:.3g} by {flops - limit:.3g} "
         f"({flops / limit:.3g} x the limit); train fewer steps, runs or parameters"
     )
+
+
+def disk_problem(spec: StudySpec, settings: Settings) -> str | None:
+    """The refusal of a study whose checkpoints would not fit the disk quotas (None:
+    within): one run's over POSBENCH_MAX_CHECKPOINT_BYTES, or the ones its runs keep once
+    done over POSBENCH_MAX_ARTIFACTS_BYTES even in an empty artifacts folder. What the
+    folder holds already is the workers' to count: the submitter may not see it (the
+    dashboard does not mount the artifacts volume)."""
+    size, limit = spec.estimated_checkpoint_bytes(), settings.max_checkpoint_bytes
+    if size > limit:
+        return (
+            "quota POSBENCH_MAX_CHECKPOINT_BYTES exceeded: a run's checkpoint needs about "
+            f"{shown_bytes(size)} (12 bytes x {spec.model.parameters:,} parameters: weights "
+            f"and AdamW's two moments), over the limit of {shown_bytes(limit)} ({limit:,} "
+            f"bytes) by {shown_bytes(size - limit)}; train a smaller model"
+        )
+    runs, budget = len(spec.runs()), settings.max_artifacts_bytes
+    if budget and runs * size > budget:
+        return (
+            f"quota POSBENCH_MAX_ARTIFACTS_BYTES exceeded: the study's {runs} runs keep a "
+            f"checkpoint of about {shown_bytes(size)} each, {shown_bytes(runs * size)} in all, "
+            f"over the artifacts budget of {shown_bytes(budget)} ({budget:,} bytes) by "
+            f"{shown_bytes(runs * size - budget)}; run fewer encodings or seeds, or a smaller "
+            "model"
+        )
+    return None
 
 
 def new_active_runs(

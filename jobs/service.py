@@ -167,7 +167,7 @@ def submit(
     """
     settings = settings or get_settings()
     check_sources(spec, settings)
-    problem = quotas.flops_problem(spec, settings)
+    problem = quotas.flops_problem(spec, settings) or quotas.disk_problem(spec, settings)
     if problem:
         raise Refused(problem)
     queued, reused, imported = [], [], []

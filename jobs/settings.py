@@ -28,6 +28,9 @@
 | POSBENCH_MAX_ACTIVE_RUNS | 32 | most runs queued or running; a study over it is refused |
 | POSBENCH_RUN_DEADLINE_HOURS | 24 | a run this long since it started fails (wall clock) |
 | POSBENCH_MIN_CHECKPOINT_SECONDS | 60 | least time between a worker's periodic checkpoints |
+| POSBENCH_MAX_CHECKPOINT_BYTES | 4294967296 (4 GiB) | a study with larger checkpoints is refused |
+| POSBENCH_MAX_ARTIFACTS_BYTES | 214748364800 (200 GiB) | the artifacts folder's budget (0: none) |
+| POSBENCH_MAX_CACHE_BYTES | 17179869184 (16 GiB) | corpora cached past it: LRU eviction (0: none) |
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ BROKER_SCHEMES = ("redis", "rediss", "redis+socket")
 DATABASE_BACKENDS = ("sqlite", "postgresql")
 DEVICE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
 HOUR, DAY, WEEK = 3600, 86_400, 7 * 86_400
+GiB, TiB, PiB = 1 << 30, 1 << 40, 1 << 50
 
 
 class Settings(BaseSettings):
@@ -107,6 +111,17 @@ class Settings(BaseSettings):
     )
     min_checkpoint_seconds: float = Field(
         60.0, ge=0, le=DAY, description="least time between a worker's periodic checkpoints"
+    )
+    # Disk: one run's checkpoint (at submit), the artifacts folder (at submit and on the
+    # worker) and the prepared-corpus cache (evicted by the reader).
+    max_checkpoint_bytes: int = Field(
+        4 * GiB, ge=MiB, le=TiB, description="largest estimated checkpoint of one run"
+    )
+    max_artifacts_bytes: int = Field(
+        200 * GiB, ge=0, le=PiB, description="the artifacts folder's budget (0: none)"
+    )
+    max_cache_bytes: int = Field(
+        16 * GiB, ge=0, le=PiB, description="the prepared-corpus cache's bound (0: none)"
     )
 
     @field_validator("corpus_roots", "hf_allow", mode="before")
@@ -235,6 +250,7 @@ class Settings(BaseSettings):
             max_total_bytes=self.corpus_max_total_bytes,
             hf_enabled=self.hf_datasets,
             hf_allow=tuple(self.hf_allow),
+            max_cache_bytes=self.max_cache_bytes or None,
         )
 
     @property

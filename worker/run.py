@@ -34,7 +34,15 @@ from worker.evaluate import evaluate, validation_loss
 from worker.memory import available_bytes, eval_batch_size
 from worker.model import ModelConfig, Transformer, build_model
 from worker.probes import OrderProbe, order_probe
-from worker.training import NO_HOOKS, Checkpointer, RunCancelled, RunHooks, Trainer, TrainResult
+from worker.training import (
+    NO_HOOKS,
+    Checkpointer,
+    DiskBudget,
+    RunCancelled,
+    RunHooks,
+    Trainer,
+    TrainResult,
+)
 from worker.training.finetune import FineTuner
 
 
@@ -185,10 +193,12 @@ def train_run_model(
     checkpoint: Path | None,
     hooks: RunHooks,
     min_checkpoint_seconds: float = 0.0,
+    disk_budget: DiskBudget | None = None,
 ) -> TrainResult:
     """Train ``model`` (resuming from ``checkpoint``, saving it no more often than every
-    ``min_checkpoint_seconds``), validating on held-out data at the training length with
-    the stretches the evaluation scores."""
+    ``min_checkpoint_seconds`` and, periodically, only within ``disk_budget``),
+    validating on held-out data at the training length with the stretches the
+    evaluation scores."""
     checkpointer = None
     if checkpoint is not None:
         checkpointer = Checkpointer(checkpoint, fingerprint=run.train_hash, data=task.fingerprint)
@@ -213,6 +223,7 @@ def train_run_model(
         validate=validate,
         hooks=hooks,
         min_checkpoint_seconds=min_checkpoint_seconds,
+        disk_budget=disk_budget,
     )
     return trainer.fit()
 
@@ -248,14 +259,16 @@ def run_one(
     hooks: RunHooks = NO_HOOKS,
     skip_evaluations: set[tuple[str, str, int]] | None = None,
     min_checkpoint_seconds: float = 0.0,
+    disk_budget: DiskBudget | None = None,
 ) -> RunResult:
     """Train one (encoding, seed) of ``spec`` and evaluate it at every planned point but
     those in ``skip_evaluations`` (stored by an earlier attempt); ``task`` is the
     study's task, prepared (``prepared_task``); ``hooks`` hear the run's progress and
     may stop it; ``min_checkpoint_seconds`` spaces the periodic checkpoints (the
-    service's floor; 0: every ``checkpoint_every`` steps)."""
+    service's floor; 0: every ``checkpoint_every`` steps) and ``disk_budget`` skips
+    those that would not fit (the service's artifacts budget; None: no bound)."""
     model = build_run_model(spec, run)
-    spacing = {"min_checkpoint_seconds": min_checkpoint_seconds}
+    spacing = {"min_checkpoint_seconds": min_checkpoint_seconds, "disk_budget": disk_budget}
     trained = train_run_model(
         model, task, spec, run, device=device, checkpoint=checkpoint, hooks=hooks, **spacing
     )

@@ -40,6 +40,9 @@ from worker.catalog.encodings import REGISTRY, SCALINGS, Fit, info
 from worker.catalog.params import is_positive_int, short_repr
 from worker.catalog.tasks import TASKS
 
+# float32 weights and AdamW's two float32 moments (exp_avg, exp_avg_sq).
+CHECKPOINT_BYTES_PER_PARAMETER = 12
+
 
 class RunSpec(_Strict):
     """One trained model of a study: (encoding, seed), with its config hash (everything
@@ -322,6 +325,13 @@ class StudySpec(_Strict):
         and fine-tuning, every run; evaluation not counted): what the Submit page shows
         and what POSBENCH_MAX_STUDY_FLOPS bounds."""
         return 6.0 * self.model.parameters * (self.train_tokens() + self.finetune_tokens())
+
+    def estimated_checkpoint_bytes(self) -> int:
+        """The size of one run's checkpoint, estimated as 12 bytes per parameter: float32
+        weights and AdamW's two float32 moments (the parameters as the FLOPs estimate
+        counts them; the RNG states and the loss curve add little): what
+        POSBENCH_MAX_CHECKPOINT_BYTES bounds. A fine-tuned variant's is as large."""
+        return CHECKPOINT_BYTES_PER_PARAMETER * self.model.parameters
 
     # -- runs ---------------------------------------------------------------------------------
 

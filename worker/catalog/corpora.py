@@ -40,6 +40,9 @@ class SourcePolicy:
     max_total_bytes: int = 1024 * MiB
     hf_enabled: bool = False
     hf_allow: tuple[str, ...] = ()  # empty: any hub dataset, once enabled
+    # The prepared-corpus cache's bound: past it, the reader evicts the least recently
+    # used corpora (worker.data.corpus_cache); None: unbounded.
+    max_cache_bytes: int | None = None
 
     def roots_shown(self) -> str:
         return ", ".join(map(str, self.roots)) or "none"

@@ -39,6 +39,7 @@ import torch
 
 from jobs.metrics import Kind, headline
 from worker.catalog.corpora import SourcePolicy
+from worker.data import corpus_cache
 from worker.data.base import NO_SOURCES, Batch, Task, from_sequences
 from worker.data.sources import CorpusError, Document, huggingface, text_documents
 
@@ -108,28 +109,46 @@ def _content_hash(train: list[Document], valid: list[Document]) -> str:
 
 def load_corpus(corpus: str, cache_dir: Path, sources: SourcePolicy = NO_SOURCES) -> Corpus:
     """Read (under ``sources``), hash, and (once per content) write the corpus as two
-    uint8 files; memory-map them. A refused corpus writes nothing."""
+    uint8 files; memory-map them. A refused corpus writes nothing. Past the cache's
+    bound (``sources.max_cache_bytes``) the least recently used other corpora are
+    evicted (``worker.data.corpus_cache``)."""
     train_docs, valid_docs = read_documents(corpus, sources)
     fingerprint = _content_hash(train_docs, valid_docs)
     folder = Path(cache_dir) / "corpora" / fingerprint
-    if not (folder / "meta.json").exists():
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".staging-"))
+    for attempt in range(3):
+        if not (folder / "meta.json").exists():
+            _write_entry(folder, corpus, train_docs, valid_docs)
         try:
-            for label, docs in (("train", train_docs), ("valid", valid_docs)):
-                (staging / f"{label}.u8").write_bytes(DOC_SEPARATOR.join(d.content for d in docs))
-            meta = {"corpus": corpus, "train_docs": len(train_docs), "valid_docs": len(valid_docs)}
-            (staging / "meta.json").write_text(json.dumps(meta))
-            try:
-                os.replace(staging, folder)  # atomic: concurrent workers agree on one copy
-            except OSError:
-                if not (folder / "meta.json").exists():
-                    raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    train = np.memmap(folder / "train.u8", dtype=np.uint8, mode="r")
-    valid = np.memmap(folder / "valid.u8", dtype=np.uint8, mode="r")
+            train = np.memmap(folder / "train.u8", dtype=np.uint8, mode="r")
+            valid = np.memmap(folder / "valid.u8", dtype=np.uint8, mode="r")
+            break
+        except FileNotFoundError:  # evicted by another process meanwhile: write it again
+            if attempt == 2:
+                raise
+    corpus_cache.touch(folder)
+    if sources.max_cache_bytes is not None:
+        corpus_cache.evict(folder.parent, sources.max_cache_bytes, keep=folder)
     return Corpus(corpus, fingerprint, train, valid)
+
+
+def _write_entry(
+    folder: Path, corpus: str, train_docs: list[Document], valid_docs: list[Document]
+) -> None:
+    """The corpus' cache entry, written in a staging folder and renamed into place."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".staging-"))
+    try:
+        for label, docs in (("train", train_docs), ("valid", valid_docs)):
+            (staging / f"{label}.u8").write_bytes(DOC_SEPARATOR.join(d.content for d in docs))
+        meta = {"corpus": corpus, "train_docs": len(train_docs), "valid_docs": len(valid_docs)}
+        (staging / "meta.json").write_text(json.dumps(meta))
+        try:
+            os.replace(staging, folder)  # atomic: concurrent workers agree on one copy
+        except OSError:
+            if not (folder / "meta.json").exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _windows(stream: np.ndarray, starts: np.ndarray, length: int) -> torch.Tensor:

@@ -4,7 +4,8 @@ it, summarise it, and finish it.
 A run is idempotent: a duplicate message finds it claimed and does nothing
 (``jobs.lifecycle.claim``), and an execution resumes from the last checkpoint, skips
 evaluations already stored, and upserts the rest. A NaN loss, an out-of-memory error
-or a bad config ends the run as failed with a readable reason.
+or a bad config ends the run as failed with a readable reason. A run that ends here
+keeps one checkpoint (``worker.runtime.artifacts``).
 """
 
 from __future__ import annotations
@@ -14,18 +15,22 @@ import logging
 import traceback
 from collections.abc import Callable
 from time import monotonic
+from typing import TYPE_CHECKING
 
 from db.models import as_utc, utcnow
 from jobs import lifecycle
 from jobs.files import private_folder
 from jobs.lifecycle import ClaimedRun, LeaseLost
 from jobs.quotas import deadline_reason
-from jobs.settings import get_settings
+from jobs.settings import Settings, get_settings
 from jobs.status import RunStatus
-from worker.runtime import cache, store
+from worker.runtime import artifacts, cache, store
 from worker.runtime.heartbeat import Heartbeat, exit_hung
 from worker.runtime.shutdown import shutting_down
 from worker.training.hooks import BaseHooks
+
+if TYPE_CHECKING:
+    from worker.training import DiskBudget
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +45,7 @@ def execute(claimed: ClaimedRun, node: str) -> str:
     left = seconds_left(run.started_at, settings.run_deadline_seconds)
     if left <= 0:  # requeued or released after its deadline: it ends here
         reason = deadline_reason(settings.run_deadline_hours)
-        lifecycle.finish(claimed, RunStatus.FAILED, reason=reason)
+        end(claimed, RunStatus.FAILED, reason=reason)
         cache.wake_waiting(url, run)
         return f"failed: {reason}"
     spec = parse_spec(claimed.spec)
@@ -56,7 +61,7 @@ def execute(claimed: ClaimedRun, node: str) -> str:
         except Exception as err:  # anything else is a failure the user must be able to read
             reason = failure_reason(err)
             log.exception("run %s failed", claimed.run_id)
-            lifecycle.finish(claimed, RunStatus.FAILED, reason=reason)
+            end(claimed, RunStatus.FAILED, reason=reason)
             outcome = f"failed: {reason}"
     if not outcome.startswith("released"):
         cache.wake_waiting(url, run)  # finished or failed: a waiting run takes or trains now
@@ -96,6 +101,7 @@ def _train_and_evaluate(claimed: ClaimedRun, spec, run, beat) -> str:
             hooks=hooks,
             skip_evaluations=store.stored_evaluations(url, run_id),
             min_checkpoint_seconds=settings.min_checkpoint_seconds,
+            disk_budget=artifacts_budget(settings),
         )
     except RunCancelled as err:
         if beat.lost:
@@ -103,11 +109,11 @@ def _train_and_evaluate(claimed: ClaimedRun, spec, run, beat) -> str:
         if hooks.expired:
             stopped = str(err).removeprefix("cancelled ")
             reason = f"{deadline_reason(settings.run_deadline_hours)}; stopped {stopped}"
-            lifecycle.finish(claimed, RunStatus.FAILED, reason=reason)
+            end(claimed, RunStatus.FAILED, reason=reason)
             return f"failed: {reason}"
         if shutting_down.is_set() and not hooks.cancel_asked():
             return release_for_shutdown(claimed, str(err))
-        lifecycle.finish(claimed, RunStatus.CANCELLED, reason=str(err))
+        end(claimed, RunStatus.CANCELLED, reason=str(err))
         return RunStatus.CANCELLED.value
     except torch.OutOfMemoryError as err:
         raise MemoryError(f"out of memory: {str(err).splitlines()[0]}") from err
@@ -127,10 +133,27 @@ def _train_and_evaluate(claimed: ClaimedRun, spec, run, beat) -> str:
         provenance["training"] = cache.finished_provenance(url, taken["trained_by_run"])
     if noted.get("finetune"):  # every attempt's fine-tunings, not only this one's
         provenance["finetune"] = {**noted["finetune"], **provenance.get("finetune", {})}
-    lifecycle.finish(
-        claimed, RunStatus.DONE, provenance=provenance, checkpoint_uri=checkpoint.as_uri()
-    )
+    end(claimed, RunStatus.DONE, provenance=provenance, checkpoint_uri=checkpoint.as_uri())
     return RunStatus.DONE.value
+
+
+def end(claimed: ClaimedRun, status: RunStatus, **values) -> bool:
+    """Finish the run as ``status`` (``jobs.lifecycle.finish``) and, when it ended under
+    this worker's lease, leave it its checkpoint alone (``worker.runtime.artifacts``);
+    False when the lease was lost: another worker may own the run's files now."""
+    if not lifecycle.finish(claimed, status, **values):
+        return False
+    artifacts.tidy(get_settings().artifacts_dir / "runs", claimed.run_id)
+    return True
+
+
+def artifacts_budget(settings: Settings) -> DiskBudget | None:
+    """POSBENCH_MAX_ARTIFACTS_BYTES as the engine takes it (None: no bound)."""
+    from worker.training import DiskBudget  # torch: a pool process starts without it
+
+    if not settings.max_artifacts_bytes:
+        return None
+    return DiskBudget(settings.artifacts_dir, settings.max_artifacts_bytes)
 
 
 class StoreHooks(BaseHooks):
@@ -191,7 +214,8 @@ def release_for_shutdown(claimed: ClaimedRun, where: str) -> str:
     outcome = lifecycle.release(claimed)
     if outcome is None:
         return "lease lost: another worker owns the run now"
-    if outcome == RunStatus.CANCELLED:
+    if outcome == RunStatus.CANCELLED:  # ended under our lease: one checkpoint stays
+        artifacts.tidy(get_settings().artifacts_dir / "runs", claimed.run_id)
         return outcome.value
     enqueue([claimed.run_id])  # a failed send is retried by the reconciler (never sent)
     stopped = where.removeprefix("cancelled ")

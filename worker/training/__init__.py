@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from worker.training.checkpoint import (
         CHECKPOINT_VERSION,
         Checkpointer,
+        DiskBudget,
         checkpoint_problem,
         load_checkpoint,
         save_checkpoint,
@@ -35,6 +36,7 @@ __all__ = [
     "NO_HOOKS",
     "BaseHooks",
     "Checkpointer",
+    "DiskBudget",
     "RunCancelled",
     "RunHooks",
     "TrainResult",
@@ -52,6 +54,7 @@ _HOOKS = {"NO_HOOKS", "BaseHooks", "RunHooks"}
 _CHECKPOINT = {
     "CHECKPOINT_VERSION",
     "Checkpointer",
+    "DiskBudget",
     "checkpoint_problem",
     "load_checkpoint",
     "save_checkpoint",

@@ -5,6 +5,9 @@ curve, the running interval) plus three stamps: the format version, the run's
 fingerprint (its train hash) and the data's. A run that finds its own checkpoint
 resumes from it; one of another configuration, of another format version, trained
 on other data or unreadable is set aside and the run starts afresh.
+
+A ``DiskBudget`` (the service's POSBENCH_MAX_ARTIFACTS_BYTES) says whether a periodic
+checkpoint still fits in the artifacts folder; the trainer skips one that does not.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 
 import torch
 
-from jobs.files import private_folder, write_atomic
+from jobs.files import folder_bytes, private_folder, shown_bytes, write_atomic
 
 CHECKPOINT_VERSION = 2
 log = logging.getLogger(__name__)
@@ -90,3 +93,26 @@ class Checkpointer:
         """``state`` (a trainer's ``state_dict()``), stamped, written atomically."""
         stamps = {"version": CHECKPOINT_VERSION, "fingerprint": self.fingerprint, "data": self.data}
         save_checkpoint(self.path, stamps | state)
+
+
+@dataclass(frozen=True)
+class DiskBudget:
+    """The most bytes ``folder`` (the artifacts folder, every run's checkpoints) may hold
+    after a periodic checkpoint is written. A soft bound: the folder is measured before
+    each write, so runs writing at the same moment may each pass, and a run's final
+    checkpoint (its trained model) and a stopped run's are written whatever it says."""
+
+    folder: Path
+    max_bytes: int
+
+    def problem(self, writing: int) -> str | None:
+        """Why a checkpoint of ``writing`` bytes does not fit (the folder holds the old one
+        and the new one while it is written), or None when it does."""
+        held = folder_bytes(self.folder)
+        if held + writing <= self.max_bytes:
+            return None
+        return (
+            f"the artifacts folder holds {shown_bytes(held)} and a checkpoint of "
+            f"{shown_bytes(writing)} would take it past POSBENCH_MAX_ARTIFACTS_BYTES "
+            f"({shown_bytes(self.max_bytes)}) by {shown_bytes(held + writing - self.max_bytes)}"
+        )

@@ -4,7 +4,9 @@ under the variant's scaling, then evaluated under the same scaling again.
 
 A copy is made when evaluation first needs it and held one at a time (the plan is
 variant by variant). Its checkpoint lies next to the run's own, so a stopped run
-resumes the fine-tuning too, and is removed once every point of the run is stored.
+resumes the fine-tuning too, and is removed once its variant's points are evaluated
+(the evaluation has moved on to the next variant, or every point of the run is done):
+a run holds at most one fine-tuned checkpoint besides its own.
 A copy that cannot be made (a learned table shorter than the tuning length) or whose
 training diverged is *not applicable*, with the reason; the run's other results stand.
 """
@@ -25,14 +27,15 @@ from jobs.spec import RunSpec, StudySpec, VariantSpec
 from worker.data.base import Task
 from worker.encodings.base import PositionOutOfRange
 from worker.model import Transformer
-from worker.training.checkpoint import Checkpointer
+from worker.training.checkpoint import Checkpointer, DiskBudget
 from worker.training.hooks import BaseHooks, RunHooks
 from worker.training.trainer import RunCancelled, Trainer, TrainingDiverged
 
 
 def finetune_checkpoint(checkpoint: Path | None, variant: VariantSpec) -> Path | None:
     """Where a fine-tuned variant's checkpoint lives: next to its run's, named by a hash
-    of the variant's label (``<run>.pt.ft-<hash>``); removed once its points are stored."""
+    of the variant's label (``<run>.pt.ft-<hash>``); removed once its points are
+    evaluated."""
     if checkpoint is None or variant.finetune is None:
         return None
     return checkpoint.with_name(
@@ -72,12 +75,14 @@ class FineTuner:
         checkpoint: Path | None,
         hooks: RunHooks,
         min_checkpoint_seconds: float = 0.0,
+        disk_budget: DiskBudget | None = None,
     ) -> None:
         self.model, self.task, self.spec, self.run = model, task, spec, run
-        self.min_checkpoint_seconds = min_checkpoint_seconds
+        self.min_checkpoint_seconds, self.disk_budget = min_checkpoint_seconds, disk_budget
         self.device, self.checkpoint, self.hooks = device, checkpoint, hooks
         self.records: dict[str, dict[str, Any]] = {}
-        self._held: tuple[str, Transformer | str] | None = None  # the copy, or why none
+        # The variant held, and its copy or why it has none.
+        self._held: tuple[VariantSpec, Transformer | str] | None = None
 
     def model_for(self, variant: VariantSpec) -> Transformer | str:
         """The model ``variant`` evaluates, or why a fine-tuned variant has none (a
@@ -85,9 +90,9 @@ class FineTuner:
         if variant.finetune is None:
             self.release()
             return self.model
-        if self._held is None or self._held[0] != variant.label:
+        if self._held is None or self._held[0].label != variant.label:
             self.release()  # one copy at a time
-            self._held = (variant.label, self._tuned_or_why(variant))
+            self._held = (variant, self._tuned_or_why(variant))
         return self._held[1]
 
     def _tuned_or_why(self, variant: VariantSpec) -> Transformer | str:
@@ -132,6 +137,7 @@ class FineTuner:
                     checkpointer=checkpointer,
                     hooks=_TuningHooks(self.hooks, variant.label, tuning.steps),
                     min_checkpoint_seconds=self.min_checkpoint_seconds,
+                    disk_budget=self.disk_budget,
                 )
                 result = trainer.fit()
         except RunCancelled as err:
@@ -152,14 +158,22 @@ class FineTuner:
         return tuned
 
     def release(self) -> None:
-        """Forget the fine-tuned copy, and give its memory back to the device."""
+        """Forget the fine-tuned copy, and give its memory back to the device. It is
+        released when the evaluation moves on to another variant (the plan is variant by
+        variant, each point told to the hooks before the next: a worker has stored them)
+        or is done: its checkpoint is done with too. A run stopped before has not
+        released it, and resumes its fine-tuning."""
         if self._held is not None:
-            self._held = None
+            variant, self._held = self._held[0], None
+            path = finetune_checkpoint(self.checkpoint, variant)
+            if path is not None:
+                path.unlink(missing_ok=True)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
     def close(self) -> None:
-        """Every point of the run is stored: the copies and their checkpoints are done with."""
+        """Every point of the run is stored: the copies and their checkpoints are done
+        with (those of variants an earlier attempt evaluated too)."""
         self.release()
         for variant in self.spec.eval.variants:
             path = finetune_checkpoint(self.checkpoint, variant)  # None: not fine-tuned

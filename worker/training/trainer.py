@@ -11,6 +11,7 @@ CUDA's atomic-add kernels make even two uninterrupted runs differ in the last bi
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -25,8 +26,10 @@ from jobs.spec import TrainSpec
 from worker import liveness
 from worker.data.base import Batch, Task
 from worker.model import Transformer
-from worker.training.checkpoint import Checkpointer
+from worker.training.checkpoint import Checkpointer, DiskBudget
 from worker.training.hooks import NO_HOOKS, RunHooks
+
+log = logging.getLogger(__name__)
 
 
 class TrainingDiverged(RuntimeError):
@@ -99,8 +102,9 @@ class Trainer:
     checkpoint when there is one, then runs ``train_step()`` with a report every
     ``spec.progress_every`` steps, a validation every ``spec.val_every`` steps (and at
     the last one) and a checkpoint every ``spec.checkpoint_every`` steps, but no sooner
-    than ``min_checkpoint_seconds`` after the last one (the last step's, and a stopped
-    run's, are always written).
+    than ``min_checkpoint_seconds`` after the last one, and none that would take the
+    ``disk_budget``'s folder past its bound (the last step's, and a stopped run's, are
+    always written).
 
     The data order depends on ``seed`` alone, so every encoding sees the same batches.
     ``validate`` gives the held-out loss of the weights now
@@ -121,9 +125,10 @@ class Trainer:
         validate: Callable[[], float] | None = None,
         hooks: RunHooks = NO_HOOKS,
         min_checkpoint_seconds: float = 0.0,
+        disk_budget: DiskBudget | None = None,
     ) -> None:
         self.model, self.task, self.spec, self.device = model, task, spec, device
-        self.min_checkpoint_seconds = min_checkpoint_seconds
+        self.min_checkpoint_seconds, self.disk_budget = min_checkpoint_seconds, disk_budget
         self._saved_clock = 0.0  # when (perf_counter) the last checkpoint was written
         self.checkpointer, self.validate, self.hooks = checkpointer, validate, hooks
         model.to(device)
@@ -202,7 +207,8 @@ class Trainer:
             report = validating or self.step % spec.progress_every == 0 or self.step == spec.steps
             if report:
                 self.report(validating)
-            if self.step == end or (self.step % spec.checkpoint_every == 0 and self._spaced()):
+            periodic = self.step % spec.checkpoint_every == 0 and self._spaced()
+            if self.step == end or (periodic and self._fits()):
                 self.checkpoint()
             # Every step: should_stop reads flags the heartbeat and the reports keep fresh.
             if self.hooks.should_stop():
@@ -279,6 +285,26 @@ class Trainer:
     def _spaced(self) -> bool:
         """Whether the last checkpoint is at least ``min_checkpoint_seconds`` old."""
         return time.perf_counter() - self._saved_clock >= self.min_checkpoint_seconds
+
+    def _fits(self) -> bool:
+        """Whether a periodic checkpoint fits in the disk budget. One that does not is
+        skipped (training goes on; the run resumes from an older checkpoint if killed),
+        and the next is tried no sooner than the spacing floor after this one."""
+        if self.disk_budget is None or self.checkpointer is None:
+            return True
+        problem = self.disk_budget.problem(self.state_bytes())
+        if problem is None:
+            return True
+        self._saved_clock = time.perf_counter()
+        log.warning("periodic checkpoint at step %s skipped: %s", self.step, problem)
+        return False
+
+    def state_bytes(self) -> int:
+        """About what a checkpoint of the state now holds: the model's and the optimizer's
+        tensors (the RNG states and the curve are small)."""
+        optimizer = [v for state in self.optimizer.state.values() for v in state.values()]
+        tensors = [*self.model.state_dict().values(), *optimizer]
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
     def _finite_loss(self) -> float:
         """The interval's mean loss, checked. One host sync per report or checkpoint,
