@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from jobs.files import private_folder, write_atomic
 from jobs.metrics import Kind, headline
 from worker.catalog.corpora import SourcePolicy
 from worker.data.base import NO_SOURCES, Batch, Task, from_sequences
@@ -113,13 +114,15 @@ def load_corpus(corpus: str, cache_dir: Path, sources: SourcePolicy = NO_SOURCES
     fingerprint = _content_hash(train_docs, valid_docs)
     folder = Path(cache_dir) / "corpora" / fingerprint
     if not (folder / "meta.json").exists():
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".staging-"))
+        # Owner-only, like everything under $POSBENCH_HOME: a text: corpus may be private.
+        private_folder(folder.parent)
+        staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".staging-"))  # 0o700
         try:
             for label, docs in (("train", train_docs), ("valid", valid_docs)):
-                (staging / f"{label}.u8").write_bytes(DOC_SEPARATOR.join(d.content for d in docs))
+                content = DOC_SEPARATOR.join(d.content for d in docs)
+                write_atomic(staging / f"{label}.u8", content, private=True)
             meta = {"corpus": corpus, "train_docs": len(train_docs), "valid_docs": len(valid_docs)}
-            (staging / "meta.json").write_text(json.dumps(meta))
+            write_atomic(staging / "meta.json", json.dumps(meta).encode(), private=True)
             try:
                 os.replace(staging, folder)  # atomic: concurrent workers agree on one copy
             except OSError:
