@@ -73,6 +73,14 @@ def engine_for(url: str) -> Engine:
     return _ENGINES[url]
 
 
+def forget(url: str) -> None:
+    """Close this process' pooled connections to ``url`` (a database file about to be
+    replaced: a pooled connection would still read the old one)."""
+    engine = _ENGINES.pop(normalize_url(url), None)
+    if engine is not None:
+        engine.dispose()
+
+
 def session_factory(url: str) -> sessionmaker[Session]:
     return sessionmaker(engine_for(normalize_url(url)), expire_on_commit=False)
 

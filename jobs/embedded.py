@@ -19,7 +19,7 @@ from pathlib import Path
 from rich.console import Console
 
 from jobs.broker import start_redis, stop
-from jobs.files import open_private_log, private_folder
+from jobs.files import PRIVATE_FOLDER, PRIVATE_UMASK, open_private_log, private_folder
 from jobs.safe_text import markup, redact_url
 from jobs.settings import get_settings
 
@@ -41,12 +41,31 @@ def dashboard_command(port: int, address: str = "127.0.0.1") -> list[str]:
     return command
 
 
+def owner_only(home: Path) -> int | None:
+    """Take group and others' access to ``home`` away when this user owns it (a home made
+    by an older posbench, or by hand, may hold files readable by anyone; closed, nothing
+    under it can be reached by them): its earlier mode, or None when it was owner-only."""
+    info = home.stat()
+    mode = info.st_mode & 0o777
+    if mode & 0o077 == 0 or info.st_uid != os.geteuid():
+        return None
+    home.chmod(mode & PRIVATE_FOLDER)
+    return mode
+
+
 def serve(*, dashboard: bool, port: int, console: Console) -> int:
     from db.migrate import upgrade
     from jobs.service import backfill_summaries
 
     settings = get_settings()
-    private_folder(settings.home)  # the database, the broker's files, the logs: owner-only
+    # Whatever this process and those it starts create (the database, the broker's files,
+    # the logs, the corpus cache, checkpoints, and anything a library writes with the
+    # default mode) is the owner's alone: a umask reaches what explicit modes miss.
+    os.umask(PRIVATE_UMASK)
+    private_folder(settings.home)
+    loosened = owner_only(settings.home)
+    if loosened is not None:
+        console.print(f"made {markup(settings.home)} owner-only (it was {loosened:o})")
     env = os.environ.copy()
     children: list[tuple[str, subprocess.Popen[bytes]]] = []
     logs = settings.home / "logs"

@@ -12,12 +12,16 @@ import contextlib
 import os
 import stat
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 PRIVATE_FOLDER = 0o700
 PRIVATE_FILE = 0o600
+# The umask of the processes `posbench up` starts (Redis, the worker, the dashboard):
+# whatever they or the libraries they use create is their owner's alone, explicit mode
+# or not.
+PRIVATE_UMASK = 0o077
 
 _KINDS = (
     (stat.S_ISDIR, "a folder"),
@@ -123,6 +127,41 @@ def write_atomic(
         temporary.unlink(missing_ok=True)
         raise
     return path
+
+
+@contextlib.contextmanager
+def replacing(path: Path) -> Iterator[Path]:
+    """For a tool that writes a file by name (SQLite, pg_dump): a new, empty, owner-only
+    (0o600) temporary file beside ``path``, created exclusively and never through a link,
+    to be filled inside the block; renamed over ``path`` when the block ends, removed
+    (with any journal SQLite left beside it) when it raises. ``write_atomic`` for a
+    writer that wants a path, not a handle."""
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    os.close(os.open(temporary, flags, PRIVATE_FILE))
+    try:
+        yield temporary
+        fd = os.open(temporary, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temporary, path)
+    except BaseException:
+        for leftover in ("", "-journal", "-wal", "-shm"):
+            temporary.with_name(temporary.name + leftover).unlink(missing_ok=True)
+        raise
+    _sync_folder(path.parent)
+
+
+def _sync_folder(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (where the system allows it)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def private_folder(path: Path) -> Path:

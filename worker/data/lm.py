@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from jobs.files import private_folder, write_atomic
 from jobs.metrics import Kind, headline
 from worker.catalog.corpora import SourcePolicy
 from worker.data import corpus_cache
@@ -134,14 +135,16 @@ def load_corpus(corpus: str, cache_dir: Path, sources: SourcePolicy = NO_SOURCES
 def _write_entry(
     folder: Path, corpus: str, train_docs: list[Document], valid_docs: list[Document]
 ) -> None:
-    """The corpus' cache entry, written in a staging folder and renamed into place."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".staging-"))
+    """The corpus' cache entry, written in a staging folder and renamed into place;
+    owner-only, like everything under $POSBENCH_HOME (a text: corpus may be private)."""
+    private_folder(folder.parent)
+    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".staging-"))  # 0o700
     try:
         for label, docs in (("train", train_docs), ("valid", valid_docs)):
-            (staging / f"{label}.u8").write_bytes(DOC_SEPARATOR.join(d.content for d in docs))
+            content = DOC_SEPARATOR.join(d.content for d in docs)
+            write_atomic(staging / f"{label}.u8", content, private=True)
         meta = {"corpus": corpus, "train_docs": len(train_docs), "valid_docs": len(valid_docs)}
-        (staging / "meta.json").write_text(json.dumps(meta))
+        write_atomic(staging / "meta.json", json.dumps(meta).encode(), private=True)
         try:
             os.replace(staging, folder)  # atomic: concurrent workers agree on one copy
         except OSError:

@@ -1,0 +1,68 @@
+"""`posbench db backup` and `posbench db restore` (the logic is ``jobs.backup``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from jobs.cli.common import console, fail
+from jobs.cli.serving import db_app
+from jobs.safe_text import markup, redact_url
+
+
+@db_app.command("backup")
+def db_backup(
+    out: Annotated[
+        Path, typer.Option("--out", show_default=False, help="The file to write (owner-only).")
+    ],
+    force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
+) -> None:
+    """Copy the results database to a file while workers keep writing: SQLite's online
+    backup, or pg_dump --format=custom for PostgreSQL."""
+    from jobs.backup import BackupFailed, BackupRefused, backup
+    from jobs.settings import get_settings
+
+    url = get_settings().database
+    try:
+        copied = backup(url, out, force=force)
+    except BackupRefused as err:
+        fail(str(err), code=2)
+    except BackupFailed as err:
+        fail(str(err), code=1)
+    revision = f" (schema {copied.revision})" if copied.revision else ""
+    console.print(
+        f"backed up {markup(redact_url(url))}{revision} to {markup(copied.path)}: "
+        f"{markup(copied.describe())}",
+        soft_wrap=True,
+    )
+
+
+@db_app.command("restore")
+def db_restore(
+    backup_file: Annotated[
+        Path, typer.Argument(show_default=False, help="A file `posbench db backup` wrote.")
+    ],
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace a database that exists (stop posbench first).")
+    ] = False,
+) -> None:
+    """Put a backup back as the results database and migrate it to the latest schema;
+    refuses while the database exists, unless --force."""
+    from jobs.backup import BackupFailed, BackupRefused, restore
+    from jobs.settings import get_settings
+
+    url = get_settings().database
+    try:
+        restored, revision = restore(url, backup_file, force=force)
+    except BackupRefused as err:
+        fail(str(err), code=2)
+    except BackupFailed as err:
+        fail(str(err), code=1)
+    schema = f"schema {restored.revision}" if restored.revision else "its schema"
+    console.print(
+        f"restored {markup(backup_file)} into {markup(redact_url(url))} ({schema}, now at "
+        f"{markup(revision)}): {markup(restored.describe())}",
+        soft_wrap=True,
+    )
