@@ -34,7 +34,19 @@ EXPECTED = {
 
 def test_registry_lists_every_encoding_with_reference_and_summary() -> None:
     assert set(REGISTRY) >= EXPECTED  # every shipped encoding stays; new ones may join
-    assert set(SCALINGS) == {"pi", "ntk", "dynamic_ntk", "yarn"}
+    assert set(SCALINGS) == {
+        "pi",
+        "linear",
+        "ntk",
+        "dynamic_ntk",
+        "dynamic",
+        "yarn",
+        "longrope",
+        "llama3",
+    }
+    for scaling in SCALINGS.values():
+        assert scaling.reference and scaling.summary
+        assert scaling.same_as is None or scaling.same_as in SCALINGS
 
 
 def check_entry(name: str) -> None:
@@ -139,10 +151,13 @@ def test_odd_dimensions_are_rejected_where_pairs_are_needed() -> None:
         build("sinusoidal", n_heads=1, head_dim=7, d_model=7, train_length=8)
 
 
-def test_registry_import_does_not_import_torch() -> None:
-    code = "import sys, worker.encodings, jobs.cli; print('torch' in sys.modules)"
+def test_registry_import_does_not_import_torch_or_transformers() -> None:
+    code = (
+        "import sys, worker.encodings, worker.catalog.scalings, jobs.cli; "
+        "print('torch' in sys.modules, 'transformers' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    assert out.stdout.strip() == "False False"
 
 
 def test_cli_lists_encodings_as_json() -> None:
@@ -158,7 +173,12 @@ def test_cli_lists_encodings_as_json() -> None:
     rope = next(e for e in payload["encodings"] if e["name"] == "rope")
     fraction = next(p for p in rope["params"] if p["name"] == "rotary_fraction")
     assert fraction["choices"] == [0.25, 0.5, 1.0] and fraction["default"] == 1.0
-    assert [s["name"] for s in payload["scalings"]] == ["pi", "ntk", "dynamic_ntk", "yarn"]
+    assert [s["name"] for s in payload["scalings"]] == list(SCALINGS)
+    yarn = next(s for s in payload["scalings"] if s["name"] == "yarn")
+    assert yarn["aliases"] == {"alpha": "beta_slow", "beta": "beta_fast"}
+    longrope = next(s for s in payload["scalings"] if s["name"] == "longrope")
+    short = next(p for p in longrope["params"] if p["name"] == "short_factor")
+    assert (short["type"], short["min"], short["max"]) == ("list", 1.0, 1024.0)
 
 
 def test_cli_help_lists_commands() -> None:

@@ -281,9 +281,11 @@ def test_yarn_measures_rotations_over_the_original_length() -> None:
         ("stretch", 2.0, {}, r"unknown RoPE scaling 'stretch'"),
         ("pi", None, {}, r"'pi' needs a factor"),
         ("ntk", 0.5, {}, r"factor must be in \[1, 1024\]"),
-        ("yarn", 4.0, {"gamma": 1.0}, r"no parameter 'gamma' \(allowed: alpha, beta, temp"),
+        ("yarn", 4.0, {"gamma": 1.0}, r"no parameter 'gamma' \(allowed: beta_fast, beta_slow"),
+        ("yarn", 4.0, {"gamma": 1.0}, r"alpha \(= beta_slow\), beta \(= beta_fast\)\)"),
         ("yarn", 4.0, {"temperature": 1}, r"'temperature' must be true or false, got 1"),
-        ("yarn", 4.0, {"alpha": 40.0}, r"beta > alpha"),
+        ("yarn", 4.0, {"alpha": 40.0}, r"needs beta_fast > beta_slow \(beta > alpha"),
+        ("yarn", 4.0, {"alpha": 2.0, "beta_slow": 2.0}, r"'alpha' and 'beta_slow' name the same"),
     ],
 )
 def test_bad_scalings_are_refused(

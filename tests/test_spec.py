@@ -408,7 +408,10 @@ def test_yarn_parameters_may_be_set_per_variant() -> None:
     for variant, message in [
         ({"method": "yarn", "gamma": 1}, "variant 'yarn' has no parameter 'gamma'"),
         ({"method": "pi", "beta": 2}, "variant 'pi' has no parameter 'beta' (allowed: none)"),
-        ({"method": "yarn", "alpha": 8, "beta": 4}, "variant 'yarn' needs beta > alpha"),
+        (
+            {"method": "yarn", "alpha": 8, "beta": 4},
+            "variant 'yarn' needs beta_fast > beta_slow (beta > alpha in the older names)",
+        ),
     ]:
         assert message in rejected(with_value("eval.variants", [variant]))
 
@@ -656,8 +659,8 @@ def test_notes_say_what_runs_as_written_but_is_worth_knowing() -> None:
     notes = spec.notes()
     assert len(notes) == 2
     assert "dynamic_ntk and ntk:auto give the same numbers" in notes[0]
-    assert "fastest pair turns 20 times, fewer than beta = 32" in notes[1]
-    assert "alpha = 0.0312, beta = 1" in notes[1]
+    assert "fastest pair turns 20 times, fewer than beta_fast = 32" in notes[1]
+    assert "beta_slow = 0.0312, beta_fast = 1" in notes[1]
     # The paper's scale (or a beta fitted to this one), one of the two: nothing to say.
     fitted = {"method": "yarn", "factor": "auto", "alpha": 0.03, "beta": 1}
     spec = parse_spec(

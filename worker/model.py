@@ -415,10 +415,10 @@ class Transformer(nn.Module):
         method: str,
         factor: float | None = None,
         original_length: int | None = None,
-        **params: float,
+        **params: object,
     ) -> Iterator[Transformer]:
-        """Evaluate with a RoPE inference-time scaling (PI, NTK, YaRN) for the duration;
-        ``params`` are the scaling's own (YaRN's ``alpha`` and ``beta``)."""
+        """Evaluate with a RoPE inference-time scaling (PI, NTK, YaRN, LongRoPE, ...) for
+        the duration; ``params`` are the scaling's own (YaRN's ``beta_fast``, ...)."""
         if factor is not None and (isinstance(factor, bool) or not isinstance(factor, int | float)):
             raise ValueError(f"factor must be a number, got {factor!r}")
         if original_length is not None and not is_positive_int(original_length):

@@ -234,13 +234,19 @@ class StudySpec(_Strict):
             ]
             width = entry.rotary_width(self.model.head_dim, encoding.resolved_params)
             for variant in scalings if entry.scalable else []:
-                needed = SCALINGS[variant.method].min_rotary_width
+                scaling = SCALINGS[variant.method]
+                needed = scaling.min_rotary_width
                 if width < needed:
                     problems.append(
                         f"eval.variants: {short_repr(variant.label)} raises the base to the "
                         f"power r/(r-2) and needs a rotary width r >= {needed}; "
                         f"{encoding.label} rotates {width}"
                     )
+                resolved = scaling.resolve(variant.params, variant.label)
+                problems += [
+                    f"eval.variants: {short_repr(variant.label)} with {encoding.label}: {problem}"
+                    for problem in scaling.width_problems(resolved, width)
+                ]
         return problems
 
     def finetune_spec(self, variant: VariantSpec) -> TrainSpec:
@@ -287,7 +293,9 @@ class StudySpec(_Strict):
         labels = {v.label for v in self.eval.variants}
         for method, scaling in SCALINGS.items():  # each scaling's first note, in its order
             notes = [
-                scaling.notes(v.label, v.params, self.train.length, labels)
+                scaling.notes(
+                    v.label, scaling.resolve(v.params, v.label), self.train.length, labels
+                )
                 for v in self.eval.variants
                 if v.method == method and scaling.notes
             ]

@@ -3,6 +3,8 @@ or without fine-tuning) and the evaluation settings (lengths, protocols, budget)
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from typing import Annotated, Any, Literal
 
@@ -34,14 +36,15 @@ Method = Literal[(NO_SCALING, *SCALINGS)]  # type: ignore[valid-type]
 class VariantSpec(_Strict):
     """An inference-time RoPE scaling applied at evaluation; ``none`` is the trained model.
 
-    ``factor: auto`` uses s = max(1, eval_length / train_length) at each length. With
+    ``factor: auto`` uses s = max(1, eval_length / L) at each length, L the training
+    length (or the variant's ``original_max_position_embeddings``). With
     ``finetune``, the trained model is first fine-tuned under the scaling (a fixed
     factor), and that model is evaluated.
     """
 
     method: Method = NO_SCALING
     factor: float | Literal["auto"] | None = None
-    # The scaling's own parameters (YaRN's alpha and beta), checked against the registry.
+    # The scaling's own parameters (YaRN's beta_fast, ...), checked against the registry.
     params: dict[str, Any] = Field(default_factory=dict)
     finetune: FinetuneSpec | None = None
 
@@ -105,9 +108,12 @@ class VariantSpec(_Strict):
                     f"{owner} has no parameter {short_repr(next(iter(self.params)))} "
                     "(allowed: none)"
                 )
-            resolved = SCALINGS[self.method].resolve(self.params, owner)
-            # Only what was given stays (and names the variant); defaults stay implicit.
-            object.__setattr__(self, "params", {k: resolved[k] for k in self.params})
+            scaling = SCALINGS[self.method]
+            resolved = scaling.resolve(self.params, owner)
+            # Only what was given stays, under the name given (and names the variant);
+            # defaults stay implicit.
+            given = {k: resolved[scaling.canonical(k)] for k in self.params}
+            object.__setattr__(self, "params", given)
         if self.finetune is not None:
             if self.method == "none":
                 if self.finetune.length is None:
@@ -130,6 +136,12 @@ class VariantSpec(_Strict):
         if self.method == NO_SCALING or not SCALINGS[self.method].needs_factor:
             if self.factor is not None:
                 raise ValueError(f"variant {short_repr(self.method)} takes no factor")
+        elif not SCALINGS[self.method].auto_factor and self.factor in (None, "auto"):
+            raise ValueError(
+                f"variant {short_repr(self.method)} needs a number factor (it follows the "
+                f"length itself), e.g. '{self.method}:2'"
+                + ("; none was given" if self.factor is None else ", not 'auto'")
+            )
         elif self.factor is None:
             object.__setattr__(self, "factor", "auto")
         elif self.factor != "auto" and not 1.0 <= float(self.factor) <= 1024.0:
@@ -148,20 +160,33 @@ class VariantSpec(_Strict):
             factor = self.factor if self.factor == "auto" else exact(self.factor)
             name = f"{name}:{factor}"
         if self.params:
-            shown = (
-                str(v).lower() if isinstance(v, bool) else exact(v) for v in self.params.values()
-            )
+            shown = (_shown(v) for v in self.params.values())
             name += (
                 "(" + ", ".join(f"{k}={v}" for k, v in zip(self.params, shown, strict=True)) + ")"
             )
         return name + (f"+{self.finetune.label}" if self.finetune is not None else "")
 
     def factor_at(self, eval_length: int, train_length: int) -> float | None:
+        """The factor at ``eval_length``: 'auto' is max(1, length / L), L the scaling's
+        original length (the training length unless its parameters say otherwise)."""
         if self.factor is None:
             return None
         if self.factor == "auto":
-            return max(1.0, eval_length / train_length)
+            original = SCALINGS[self.method].original_length(self.params, train_length)
+            return max(1.0, eval_length / original)
         return float(self.factor)
+
+
+def _shown(value: Any) -> str:
+    """A parameter's value in a label: true / false, a number, or for a list (LongRoPE's
+    per-pair factors) its length and a digest of its values, which keeps labels short
+    and two lists apart."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        digest = hashlib.sha256(json.dumps(value).encode()).hexdigest()[:8]
+        return f"{len(value)}#{digest}"
+    return exact(value)
 
 
 class EvalSpec(_Strict):

@@ -1,4 +1,5 @@
-"""The catalogue of position encodings and RoPE inference-time scalings.
+"""The catalogue of position encodings (and, from :mod:`worker.catalog.scalings`, the RoPE
+inference-time scalings).
 
 This module is deliberately free of torch: the CLI, the spec validation and the
 dashboard read it on their hot path. Each entry names the class that implements
@@ -11,17 +12,26 @@ no other module names an encoding.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from worker.catalog.params import EncodingConfigError, Param, short_repr
+from worker.catalog.scalings import NO_SCALING, SCALINGS, ScalingInfo, scaling_info
+
+__all__ = [
+    "NO_SCALING",
+    "REGISTRY",
+    "SCALINGS",
+    "EncodingInfo",
+    "Fit",
+    "Param",
+    "ScalingInfo",
+    "info",
+    "scaling_info",
+]
 
 Family = Literal["none", "absolute", "rotary", "bias"]
-
-# The variant label of the trained model itself, evaluated without a scaling.
-NO_SCALING = "none"
 
 
 @dataclass(frozen=True)
@@ -108,50 +118,6 @@ class EncodingInfo:
         }
 
 
-@dataclass(frozen=True)
-class ScalingInfo:
-    """A RoPE inference-time scaling: applied to an already trained model, no retraining."""
-
-    name: str
-    summary: str
-    reference: str
-    needs_factor: bool
-    params: tuple[Param, ...] = field(default=())
-    # The narrowest rotary width the scaling works on (NTK raises the base to r/(r-2)).
-    min_rotary_width: int = 2
-    # The scaling's own rule on its resolved parameters: the problems, or none.
-    check: Callable[[Mapping[str, Any]], list[str]] | None = None
-    # What a researcher would want to know before a study runs a variant of it as
-    # written: (its label, its parameters, the training length, every variant label of
-    # the study) -> notes.
-    notes: Callable[[str, Mapping[str, Any], int, set[str]], list[str]] | None = None
-
-    def resolve(self, params: Mapping[str, Any], owner: str) -> dict[str, Any]:
-        """Every parameter of this scaling: the given ones checked, the rest at their
-        defaults; ``owner`` names the caller in errors (a spec's variant, the model)."""
-        resolved = {p.name: p.default for p in self.params}
-        for name, value in params.items():
-            if name not in resolved:
-                raise EncodingConfigError(
-                    f"{owner} has no parameter {short_repr(name)} "
-                    f"(allowed: {', '.join(resolved) or 'none'})"
-                )
-            resolved[name] = next(p for p in self.params if p.name == name).check(owner, value)
-        problems = self.check(resolved) if self.check else []
-        if problems:
-            raise EncodingConfigError(f"{owner} {'; '.join(problems)}")
-        return resolved
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "summary": self.summary,
-            "reference": self.reference,
-            "needs_factor": self.needs_factor,
-            "params": [p.to_json() for p in self.params],
-        }
-
-
 def _t5_buckets(params: Mapping[str, Any], fit: Fit) -> list[str]:
     if params["max_distance"] > params["num_buckets"] // 2:
         return []
@@ -169,42 +135,6 @@ def _randomized_range(params: Mapping[str, Any], fit: Fit) -> list[str]:
         f"max_position = {limit} must be at least the training length {fit.train_length} "
         f"and the longest evaluation length {fit.longest}"
     ]
-
-
-def _same_as_ntk_auto(
-    label: str, params: Mapping[str, Any], train_length: int, labels: set[str]
-) -> list[str]:
-    if "ntk:auto" not in labels:
-        return []
-    return [
-        "eval.variants: dynamic_ntk and ntk:auto give the same numbers: a window is "
-        "read in one pass, so dynamic NTK's scale is max(1, length / L) for all of "
-        "it, ntk:auto's factor (as in HF transformers and the YaRN authors' "
-        "evaluation); list one, or a fixed factor (ntk:8) to compare with"
-    ]
-
-
-def _yarn_at_short_lengths(
-    label: str, params: Mapping[str, Any], train_length: int, labels: set[str]
-) -> list[str]:
-    turns = train_length / (2 * math.pi)  # RoPE's fastest pair, over L tokens
-    beta = params.get("beta", 32.0)
-    if turns >= beta:
-        return []
-    return [
-        f"eval.variants: {short_repr(label)}: over train.length = "
-        f"{train_length} RoPE's fastest pair turns {turns:.0f} times, "
-        f"fewer than beta = {beta:g}, so no pair keeps its frequency and YaRN is "
-        "close to PI here; the paper's alpha = 1, beta = 32 are for 4096 tokens "
-        f"(scaled to this length: alpha = {train_length / 4096:.3g}, "
-        f"beta = {32 * train_length / 4096:.3g})"
-    ]
-
-
-def _yarn_ramp(params: Mapping[str, Any]) -> list[str]:
-    if params["beta"] > params["alpha"]:
-        return []
-    return [f"needs beta > alpha, got {params['alpha']:g} and {params['beta']:g}"]
 
 
 _ROPE_BASE = Param("base", float, 10000.0, "base of the geometric frequency ladder", low=2.0)
@@ -376,56 +306,6 @@ REGISTRY: dict[str, EncodingInfo] = {
     )
 }
 
-SCALINGS: dict[str, ScalingInfo] = {
-    info.name: info
-    for info in (
-        ScalingInfo(
-            name="pi",
-            summary="Position interpolation: positions multiplied by L/L' = 1/factor.",
-            reference="Chen et al. 2023, Extending Context Window of Large Language Models via "
-            "Positional Interpolation (arXiv:2306.15595)",
-            needs_factor=True,
-        ),
-        ScalingInfo(
-            name="ntk",
-            summary="NTK-aware: RoPE base multiplied by factor^(d/(d-2)).",
-            reference="bloc97 2023, NTK-Aware Scaled RoPE; Peng et al. 2023 "
-            "(arXiv:2309.00071) §3.1",
-            needs_factor=True,
-            min_rotary_width=4,
-        ),
-        ScalingInfo(
-            name="dynamic_ntk",
-            summary="NTK-aware with factor = max(1, length / L) recomputed for each length.",
-            reference="emozilla 2023, Dynamically Scaled RoPE; Peng et al. 2023 §3.3",
-            needs_factor=False,
-            min_rotary_width=4,
-            notes=_same_as_ntk_auto,
-        ),
-        ScalingInfo(
-            name="yarn",
-            summary="Per-dimension ramp between interpolation and extrapolation (alpha=1, beta=32) "
-            "plus attention temperature sqrt(1/t) = 0.1·ln(factor) + 1.",
-            reference="Peng et al. 2023, YaRN: Efficient Context Window Extension of Large "
-            "Language Models (arXiv:2309.00071)",
-            needs_factor=True,
-            params=(
-                Param("alpha", float, 1.0, "below alpha rotations in L: interpolate", low=0.0),
-                Param("beta", float, 32.0, "above beta rotations in L: extrapolate", low=0.0),
-                Param(
-                    "temperature",
-                    bool,
-                    True,
-                    "apply the attention temperature; false: the ramp alone, the paper's "
-                    "'NTK-by-parts' (section 3.2)",
-                ),
-            ),
-            check=_yarn_ramp,
-            notes=_yarn_at_short_lengths,
-        ),
-    )
-}
-
 
 def info(name: str) -> EncodingInfo:
     """The registry entry for ``name``, or a readable error listing what exists."""
@@ -439,13 +319,4 @@ def info(name: str) -> EncodingInfo:
         )
         raise EncodingConfigError(
             f"unknown encoding {short_repr(name)} (available: {', '.join(REGISTRY)}){hint}"
-        ) from None
-
-
-def scaling_info(name: str) -> ScalingInfo:
-    try:
-        return SCALINGS[name]
-    except KeyError:
-        raise EncodingConfigError(
-            f"unknown RoPE scaling {short_repr(name)} (available: {', '.join(SCALINGS)})"
         ) from None

@@ -7,6 +7,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+# The most values a list parameter holds: one per rotated pair of the widest head
+# (head_dim <= 4096).
+MAX_LIST_VALUES = 2048
+
 
 class EncodingConfigError(ValueError):
     """A user asked for an encoding, parameter or scaling that does not exist or is out of range."""
@@ -25,7 +29,8 @@ def short_repr(value: Any, limit: int = 80) -> str:
 
 @dataclass(frozen=True)
 class Param:
-    """One tunable parameter of an encoding, with its type, default and bounds."""
+    """One tunable parameter of an encoding, with its type, default and bounds. A ``list``
+    parameter is a list of numbers, each within the bounds (one per rotated pair, say)."""
 
     name: str
     type: type
@@ -40,7 +45,7 @@ class Param:
     def allowed(self) -> str:
         if self.choices is not None:
             return "one of " + ", ".join(repr(c) for c in self.choices)
-        kind = self.type.__name__
+        kind = "list of numbers, each" if self.type is list else self.type.__name__
         if self.low is not None and self.high is not None:
             return f"{kind} in [{self.low:g}, {self.high:g}]"
         if self.low is not None:
@@ -52,6 +57,8 @@ class Param:
     def check(self, owner: str, value: Any) -> Any:
         """Return ``value`` coerced to this parameter's type, or raise a readable error."""
         where = f"{owner}: parameter {short_repr(self.name)}"
+        if self.type is list:
+            return self._check_list(where, value)
         if self.type is bool:
             if not isinstance(value, bool):
                 raise EncodingConfigError(f"{where} must be true or false, got {short_repr(value)}")
@@ -82,6 +89,25 @@ class Param:
         if self.high is not None and value > self.high:
             raise EncodingConfigError(f"{where} must be {self.allowed()}, got {short_repr(value)}")
         return value
+
+    def _check_list(self, where: str, value: Any) -> list[float]:
+        if not isinstance(value, list | tuple) or not value:
+            raise EncodingConfigError(
+                f"{where} must be a non-empty list ({self.allowed()}), got {short_repr(value)}"
+            )
+        if len(value) > MAX_LIST_VALUES:
+            raise EncodingConfigError(
+                f"{where} holds {len(value):,} values; at most {MAX_LIST_VALUES:,}"
+            )
+        item = Param(self.name, float, None, self.help, low=self.low, high=self.high)
+        checked = []
+        for index, number in enumerate(value):
+            try:
+                checked.append(item.check("", number))
+            except EncodingConfigError as err:
+                reason = str(err).partition(" must be ")[2]
+                raise EncodingConfigError(f"{where}: value {index} must be {reason}") from None
+        return checked
 
     def to_json(self) -> dict[str, Any]:
         return {

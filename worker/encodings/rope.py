@@ -9,90 +9,42 @@ Phases and the rotation itself run in float32 whatever the autocast dtype:
 bf16 has 8 mantissa bits, so ``position * inv_freq`` would be wrong by whole
 radians at positions in the thousands.
 
-Scalings change the frequencies of a model trained with plain RoPE, at
-evaluation time only, without retraining:
-
-- ``pi``: positions multiplied by 1/s (Chen et al. 2023);
-- ``ntk``: base multiplied by s^(r/(r-2)) (bloc97);
-- ``dynamic_ntk``: the same with s = max(1, length / L) for each evaluated length;
-- ``yarn``: per-dimension blend of interpolation and extrapolation by how many
-  rotations a dimension makes over the original length L (pairs turning more than
-  beta=32 times keep their frequency, fewer than alpha=1 times are interpolated, a
-  ramp linear in the pair index in between, as in the authors' code), plus the
-  attention temperature sqrt(1/t) = 0.1 ln(s) + 1 (Peng et al. 2023). The factor
-  multiplies both q and k, so logits scale by its square, which is the paper's 1/t.
-  With ``rotary_fraction < 1`` it scales the rotated dimensions only, as in HF
-  transformers' partial-rotary models.
+Inference-time scalings (PI, NTK, YaRN, LongRoPE, Llama 3.1, ...) change the
+frequencies of a model trained with plain RoPE, at evaluation time only, without
+retraining: ``Rope.with_scaling`` makes a scaled copy; the formulas are in
+``worker/encodings/rope_scaling.py``.
 """
 
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from worker.catalog.encodings import scaling_info
 from worker.catalog.params import EncodingConfigError
+from worker.catalog.scalings import ORIGINAL, scaling_info
 from worker.encodings.base import PositionEncoding, check_even
+from worker.encodings.rope_scaling import (
+    MAX_SCALING_FACTOR,
+    RopeScaling,
+    rope_inv_freq,
+    yarn_attention_factor,
+    yarn_inv_freq,
+)
 
-MAX_SCALING_FACTOR = 1024.0
-
-
-def rope_inv_freq(base: float, rotary_dim: int) -> Tensor:
-    """``[rotary_dim / 2]`` float32 frequencies base^(-2j/r)."""
-    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
-    return (base**-exponent).to(torch.float32)
-
-
-def yarn_correction_pair(rotations: float, base: float, rotary_dim: int, length: int) -> float:
-    """The (fractional) pair index whose frequency base^(-2j/r) turns ``rotations`` times
-    over ``length`` positions: j = r ln(length / (2 pi rotations)) / (2 ln base)."""
-    return rotary_dim * math.log(length / (2 * math.pi * rotations)) / (2 * math.log(base))
-
-
-def yarn_inv_freq(
-    base: float, rotary_dim: int, factor: float, original_length: int, alpha: float, beta: float
-) -> Tensor:
-    """YaRN's "NTK-by-parts" frequencies: keep the pairs that turn more than beta times
-    over the original length, interpolate (divide by s) those that turn fewer than
-    alpha times, and blend in between along a ramp that is linear in the pair index,
-    from floor(j(beta)) to ceil(j(alpha)).
-
-    That is the ramp of the YaRN authors' code (jquesnelle/yarn), which produced the
-    paper's tables and which HF transformers and vLLM follow. The paper's text writes
-    the blend as linear in the rotation count, (r - alpha) / (beta - alpha); rotations
-    fall geometrically with the pair index, so the two differ inside the ramp."""
-    pairs = rotary_dim // 2
-    low = max(math.floor(yarn_correction_pair(beta, base, rotary_dim, original_length)), 0)
-    # Clamped to rotary_dim - 1 (not pairs - 1) like the reference code.
-    high = min(
-        math.ceil(yarn_correction_pair(alpha, base, rotary_dim, original_length)), rotary_dim - 1
-    )
-    if high <= low:
-        high = low + 1e-3  # a step instead of a ramp, as in the reference code
-    # 0 keeps a pair's frequency (extrapolation), 1 divides it by s (interpolation).
-    ramp = ((torch.arange(pairs, dtype=torch.float64) - low) / (high - low)).clamp(0.0, 1.0)
-    extrapolated = rope_inv_freq(base, rotary_dim).double()
-    blended = ramp * extrapolated / factor + (1 - ramp) * extrapolated
-    return blended.to(torch.float32)
-
-
-def yarn_attention_factor(factor: float) -> float:
-    """sqrt(1/t) of YaRN: 0.1 ln(s) + 1, and exactly 1 without extension."""
-    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    method: str
-    factor: float
-    original_length: int
-    alpha: float = 1.0
-    beta: float = 32.0
-    temperature: bool = True  # YaRN's; False: "NTK-by-parts" (the ramp alone)
+__all__ = [
+    "MAX_SCALING_FACTOR",
+    "BlockDecay",
+    "Rope",
+    "RopeScaling",
+    "RotaryTables",
+    "rope_inv_freq",
+    "rotate_pairs",
+    "yarn_attention_factor",
+    "yarn_inv_freq",
+]
 
 
 @dataclass(frozen=True)
@@ -254,11 +206,12 @@ class Rope(PositionEncoding):
         method: str,
         factor: float | None = None,
         original_length: int | None = None,
-        **params: float | bool,
+        **params: object,
     ) -> Rope:
-        """A copy of this encoding with an inference-time scaling; this one is unchanged."""
+        """A copy of this encoding with an inference-time scaling; this one is unchanged.
+        ``original_length`` defaults to the training length; a scaling's own
+        ``original_max_position_embeddings`` overrides it."""
         spec = scaling_info(method)
-        original_length = original_length or self.train_length
         if spec.needs_factor:
             if factor is None:
                 raise EncodingConfigError(f"RoPE scaling {method!r} needs a factor (e.g. 4.0)")
@@ -267,67 +220,64 @@ class Rope(PositionEncoding):
                     f"RoPE scaling {method!r}: factor must be in [1, {MAX_SCALING_FACTOR:g}], "
                     f"got {factor}"
                 )
-        elif factor is not None and not (method == "dynamic_ntk" and factor == "auto"):
+        elif factor is not None and factor != "auto":
             raise EncodingConfigError(
                 f"RoPE scaling {method!r} takes no factor: it derives one from each length"
             )
         else:
             factor = 1.0
-        resolved = spec.resolve(params, f"RoPE scaling {method!r}")
+        owner = f"RoPE scaling {method!r}"
+        resolved = spec.resolve(params, owner)
+        problems = spec.width_problems(resolved, self.rotary_dim)
+        if self.rotary_dim < spec.min_rotary_width:
+            problems.insert(
+                0,
+                f"raises the base to the power r/(r-2) and needs a rotary width r >= "
+                f"{spec.min_rotary_width}; this model rotates {self.rotary_dim}",
+            )
+        if problems:
+            raise EncodingConfigError(f"{owner}: {'; '.join(problems)}")
+        original = resolved.get(ORIGINAL) or original_length or self.train_length
         scaled = copy.deepcopy(self)
-        scaled.scaling = RopeScaling(method, float(factor), int(original_length), **resolved)
+        scaled.scaling = RopeScaling(spec.same_as or method, float(factor), int(original), resolved)
         # Always derive from the trained frequencies, never stack scalings.
-        base_freq = rope_inv_freq(self.base, self.rotary_dim).to(self.inv_freq.device)
-        scaled.inv_freq = base_freq
-        if method == "ntk":
-            ntk_base = self.base * factor ** (self.rotary_dim / (self.rotary_dim - 2))
-            scaled.inv_freq = rope_inv_freq(ntk_base, self.rotary_dim).to(base_freq.device)
-        elif method == "yarn":
-            scaled.inv_freq = yarn_inv_freq(
-                self.base,
-                self.rotary_dim,
-                factor,
-                original_length,
-                resolved["alpha"],
-                resolved["beta"],
-            ).to(base_freq.device)
+        device = self.inv_freq.device
+        scaled.inv_freq = scaled.scaling.inv_freq(self.base, self.rotary_dim).to(device)
         return scaled
 
     def frequencies(self, length: int) -> Tensor:
         """The frequencies in force for a sequence of ``length`` tokens."""
         scaling = self.scaling
-        if scaling is not None and scaling.method == "dynamic_ntk":
-            factor = max(1.0, length / scaling.original_length)
-            dyn_base = self.base * factor ** (self.rotary_dim / (self.rotary_dim - 2))
-            return rope_inv_freq(dyn_base, self.rotary_dim).to(self.inv_freq.device)
+        if scaling is not None and scaling.follows_length:
+            inv_freq = scaling.inv_freq(self.base, self.rotary_dim, length)
+            return inv_freq.to(self.inv_freq.device)
         return self.inv_freq
 
     def angular_speeds(self, length: int) -> Tensor:
         """The angle each pair turns per token at ``length``: the frequencies in force,
         with PI's division of positions folded in (what the Explore page draws)."""
         frequencies = self.frequencies(length)
-        if self.scaling is not None and self.scaling.method == "pi":
-            return frequencies / self.scaling.factor
-        return frequencies
+        divisor = self.scaling.position_divisor if self.scaling is not None else None
+        return frequencies if divisor is None else frequencies / divisor
 
     @property
     def attention_factor(self) -> float:
-        """Multiplier applied to both q and k (YaRN's temperature); 1 otherwise."""
-        if self.scaling is not None and self.scaling.method == "yarn" and self.scaling.temperature:
-            return yarn_attention_factor(self.scaling.factor)
-        return 1.0
+        """Multiplier applied to both q and k (YaRN's temperature, LongRoPE's); 1 otherwise."""
+        return 1.0 if self.scaling is None else self.scaling.attention_factor
 
     # -- the hook ---------------------------------------------------------------------------
 
     def phases(self, positions: Tensor) -> Tensor:
         """``[..., T, r/2]`` float32 rotation angles of ``positions`` (``[T]`` or ``[B, T]``)."""
         inv_freq = self.inv_freq
-        if self.scaling is not None and self.scaling.method == "dynamic_ntk":
-            # Only dynamic NTK needs the length (a host sync; a graph break under compile).
+        if self.scaling is not None and self.scaling.follows_length:
+            # Only dynamic NTK and LongRoPE need the length (a host sync; a graph break
+            # under compile).
             inv_freq = self.frequencies(int(positions.max()) + 1)
         pos = positions.to(torch.float32)
-        if self.scaling is not None and self.scaling.method == "pi":
-            pos = pos / self.scaling.factor
+        divisor = self.scaling.position_divisor if self.scaling is not None else None
+        if divisor is not None:
+            pos = pos / divisor
         # Elementwise product, never a matmul: autocast leaves it in float32.
         return pos[..., None] * inv_freq
 
