@@ -1,8 +1,9 @@
 """Access control (docs/security.md): the login before anything shows, the role of the
 visitor, logout and session expiry. The decisions are ``jobs.access``'s.
 
-- no login configured: loopback only (`posbench dashboard` refuses other binds), and
-  the visitor is an operator;
+- no login configured: loopback only (`posbench dashboard` refuses other binds, and
+  the gate shows only "closed" when ``server.address`` is not loopback, as with a bare
+  `streamlit run`), and the visitor is an operator;
 - ``POSBENCH_DASHBOARD_PASSWORD`` / ``POSBENCH_DASHBOARD_VIEWER_PASSWORD``: a password
   form, slowed down after wrong passwords (per session and per client address);
 - an OIDC provider in ``.streamlit/secrets.toml`` (``[auth]``): ``st.login``, then the
@@ -23,10 +24,12 @@ from jobs.access import (
     THROTTLE,
     Role,
     Secrets,
+    closed_open_message,
     oidc_role,
     password_configured,
     password_role,
     read_secrets,
+    served_openly,
     session_expired,
 )
 from jobs.safe_text import markdown
@@ -60,19 +63,39 @@ def gate() -> bool:
     if secrets.oidc:
         return _oidc_gate()
     if not password_configured(settings):
-        st.session_state[ROLE] = OPERATOR  # loopback only: the CLI refuses other binds
-        return True
+        return _open_gate()
     return _password_gate()
+
+
+def _open_gate() -> bool:
+    """No login configured: the visitor is an operator, but only on loopback. `posbench
+    dashboard` refuses other binds; `streamlit run` started by hand (whose default binds
+    every interface) is closed here."""
+    address = st.get_option("server.address")
+    if served_openly(address):
+        message = closed_open_message(address)
+        log.error("%s", message)
+        st.session_state.pop(ROLE, None)
+        st.title("posbench")
+        st.error(markdown(message))
+        return False
+    st.session_state[ROLE] = OPERATOR
+    return True
 
 
 def role() -> Role | None:
     """The visitor's role; a page rendered without the gate (tests) is an operator's only
-    when no login is configured."""
+    when no login is configured and the dashboard is served on loopback."""
     given = st.session_state.get(ROLE)
     if given is not None:
         return given
     secrets = _secrets()
-    if secrets.broken is None and not secrets.oidc and not password_configured(get_settings()):
+    if (
+        secrets.broken is None
+        and not secrets.oidc
+        and not password_configured(get_settings())
+        and not served_openly(st.get_option("server.address"))
+    ):
         return OPERATOR
     return None
 
@@ -133,7 +156,9 @@ def _password_gate() -> bool:
         if st.form_submit_button("Log in"):
             wait = THROTTLE.wait(keys)
             if wait > 0:
-                log.warning("dashboard login refused from %s: backing off %.0f s", address, wait)
+                log.warning(
+                    "dashboard login refused from %s: backing off %d s", address, math.ceil(wait)
+                )
                 st.error(f"Too many wrong passwords: try again in {math.ceil(wait)} s.")
                 return False
             found = password_role(given, settings)

@@ -2,7 +2,9 @@
 so that the CLI (`posbench dashboard` refuses to serve the network open) and the
 dashboard's gate share them and tests can call them directly.
 
-- a bind is safe without a login only on loopback;
+- a bind is safe without a login only on loopback (or a unix socket): `posbench dashboard`
+  refuses the others, and the dashboard itself shows nothing when started by other
+  means (`streamlit run`, whose default binds every interface);
 - a secrets file that exists but cannot be parsed closes the dashboard (it may be the
   file that configures the login);
 - a password gives the operator or the viewer role; wrong ones slow the next attempt
@@ -55,6 +57,29 @@ def is_loopback(address: str) -> bool:
         )
     except ValueError:
         return False
+
+
+UNIX_SOCKET = "unix://"  # Streamlit's prefix for a server.address that is a unix socket
+
+
+def served_openly(address: str | None) -> bool:
+    """Whether a Streamlit server whose ``server.address`` option is ``address`` can be
+    reached from other machines: unset or empty (Streamlit's default) binds every
+    interface; a unix socket and a loopback address do not leave this machine."""
+    if address is None or not address.strip():
+        return True
+    if address.startswith(UNIX_SOCKET):
+        return False
+    return not is_loopback(address)
+
+
+def closed_open_message(address: str | None) -> str:
+    """The one line an open dashboard without a login shows instead of anything else."""
+    everywhere = address is None or address.strip() in ("", "0.0.0.0", "::")
+    return (
+        f"The dashboard is closed: it is served on {'all interfaces' if everywhere else address} "
+        "without a login; set POSBENCH_DASHBOARD_PASSWORD or bind 127.0.0.1."
+    )
 
 
 # --- the secrets file (Streamlit's .streamlit/secrets.toml, where OIDC is configured) ---

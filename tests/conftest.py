@@ -28,6 +28,25 @@ def _deterministic() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _dashboard_on_loopback() -> Iterator[None]:
+    """AppTest serves nothing, but Streamlit's server.address is unset in a test process,
+    which a real server reads as every interface: the dashboard's gate would close when
+    no login is configured. Tests that use Streamlit see it bound as `posbench dashboard`
+    binds it, 127.0.0.1, unless they set it themselves."""
+    if "streamlit" not in sys.modules:  # imported by every test module that uses it
+        yield
+        return
+    from streamlit import config
+
+    previous = config.get_option("server.address")
+    config.set_option("server.address", "127.0.0.1")
+    try:
+        yield
+    finally:
+        config.set_option("server.address", previous)
+
+
 def dims(n_heads: int = 4, head_dim: int = 16, train_length: int = 32) -> dict[str, int]:
     return {
         "n_heads": n_heads,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -27,13 +28,16 @@ from jobs.access import (
     Secrets,
     Throttle,
     backoff_seconds,
+    closed_open_message,
     is_loopback,
     oidc_role,
     password_role,
     read_secrets,
+    served_openly,
     serving_problem,
     session_expired,
 )
+from jobs.embedded import dashboard_command
 from jobs.settings import Settings, get_settings
 
 APP = str(ROOT / "dashboard" / "app.py")
@@ -134,6 +138,87 @@ def test_serving_needs_a_login_beyond_loopback() -> None:
     assert serving_problem("0.0.0.0", oidc, Secrets(oidc=True)) is None
     nobody = serving_problem("0.0.0.0", open_, Secrets(oidc=True))
     assert "POSBENCH_DASHBOARD_OPERATORS" in nobody
+
+
+# --- finding 1: `streamlit run` by hand (its default binds every interface) ---
+
+
+def bind(address: str | None) -> None:
+    """Streamlit's server.address as a server started with it would read it (the root
+    conftest puts 127.0.0.1 back after the test)."""
+    from streamlit import config
+
+    config.set_option("server.address", address)
+
+
+def unescaped(markdown: str) -> str:
+    return re.sub(r"\\(.)", r"\1", markdown)
+
+
+def test_only_loopback_and_unix_sockets_are_served_privately() -> None:
+    assert not any(served_openly(a) for a in ("127.0.0.1", "::1", "localhost", "unix:///tmp/s"))
+    assert all(served_openly(a) for a in (None, "", " ", "0.0.0.0", "::", "192.0.2.1"))
+    assert "all interfaces" in closed_open_message(None)
+    assert "served on 192.0.2.1 without a login" in closed_open_message("192.0.2.1")
+
+
+@pytest.mark.parametrize("address", [None, "0.0.0.0", "192.0.2.1"])
+def test_an_open_dashboard_without_a_login_shows_only_why_it_is_closed(
+    settings, address: str | None, caplog
+) -> None:
+    bind(address)
+    with caplog.at_level(logging.ERROR, logger="posbench.dashboard.auth"):
+        app = AppTest.from_file(APP, default_timeout=60).run()
+    assert not app.exception
+    assert [t.value for t in app.title] == ["posbench"]
+    where = address if address == "192.0.2.1" else "all interfaces"
+    assert [unescaped(e.value) for e in app.error] == [
+        f"The dashboard is closed: it is served on {where} without a login; "
+        "set POSBENCH_DASHBOARD_PASSWORD or bind 127.0.0.1."
+    ]
+    assert not app.text_input and not app.button and not app.selectbox
+    assert f"served on {where} without a login" in caplog.text
+
+
+def test_pages_rendered_past_the_gate_of_an_open_dashboard_allow_nothing(settings) -> None:
+    seed_study(get_settings())
+    bind(None)
+
+    def script() -> None:
+        from dashboard import queue_page, submit_page
+
+        queue_page.render()
+        submit_page.render()
+
+    app = AppTest.from_function(script, default_timeout=60).run()
+    assert not app.exception
+    assert not {b.key for b in app.button} & {"cancel", "retry", "delete", "submit"}
+    assert [i.value for i in app.info] == ["Submitting needs the operator role."]
+
+
+@pytest.mark.parametrize("address", ["::1", "unix:///tmp/posbench-dashboard.sock"])
+def test_a_private_dashboard_without_a_login_is_the_operators(settings, address: str) -> None:
+    bind(address)
+    app = AppTest.from_file(APP, default_timeout=60).run()
+    assert not app.exception
+    assert "Submit a study" in [t.value for t in app.title]
+
+
+def test_an_open_dashboard_with_a_password_asks_for_it(
+    settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    passwords(monkeypatch, "s3cret")
+    bind("0.0.0.0")
+    app = AppTest.from_file(APP, default_timeout=60).run()
+    assert not app.exception and not app.error
+    assert app.text_input[0].label == "Password"
+    assert "Submit a study" in [t.value for t in log_in(app, "s3cret").title]
+
+
+def test_the_launchers_bind_loopback() -> None:
+    # `posbench up` and `posbench dashboard` (whose default is tested above) pass it.
+    command = dashboard_command(8501)
+    assert command[command.index("--server.address") + 1] == "127.0.0.1"
 
 
 # --- finding 5: the malformed secrets file fails closed ---

@@ -5,15 +5,11 @@ every page by its own URL."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pytest
 import redis
@@ -23,13 +19,10 @@ from db import queries
 from db.migrate import upgrade
 from jobs.settings import get_settings
 
-from .conftest import IN_CI, ROOT
-
-if TYPE_CHECKING:
-    from playwright.sync_api import Browser, Playwright
+from .browser import SCREENSHOTS, free_port, launch, require_chromium, wait_http
+from .conftest import ROOT
 
 APP = str(ROOT / "dashboard" / "app.py")
-SCREENSHOTS = ROOT / ".posbench" / "screenshots"
 
 
 def test_a_valid_submit_writes_the_study_and_enqueues_its_runs(
@@ -55,65 +48,12 @@ def test_a_valid_submit_writes_the_study_and_enqueues_its_runs(
         get_settings.cache_clear()
 
 
-def _chromium() -> str | None:
-    for name in ("chromium", "chromium-browser", "google-chrome"):
-        found = shutil.which(name)
-        if found:
-            return found
-    return None
-
-
-def _require_chromium() -> str:
-    found = _chromium()
-    if found is None:
-        message = "no Chromium: apt-get install chromium (or run .ci/run, which installs it)"
-        if IN_CI:
-            pytest.fail(message)
-        pytest.skip(message)
-    return found
-
-
-def _launch(playwright: Playwright, browser_path: str) -> Browser:
-    return playwright.chromium.launch(
-        executable_path=browser_path,
-        headless=True,
-        args=[
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-dev-shm-usage",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--no-first-run",
-        ],
-    )
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _wait_http(url: str, timeout: float) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise TimeoutError(f"{url} did not answer")
-
-
 def test_browser_submit_watch_compare() -> None:
-    browser_path = _require_chromium()
+    browser_path = require_chromium()
     from playwright.sync_api import expect, sync_playwright
 
     home = Path(tempfile.mkdtemp(prefix="pb-ui-"))
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("POSBENCH_")}
     env.update({"POSBENCH_HOME": str(home), "POSBENCH_DEVICE": "cpu", "PYTHONUNBUFFERED": "1"})
     up = subprocess.Popen(
@@ -126,9 +66,9 @@ def test_browser_submit_watch_compare() -> None:
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_http(f"{base}/_stcore/health", timeout=90)
+        wait_http(f"{base}/_stcore/health", timeout=90)
         with sync_playwright() as playwright:
-            browser = _launch(playwright, browser_path)
+            browser = launch(playwright, browser_path)
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.set_default_timeout(60_000)
             # Assertions wait as long as actions: on a loaded 2-core machine the
@@ -176,12 +116,12 @@ PAGE_URLS = {
 
 
 def test_every_page_answers_at_its_own_url(tmp_path: Path) -> None:
-    browser_path = _require_chromium()
+    browser_path = require_chromium()
     from playwright.sync_api import expect, sync_playwright
 
     database = f"sqlite:///{tmp_path}/posbench.db"
     upgrade(database)
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("POSBENCH_")}
     # PYTHONPATH: the dashboard of this checkout, whatever copy of posbench is installed.
     env.update(
@@ -205,9 +145,9 @@ def test_every_page_answers_at_its_own_url(tmp_path: Path) -> None:
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_http(f"{base}/_stcore/health", timeout=90)
+        wait_http(f"{base}/_stcore/health", timeout=90)
         with sync_playwright() as playwright:
-            browser = _launch(playwright, browser_path)
+            browser = launch(playwright, browser_path)
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.set_default_timeout(60_000)
             expect.set_options(timeout=60_000)
