@@ -22,8 +22,23 @@ from worker.catalog.params import Param
 from worker.catalog.tasks import DEFAULT_TASK, TASKS
 
 LENGTHS = [2**k for k in range(4, 18)]
-# Each scaling at its "auto" factor (s = length / L at each length) where it takes one.
-VARIANTS = [f"{name}:auto" if s.needs_factor else name for name, s in SCALINGS.items()]
+FIXED_FACTOR = 4  # the factor offered for a scaling that takes no "auto" one
+
+
+def _offered(name: str, needs_factor: bool, auto_factor: bool) -> str:
+    if not needs_factor:
+        return name
+    return f"{name}:auto" if auto_factor else f"{name}:{FIXED_FACTOR}"
+
+
+# Each scaling at its "auto" factor (s = length / L at each length) where it takes one,
+# otherwise at a fixed factor; another name for an entry at the same factor (linear: pi)
+# is not offered twice.
+VARIANTS = [
+    _offered(name, s.needs_factor, s.needs_factor and s.auto_factor)
+    for name, s in SCALINGS.items()
+    if s.same_as is None or not s.needs_factor
+]
 Keys = Callable[[str], str]  # a widget's name -> its key under the chosen preset
 
 

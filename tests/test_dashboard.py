@@ -375,3 +375,11 @@ def test_malformed_query_parameters_are_ignored(settings, value: str) -> None:
         app.query_params[key] = value
         app.run()
         assert not app.exception, (name, app.exception)
+
+
+def test_every_variant_the_submit_form_offers_is_a_valid_spec() -> None:
+    from dashboard.submit_form import VARIANTS
+    from jobs.spec import parse_spec
+
+    spec = parse_spec({"name": "all", "encodings": ["rope"], "eval": {"variants": VARIANTS}})
+    assert [v.method for v in spec.eval.variants] == [v.split(":")[0] for v in VARIANTS]
