@@ -1,4 +1,5 @@
-"""The reconciler loop, as its own process.
+"""The reconciler loop, as its own process: stranded runs back in the queue, and deleted
+studies purged once their retention period is over (``jobs.retention``).
 
 ``posbench worker`` starts one next to every Celery worker, so no extra service is
 needed, and it runs outside the worker's process: a thread in a process that
@@ -14,6 +15,7 @@ import sys
 import threading
 import time
 
+from jobs.retention import purge
 from jobs.service import database_steady, reconcile
 from jobs.settings import get_settings
 
@@ -33,12 +35,22 @@ def loop(stop: threading.Event) -> None:
                 failed_at is None or time.monotonic() - failed_at > settings.stale_after_seconds
             )
             changed = reconcile(settings=settings, revive_stale=trusting)
+            purged = purge(settings)
         except Exception:  # the database or broker is briefly away: try again next pass
             log.exception("reconciler pass failed; trying again later")
             failed_at = time.monotonic()
             continue
         if any(changed.values()):
             log.warning("reconciler: %s", changed)
+        if purged.studies:
+            log.warning(
+                "reconciler: purged studies %s, deleted longer ago than "
+                "POSBENCH_DELETE_RETENTION_DAYS (%g): %d runs, %d checkpoint files",
+                purged.studies,
+                settings.delete_retention_days,
+                purged.runs,
+                purged.checkpoints,
+            )
 
 
 def main() -> None:

@@ -70,7 +70,7 @@ def test_a_study_over_the_compute_quota_is_refused_before_anything_is_written(
     spec = parse_spec(SPEC)
     config = service_settings(tmp_path, max_study_flops=spec.estimated_flops() / 2)
     with pytest.raises(Refused, match="quota POSBENCH_MAX_STUDY_FLOPS exceeded") as refused:
-        submit(spec, settings=config, send=Recorder())
+        submit(spec, settings=config, send=Recorder(), actor="tester")
     assert "over the limit of" in str(refused.value) and "2 x the limit" in str(refused.value)
     assert stored(config, Study) == 0 and stored(config, Run) == 0
 
@@ -79,20 +79,22 @@ def test_active_runs_count_across_the_service_and_the_cache_is_not_counted(
     tmp_path: Path,
 ) -> None:
     config = service_settings(tmp_path, max_active_runs=6)
-    first = submit(parse_spec(SPEC), settings=config, send=Recorder())
+    first = submit(parse_spec(SPEC), settings=config, send=Recorder(), actor="tester")
     assert len(first.queued) == 4
     with pytest.raises(Refused, match=r"4 runs are queued or running and this study adds 4"):
-        submit(parse_spec({**SPEC, "name": "again"}), settings=config, send=Recorder())
+        submit(
+            parse_spec({**SPEC, "name": "again"}), settings=config, send=Recorder(), actor="tester"
+        )
     assert stored(config, Study) == 1 and stored(config, Run) == 4
     # Finished runs are not active, and a run the result cache serves adds none.
     with transaction(config.database) as session:
         session.execute(update(Run).values(status=RunStatus.DONE, finished_at=utcnow(), lease=None))
-    again = submit(parse_spec(SPEC), settings=config, send=Recorder())
+    again = submit(parse_spec(SPEC), settings=config, send=Recorder(), actor="tester")
     assert again.queued == [] and len(again.reused) == 4
     # --force trains every run again: all of them count.
     small = service_settings(tmp_path, max_active_runs=3)
     with pytest.raises(Refused, match=r"adds 4, 4 in all, over the limit of 3 by 1"):
-        submit(parse_spec(SPEC), force=True, settings=small, send=Recorder())
+        submit(parse_spec(SPEC), force=True, settings=small, send=Recorder(), actor="tester")
 
 
 def write_spec(tmp_path: Path, spec: dict) -> Path:
@@ -140,7 +142,9 @@ def test_a_visibility_timeout_shorter_than_the_deadline_stops_every_command(tmp_
 
 
 def claimed_run(config: Settings, started_ago: dt.timedelta) -> lifecycle.ClaimedRun:
-    submitted = submit(parse_spec({**SPEC, "seeds": [0]}), settings=config, send=Recorder())
+    submitted = submit(
+        parse_spec({**SPEC, "seeds": [0]}), settings=config, send=Recorder(), actor="tester"
+    )
     claimed = lifecycle.claim(config.database, submitted.queued[0], "node")
     with transaction(config.database) as session:
         started = utcnow() - started_ago

@@ -15,7 +15,7 @@ def test_0008_carries_the_control_flags_over_on_postgresql(postgres_server: str)
     upgrade(url, "0007")
     _fill_at_0007(url)
     upgrade(url)
-    assert current(url) == "0009"
+    assert current(url) == "0010"
     assert _stored(url) == EXPECTED
     downgrade(url, "0007")
     upgrade(url)  # and up again: the same columns from the restored provenance
