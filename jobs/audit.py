@@ -47,9 +47,14 @@ def actor_name(actor: str) -> str:
     return bounded(line, ACTOR_LENGTH)
 
 
+def run_count(count: int) -> str:
+    """``1 run``, ``4 runs``: a count as an event's detail says it."""
+    return "1 run" if count == 1 else f"{count} runs"
+
+
 def stamp(moment: dt.datetime) -> str:
     """A stored time as people read it in a message: ``2027-01-25 09:30 UTC``."""
-    return as_utc(moment).strftime("%Y-%m-%d %H:%M UTC")
+    return as_utc(moment).astimezone(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
 def deleted_message(study_id: int, deleted_by: str | None, deleted_at: dt.datetime) -> str:

@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session
 
 from db.engine import transaction
 from db.models import Evaluation, Run, Study, as_utc, utcnow
-from jobs.audit import RETENTION_ACTOR, Action, actor_name, record, stamp
+from jobs.audit import RETENTION_ACTOR, Action, actor_name, record, run_count, stamp
 from jobs.service import NotFound, live_study, missing_study
 from jobs.settings import Settings, get_settings
 from jobs.status import ACTIVE
@@ -81,7 +81,7 @@ def delete_study(study_id: int, *, actor: str, settings: Settings | None = None)
         study.deleted_at, study.deleted_by = utcnow(), actor_name(actor)
         until = purge_at(study.deleted_at, settings)
         detail = (
-            f"{study.name}: {len(runs)} runs, {evaluations} evaluations; restorable until "
+            f"{study.name}: {run_count(len(runs))}, {evaluations} evaluations; restorable until "
             f"{stamp(until)}"
         )
         record(session, actor, Action.DELETE, study_id=study_id, detail=detail)
@@ -170,7 +170,7 @@ def purge(
             run_ids = list(session.scalars(select(Run.id).where(Run.study_id == chosen_id)))
             counted = _evaluations(session, run_ids)
             detail = (
-                f"{study.name}: {len(run_ids)} runs, {counted} evaluations, deleted by "
+                f"{study.name}: {run_count(len(run_ids))}, {counted} evaluations, deleted by "
                 f"{study.deleted_by}, {stamp(study.deleted_at)}"
             )
             session.execute(delete(Study).where(Study.id == chosen_id))

@@ -35,7 +35,7 @@ from db.models import (
     utcnow,
 )
 from db.queries import run_points
-from jobs import analysis, lifecycle, quotas
+from jobs import analysis, audit, lifecycle, quotas
 from jobs.audit import Action, actor_name, deleted_message, record, stamp
 from jobs.celery_app import TRAIN_RUN, producer
 from jobs.safe_text import redact_urls
@@ -206,7 +206,7 @@ def submit(
             else:
                 queued.append(run.id)
         study_id = study.id
-        detail = f"{spec.name}: {len(queued)} runs queued, {len(reused)} reused"
+        detail = f"{spec.name}: {audit.run_count(len(queued))} queued, {len(reused)} reused"
         record(session, actor, Action.SUBMIT, study_id=study_id, detail=detail)
     unsent = enqueue(queued, settings=settings, send=send)
     return Submitted(study_id, queued, reused, unsent, imported)
@@ -335,7 +335,7 @@ def retry(
         for run in runs:
             if lifecycle.retry(run):
                 requeued.append(run.id)
-        detail = f"{len(requeued)} runs queued again"
+        detail = f"{audit.run_count(len(requeued))} queued again"
         record(session, actor, Action.RETRY, detail=detail, **_acted_on(runs, study_id, run_id))
     enqueue(requeued, settings=settings, send=send)
     return requeued

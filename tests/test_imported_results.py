@@ -3,6 +3,7 @@ and the result cache never passes them off as trained runs unless a submitter as
 
 from __future__ import annotations
 
+import getpass
 import json
 from pathlib import Path
 
@@ -58,6 +59,11 @@ def test_imported_numbers_are_not_reused_as_trained_unless_asked(
     imported = posbench(settings, "import", str(results))
     assert imported.returncode == 0, imported.stderr
     assert "marked imported" in imported.stdout and "--reuse-imported" in imported.stdout
+    # The audit trail: who imported it (the OS user running the CLI), and from where.
+    (event,) = queries.events(settings.database).to_dict("records")
+    assert (event["actor"], event["action"]) == (f"{getpass.getuser()} (cli)", "import")
+    assert event["detail"].startswith(f"{parse_spec(SPEC).name}: 2 runs, ")
+    assert event["detail"].endswith(f" evaluations from {results}")
 
     # The same spec, submitted: its runs are queued to train, none reused.
     submitted = posbench(settings, "submit", str(spec), "--json")

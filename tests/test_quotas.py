@@ -1,5 +1,6 @@
-"""Quotas (DESIGN.md, Security contract): a study's compute, the active runs, a run's
-wall-clock deadline and the spacing of its checkpoints."""
+"""Quotas (DESIGN.md, Security contract): a study's compute, the active runs (across the
+service and per submitter; tests/test_audit.py has the latter's service-level test), a
+run's wall-clock deadline and the spacing of its checkpoints."""
 
 from __future__ import annotations
 
@@ -108,12 +109,14 @@ def write_spec(tmp_path: Path, spec: dict) -> Path:
     [
         ("POSBENCH_MAX_STUDY_FLOPS", "1e6", "quota POSBENCH_MAX_STUDY_FLOPS exceeded"),
         ("POSBENCH_MAX_ACTIVE_RUNS", "3", "over the limit of 3 by 1"),
+        # Per submitter: the OS user, as the audit trail names them.
+        ("POSBENCH_MAX_ACTIVE_RUNS_PER_SUBMITTER", "3", "alice (cli) has 0 runs queued or running"),
     ],
 )
 def test_posbench_submit_over_a_quota_exits_2_with_one_line(
     tmp_path: Path, variable: str, value: str, message: str
 ) -> None:
-    env = isolated_env(tmp_path, **{variable: value})
+    env = isolated_env(tmp_path, LOGNAME="alice", **{variable: value})
     assert posbench_cli("db", "upgrade", env=env).returncode == 0
     done = posbench_cli("submit", str(write_spec(tmp_path, SPEC)), env=env)
     assert done.returncode == 2, done.stderr

@@ -19,10 +19,17 @@ def _ids(values):
     return pd.Series([None if pd.isna(v) else int(v) for v in values], dtype=object)
 
 
-def _times(values) -> list[str]:
+def _utc(values):
+    """Stored times as aware UTC ones (SQLite's come back naive): JSON says ...Z."""
+    import pandas as pd
+
     from db.models import as_utc
 
-    return [as_utc(value).strftime("%Y-%m-%d %H:%M:%S") for value in values]
+    return pd.Series([as_utc(value) for value in values], dtype="datetime64[ns, UTC]")
+
+
+def _times(values) -> list[str]:
+    return [value.strftime("%Y-%m-%d %H:%M:%S") for value in values]
 
 
 def show_events(url: str, study: int | None, limit: int, *, as_json: bool) -> None:
@@ -31,7 +38,9 @@ def show_events(url: str, study: int | None, limit: int, *, as_json: bool) -> No
     from jobs.render.watch import frame_table
 
     frame = queries.events(url, study, limit)
-    frame = frame.assign(study_id=_ids(frame["study_id"]), run_id=_ids(frame["run_id"]))
+    frame = frame.assign(
+        at=_utc(frame["at"]), study_id=_ids(frame["study_id"]), run_id=_ids(frame["run_id"])
+    )
     if as_json:
         typer.echo(frame.to_json(orient="records", date_format="iso"))
         return
@@ -51,6 +60,7 @@ def show_deleted(url: str, *, as_json: bool) -> None:
 
     settings = get_settings()
     frame = queries.deleted_studies(url)
+    frame["deleted_at"] = _utc(frame["deleted_at"])
     frame["purge_at"] = [purge_at(moment, settings) for moment in frame["deleted_at"]]
     if as_json:
         typer.echo(frame.to_json(orient="records", date_format="iso"))

@@ -33,7 +33,7 @@ from db.models import (
     utcnow,
 )
 from jobs.analysis import ANY_PROTOCOL, summarize_points
-from jobs.audit import Action, record
+from jobs.audit import Action, record, run_count
 from jobs.files import FileRefused, read_bounded
 from jobs.lifecycle import import_run
 from jobs.metrics import METRICS, measured, metric_named
@@ -368,6 +368,7 @@ def import_results(
                 for summary in summaries[run.config_hash]
             )
         study_id = study.id
-        detail = f"{spec.name}: {len(results.runs)} runs, {evaluations} evaluations from {path}"
+        counts = f"{run_count(len(results.runs))}, {evaluations} evaluations"
+        detail = f"{spec.name}: {counts} from {path}"
         record(session, actor, Action.IMPORT, study_id=study_id, detail=detail)
     return Imported(study_id, spec.name, len(results.runs), evaluations)
