@@ -17,7 +17,7 @@ import time
 
 from jobs.retention import purge
 from jobs.service import database_steady, reconcile
-from jobs.settings import get_settings
+from jobs.settings import Settings, get_settings
 
 log = logging.getLogger("posbench.reconciler")
 
@@ -35,22 +35,33 @@ def loop(stop: threading.Event) -> None:
                 failed_at is None or time.monotonic() - failed_at > settings.stale_after_seconds
             )
             changed = reconcile(settings=settings, revive_stale=trusting)
-            purged = purge(settings)
         except Exception:  # the database or broker is briefly away: try again next pass
             log.exception("reconciler pass failed; trying again later")
             failed_at = time.monotonic()
             continue
         if any(changed.values()):
             log.warning("reconciler: %s", changed)
-        if purged.studies:
-            log.warning(
-                "reconciler: purged studies %s, deleted longer ago than "
-                "POSBENCH_DELETE_RETENTION_DAYS (%g): %d runs, %d checkpoint files",
-                purged.studies,
-                settings.delete_retention_days,
-                purged.runs,
-                purged.checkpoints,
-            )
+        _purge(settings)
+
+
+def _purge(settings: Settings) -> None:
+    """Purge the studies deleted longer ago than the retention period. A failure (a
+    checkpoint that cannot be removed, the database away) is logged and tried again at
+    the next pass; it says nothing about the workers' heartbeats."""
+    try:
+        purged = purge(settings)
+    except Exception:
+        log.exception("reconciler: purging deleted studies failed; trying again later")
+        return
+    if purged.studies:
+        log.warning(
+            "reconciler: purged studies %s, deleted longer ago than "
+            "POSBENCH_DELETE_RETENTION_DAYS (%g): %d runs, %d checkpoint files",
+            purged.studies,
+            settings.delete_retention_days,
+            purged.runs,
+            purged.checkpoints,
+        )
 
 
 def main() -> None:

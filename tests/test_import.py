@@ -219,7 +219,9 @@ def test_long_fine_tuning_curves_do_not_count_against_the_provenance_bound(
         curve = [[step, 2.0] for step in range(60_000)]  # progress_every 1, long fine-tunings
         p["runs"][0]["provenance"]["finetune"] = {"yarn:2+ft60000": {"curve": curve}}
 
-    imported = import_results(write(tmp_path, _edited(payload, long_curve)), settings=settings)
+    imported = import_results(
+        write(tmp_path, _edited(payload, long_curve)), settings=settings, actor="tester"
+    )
     assert imported.runs == 2
 
 
