@@ -73,7 +73,7 @@ def main() -> None:
                     "seeds": list(range(index * seeds_per_study, (index + 1) * seeds_per_study)),
                 }
             )
-            submit(spec, settings=settings, send=send)
+            submit(spec, actor="benchmarks.submit_runs", settings=settings, send=send)
             submit_seconds.append(time.perf_counter() - started)
         runs = studies * per_study
         total = sum(submit_seconds)

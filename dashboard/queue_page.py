@@ -1,4 +1,5 @@
-"""Queue: studies and their runs, refreshed live without rerunning the whole page."""
+"""Queue: studies and their runs, refreshed live without rerunning the whole page; for
+operators, cancel, retry, delete and restore, and the audit trail's recent events."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import datetime as dt
 import pandas as pd
 import streamlit as st
 
-from dashboard.auth import can_operate
+from dashboard.auth import actor, can_operate
 from dashboard.common import (
     database,
     database_errors,
@@ -20,11 +21,14 @@ from db import queries
 from db.engine import transaction
 from db.models import Study
 from jobs import analysis
+from jobs.retention import Busy, busy_message, delete_study, restore_study
 from jobs.safe_text import markdown
-from jobs.service import Busy, NotFound, busy_message, delete_study
+from jobs.service import NotFound
+from jobs.settings import get_settings
 from jobs.status import ACTIVE, RUN_STATUSES, STOPPING, RunStatus
 
 REFRESH_SECONDS = 2
+EVENTS_SHOWN = 50
 
 
 def eta(row: pd.Series, tokens_per_step: int) -> str:
@@ -98,8 +102,12 @@ def render() -> None:
     if not schema_ready():
         return
     studies = queries.studies(database())
+    operator = can_operate()  # viewers read; operators cancel, retry, delete and restore
     if studies.empty:
         st.info("No study yet: submit one on the Submit page or with `posbench submit`.")
+        if operator:
+            _deleted()
+            _events(None)
         return
     ids = studies["id"].tolist()
     wanted = query_ints("study")
@@ -124,21 +132,22 @@ def render() -> None:
         f"{study['train_length']} · {study['runs']} runs"
     )
     imported_captions(studies[studies["id"] == study_id])
-    operator = can_operate()  # viewers read; operators cancel, retry and delete
     left, right, _ = st.columns([1, 1, 4]) if operator else (None, None, None)
     if left is not None and left.button("Cancel study", key="cancel"):
         from jobs.service import cancel
 
-        counts = cancel(study_id=study_id)
+        counts = cancel(study_id=study_id, actor=actor())
         st.toast(f"{counts[RunStatus.CANCELLED]} cancelled, {counts[STOPPING]} stopping")
     if right is not None and right.button("Retry failed / cancelled", key="retry"):
         from jobs.service import retry
 
-        st.toast(f"{len(retry(study_id=study_id))} runs queued again")
+        st.toast(f"{len(retry(study_id=study_id, actor=actor()))} runs queued again")
     live_runs(study_id, tokens_per_step)
     if operator:
         _one_run(study_id)
         _delete(study_id, study)
+        _deleted()
+        _events(study_id)
 
 
 def _one_run(study_id: int) -> None:
@@ -154,30 +163,33 @@ def _one_run(study_id: int) -> None:
         if a.button("Cancel run", key="cancel-run"):
             from jobs.service import cancel
 
-            cancel(run_id=run_id)
+            cancel(run_id=run_id, actor=actor())
         if b.button("Retry run", key="retry-run"):
             from jobs.service import retry
 
-            retry(run_id=run_id)
+            retry(run_id=run_id, actor=actor())
 
 
 def _delete(study_id: int, study: pd.Series) -> None:
-    """Delete a study that has nothing queued or running, after an explicit tick."""
+    """Delete a study that has nothing queued or running, after an explicit tick; it can
+    be restored within the retention period."""
 
     with st.expander("Delete study"):
         busy = sum(int(study[status]) for status in ACTIVE)
         if busy:
             st.caption(markdown(busy_message(study_id, busy)))
             return
+        days = get_settings().delete_retention_days
         sure = st.checkbox(
-            f"Delete study {study_id} and everything stored for its {study['runs']} runs "
-            "(curves, evaluations, summaries, checkpoints)",
+            f"Delete study {study_id} with its {study['runs']} runs: hidden at once, "
+            f"restorable for {days:g} days, then purged with its curves, evaluations, "
+            "summaries and checkpoints",
             key="delete-sure",
         )
         if not st.button("Delete study", key="delete", disabled=not sure, type="primary"):
             return
         try:
-            deleted = delete_study(study_id)
+            deleted = delete_study(study_id, actor=actor())
         except (Busy, NotFound) as err:
             st.error(markdown(err))
             return
@@ -186,3 +198,48 @@ def _delete(study_id: int, study: pd.Series) -> None:
             st.session_state.pop(key, None)
         set_query("study", [])
         st.rerun()
+
+
+def _deleted() -> None:
+    """The deleted studies not yet purged, and the way back for one."""
+    deleted = queries.deleted_studies(database())
+    if deleted.empty:
+        return
+    with st.expander(f"Deleted studies ({len(deleted)})"):
+        days = get_settings().delete_retention_days
+        st.caption(
+            f"Restorable for {days:g} days after the delete; then purged with their "
+            "results and checkpoints."
+        )
+        shown = ["id", "name", "runs", "submitted_by", "deleted_by", "deleted_at"]
+        st.dataframe(deleted[shown], hide_index=True, width="stretch", key="deleted")
+        names = dict(zip(deleted["id"], deleted["name"], strict=True))
+        chosen = st.selectbox(
+            "Study", list(names), key="restore-study", format_func=lambda i: f"{i}: {names[i]}"
+        )
+        if not st.button("Restore study", key="restore"):
+            return
+        try:
+            restored = restore_study(chosen, actor=actor())
+        except NotFound as err:
+            st.error(markdown(err))
+            return
+        st.toast(f"restored study {chosen} ({markdown(restored.name)}): {restored.runs} runs")
+        st.session_state.pop("study", None)
+        set_query("study", [chosen])
+        st.rerun()
+
+
+def _events(study_id: int | None) -> None:
+    """The audit trail's newest events, of the study in view or of every study."""
+    with st.expander("Events (who did what)"):
+        every = study_id is None or st.toggle("Of every study", key="events-all")
+        frame = queries.events(database(), None if every else study_id, EVENTS_SHOWN)
+        if frame.empty:
+            st.caption("No event yet.")
+            return
+        st.caption(f"The newest {EVENTS_SHOWN} at most, newest first; times in UTC.")
+        ids = {"study_id": "study", "run_id": "run"}
+        # Nullable integers: pandas reads a column with gaps as floats (3.0, NaN).
+        frame = frame.astype({column: "Int64" for column in ids}).rename(columns=ids)
+        st.dataframe(frame, hide_index=True, width="stretch", key="events")

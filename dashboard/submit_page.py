@@ -10,7 +10,7 @@ from __future__ import annotations
 import streamlit as st
 import yaml
 
-from dashboard.auth import can_operate
+from dashboard.auth import actor, can_operate
 from dashboard.common import schema_ready
 from dashboard.submit_form import form
 from jobs.safe_text import markdown
@@ -75,9 +75,9 @@ def render() -> None:
         from jobs.service import Refused, submit
 
         try:
-            submitted = submit(spec)
+            submitted = submit(spec, actor=actor())
         except Refused as err:
-            st.error(str(err))
+            st.error(markdown(err))  # it may name the submitter
             return
         st.session_state["last_study"] = submitted.study_id
         note = f", {len(submitted.reused)} reused" if submitted.reused else ""

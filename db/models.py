@@ -2,7 +2,9 @@
 
 Tables (documented for plain SQL in docs/results-database.md):
 
-- ``studies``: what a user submitted (the validated spec as JSON);
+- ``studies``: what a user submitted (the validated spec as JSON), who submitted it, and
+  for a deleted study who deleted it and when (``jobs.retention``: it is hidden
+  everywhere until it is restored or purged);
 - ``runs``: one trained model of a study, (encoding label, seed), with its status,
   progress, heartbeat, lease, config hash, control state (skip_cache, waiting_for,
   phase), failure reason, provenance (an audit record) and, for results imported
@@ -14,7 +16,9 @@ Tables (documented for plain SQL in docs/results-database.md):
 - ``position_bins``: loss by position inside the evaluation window;
 - ``run_summaries``: one run's curve turned into numbers, (run, variant, protocol,
   name) -> value: extrapolation ratios, effective context length, area under the
-  log-perplexity curve, and the order probe (``jobs.analysis``, ``worker.probes``).
+  log-perplexity curve, and the order probe (``jobs.analysis``, ``worker.probes``);
+- ``events``: the audit trail, who did what to which study or run and when
+  (``jobs.audit``); no foreign key, so an event outlives the study it names.
 
 Every natural key is unique, so writes are idempotent upserts: a message
 delivered twice cannot duplicate a row.
@@ -29,6 +33,7 @@ from sqlalchemy import (
     JSON,
     BigInteger,
     Boolean,
+    ColumnElement,
     DateTime,
     Float,
     ForeignKey,
@@ -40,6 +45,7 @@ from sqlalchemy import (
     false,
     func,
     inspect,
+    select,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -53,6 +59,10 @@ def utcnow() -> dt.datetime:
 def as_utc(moment: dt.datetime) -> dt.datetime:
     """A stored time as an aware UTC datetime: SQLite hands back naive ones (they are UTC)."""
     return moment.replace(tzinfo=dt.timezone.utc) if moment.tzinfo is None else moment
+
+
+ACTOR_LENGTH = 200  # who acted: an OIDC e-mail, a role and an address, an OS user
+DETAIL_LENGTH = 1000  # what an event did, in a line
 
 
 class Base(DeclarativeBase):
@@ -81,6 +91,12 @@ class Study(Base):
     train_length: Mapped[int]
     spec: Mapped[dict[str, Any]]
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow, server_default=func.now())
+    # Who submitted (or imported) it, as the audit trail names them; NULL before 0010.
+    submitted_by: Mapped[str | None] = mapped_column(String(ACTOR_LENGTH))
+    # Soft delete: set, the study is hidden everywhere a live study shows and its results
+    # serve no cache, until it is restored or purged (``jobs.retention``).
+    deleted_at: Mapped[dt.datetime | None]
+    deleted_by: Mapped[str | None] = mapped_column(String(ACTOR_LENGTH))
 
     runs: Mapped[list[Run]] = relationship(
         back_populates="study", cascade="all, delete-orphan", order_by="Run.id"
@@ -208,3 +224,25 @@ class RunSummary(Base):
     name: Mapped[str] = mapped_column(String(40))
     # NULL: defined for this run's curve but not computable (e.g. 32x was not evaluated).
     value: Mapped[float | None]
+
+
+class Event(Base):
+    """One entry of the audit trail: who submitted, cancelled, retried, deleted,
+    restored, purged or imported what. ``study_id`` and ``run_id`` are plain columns,
+    not foreign keys: the record of a purge outlives the study it removed."""
+
+    __tablename__ = "events"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    at: Mapped[dt.datetime] = mapped_column(default=utcnow, server_default=func.now())
+    actor: Mapped[str] = mapped_column(String(ACTOR_LENGTH))
+    action: Mapped[str] = mapped_column(String(20))
+    study_id: Mapped[int | None] = mapped_column(index=True)
+    run_id: Mapped[int | None]
+    detail: Mapped[str | None] = mapped_column(String(DETAIL_LENGTH))
+
+
+def in_live_study() -> ColumnElement[bool]:
+    """The condition on ``runs`` that keeps the runs of studies not deleted: what every
+    read that shows results, and the result cache, add."""
+    return Run.study_id.not_in(select(Study.id).where(Study.deleted_at.is_not(None)))

@@ -1,4 +1,9 @@
-"""Read paths: every query the CLI, the dashboard and users' notebooks need, as DataFrames."""
+"""Read paths: every query the CLI, the dashboard and users' notebooks need, as DataFrames.
+
+A deleted study (``studies.deleted_at``, ``jobs.retention``) is in none of them, its
+runs and results neither, but in ``deleted_studies``: until it is restored or purged it
+shows nowhere a live study shows. The audit trail (``events``) keeps every study's.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,16 @@ import pandas as pd
 from sqlalchemy import Select, case, func, select
 
 from db.engine import engine_for, normalize_url
-from db.models import Evaluation, PositionBin, Run, RunSummary, Study, TrainPoint
+from db.models import (
+    Evaluation,
+    Event,
+    PositionBin,
+    Run,
+    RunSummary,
+    Study,
+    TrainPoint,
+    in_live_study,
+)
 from jobs.analysis import ANY_PROTOCOL
 from jobs.metrics import METRICS, metric_named
 from jobs.status import RUN_STATUSES
@@ -38,6 +52,7 @@ def studies(url: str, study_ids: Sequence[int] | None = None) -> pd.DataFrame:
             *counts,
         )
         .join(Run, Run.study_id == Study.id, isouter=True)
+        .where(Study.deleted_at.is_(None))
         .group_by(Study.id)
         .order_by(Study.id.desc())
     )
@@ -46,13 +61,47 @@ def studies(url: str, study_ids: Sequence[int] | None = None) -> pd.DataFrame:
     return _frame(url, statement)
 
 
+def deleted_studies(url: str, study_ids: Sequence[int] | None = None) -> pd.DataFrame:
+    """One row per deleted study (not yet purged), newest delete first: who submitted
+    it, who deleted it and when, and its run count."""
+    statement = (
+        select(
+            Study.id,
+            Study.name,
+            Study.task,
+            func.count(Run.id).label("runs"),
+            Study.submitted_by,
+            Study.deleted_by,
+            Study.deleted_at,
+        )
+        .join(Run, Run.study_id == Study.id, isouter=True)
+        .where(Study.deleted_at.is_not(None))
+        .group_by(Study.id)
+        .order_by(Study.deleted_at.desc(), Study.id.desc())
+    )
+    if study_ids:
+        statement = statement.where(Study.id.in_(study_ids))
+    return _frame(url, statement)
+
+
+def events(url: str, study_id: int | None = None, limit: int = 50) -> pd.DataFrame:
+    """The newest ``limit`` events of the audit trail, newest first (of one study with
+    ``study_id``, deleted and purged ones included)."""
+    statement = select(
+        Event.at, Event.actor, Event.action, Event.study_id, Event.run_id, Event.detail
+    ).order_by(Event.id.desc())
+    if study_id is not None:
+        statement = statement.where(Event.study_id == study_id)
+    return _frame(url, statement.limit(limit))
+
+
 def imported_runs(url: str, study_ids: Sequence[int] | None = None) -> dict[int, int]:
     """How many runs of each study were imported rather than trained here (studies
     with none are left out): what ``posbench status``, ``posbench results`` and the
     dashboard mark."""
     statement = (
         select(Run.study_id, func.count(Run.id))
-        .where(Run.imported_from.is_not(None))
+        .where(Run.imported_from.is_not(None), in_live_study())
         .group_by(Run.study_id)
     )
     if study_ids:
@@ -62,41 +111,47 @@ def imported_runs(url: str, study_ids: Sequence[int] | None = None) -> dict[int,
 
 
 def study_spec(url: str, study_id: int) -> dict | None:
-    """The spec a study was submitted with (as stored), or None for no such study."""
+    """The spec a study was submitted with (as stored), or None for no such study (or a
+    deleted one)."""
+    statement = select(Study.spec).where(Study.id == study_id, Study.deleted_at.is_(None))
     with engine_for(normalize_url(url)).connect() as connection:
-        return connection.scalar(select(Study.spec).where(Study.id == study_id))
+        return connection.scalar(statement)
 
 
 def runs(
     url: str, study_id: int | None = None, run_ids: Sequence[int] | None = None
 ) -> pd.DataFrame:
-    statement = select(
-        Run.id,
-        Run.study_id,
-        Run.label,
-        Run.encoding,
-        Run.seed,
-        Run.status,
-        Run.step,
-        Run.total_steps,
-        Run.latest_loss,
-        Run.tokens_per_second,
-        Run.attempts,
-        Run.worker,
-        Run.heartbeat_at,
-        Run.started_at,
-        Run.finished_at,
-        Run.failure_reason,
-        Run.cancel_requested,
-        Run.config_hash,
-        Run.reused_from_run_id,
-        Run.checkpoint_uri,
-        Run.skip_cache,
-        Run.waiting_for,
-        Run.phase,
-        Run.imported_from,
-        Run.provenance,
-    ).order_by(Run.id)
+    statement = (
+        select(
+            Run.id,
+            Run.study_id,
+            Run.label,
+            Run.encoding,
+            Run.seed,
+            Run.status,
+            Run.step,
+            Run.total_steps,
+            Run.latest_loss,
+            Run.tokens_per_second,
+            Run.attempts,
+            Run.worker,
+            Run.heartbeat_at,
+            Run.started_at,
+            Run.finished_at,
+            Run.failure_reason,
+            Run.cancel_requested,
+            Run.config_hash,
+            Run.reused_from_run_id,
+            Run.checkpoint_uri,
+            Run.skip_cache,
+            Run.waiting_for,
+            Run.phase,
+            Run.imported_from,
+            Run.provenance,
+        )
+        .where(in_live_study())
+        .order_by(Run.id)
+    )
     if study_id is not None:
         statement = statement.where(Run.study_id == study_id)
     if run_ids:
@@ -145,6 +200,7 @@ def curves(
             Evaluation.groups,
         )
         .join(Run, Run.id == Evaluation.run_id)
+        .where(in_live_study())
         .order_by(
             Run.study_id,
             Run.label,
@@ -161,7 +217,12 @@ def curves(
     if protocol:
         statement = statement.where(Evaluation.protocol == protocol)
     if max_lengths:
-        distinct = select(Evaluation.eval_length).distinct().join(Run, Run.id == Evaluation.run_id)
+        distinct = (
+            select(Evaluation.eval_length)
+            .distinct()
+            .join(Run, Run.id == Evaluation.run_id)
+            .where(in_live_study())
+        )
         if study_ids:
             distinct = distinct.where(Run.study_id.in_(study_ids))
         if run_ids:
@@ -224,7 +285,8 @@ def train_points(
         TrainPoint.elapsed,
         TrainPoint.val_loss,
     )
-    chosen = TrainPoint.run_id.in_(run_ids)
+    live = select(Run.id).where(Run.id.in_(run_ids), in_live_study())
+    chosen = TrainPoint.run_id.in_(live)
     strides = _train_point_strides(url, run_ids, max_per_study) if max_per_study else {}
     if not strides:
         return _frame(url, select(*columns).where(chosen).order_by(*columns[:2]))
@@ -289,6 +351,7 @@ def run_summaries(
             RunSummary.value,
         )
         .join(Run, Run.id == RunSummary.run_id)
+        .where(in_live_study())
         .order_by(Run.study_id, Run.label, Run.seed, RunSummary.variant, RunSummary.name)
     )
     if study_ids:

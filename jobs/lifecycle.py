@@ -31,7 +31,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from db.engine import transaction, with_retry
-from db.models import Run, Study, TrainPoint, utcnow
+from db.models import Run, Study, TrainPoint, in_live_study, utcnow
 from db.upsert import upsert
 from jobs.results_schema import TrainPoint as Point
 from jobs.spec import RunSpec, StudySpec
@@ -80,8 +80,9 @@ def submit(study: Study, spec: StudySpec, run_spec: RunSpec, *, skip_cache: bool
 
 def reusable(*, reuse_imported: bool) -> list[Any]:
     """The conditions on a run whose results the result cache serves: finished (done),
-    and trained here unless ``reuse_imported`` (results from ``posbench import``)."""
-    conditions: list[Any] = [Run.status == RunStatus.DONE]
+    of a study that is not deleted, and trained here unless ``reuse_imported`` (results
+    from ``posbench import``)."""
+    conditions: list[Any] = [Run.status == RunStatus.DONE, in_live_study()]
     if not reuse_imported:
         conditions.append(Run.imported_from.is_(None))
     return conditions

@@ -6,6 +6,9 @@ these return).
   (``StudySpec.estimated_flops``, 6 x parameters x tokens, as the Submit page shows);
 - ``POSBENCH_MAX_ACTIVE_RUNS``: runs queued or running across the service, the new
   study's included;
+- ``POSBENCH_MAX_ACTIVE_RUNS_PER_SUBMITTER``: the same, counting only the runs of the
+  studies the same submitter submitted (``studies.submitted_by``: the audit trail's
+  actor), so that one submitter cannot take the whole service;
 - ``POSBENCH_MAX_CHECKPOINT_BYTES``: one run's checkpoint
   (``StudySpec.estimated_checkpoint_bytes``, 12 bytes per parameter);
 - ``POSBENCH_MAX_ARTIFACTS_BYTES``: the checkpoints the study's runs keep once done (one
@@ -24,7 +27,7 @@ from __future__ import annotations
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from db.models import Run
+from db.models import Run, Study
 from jobs.files import shown_bytes
 from jobs.lifecycle import reusable
 from jobs.settings import Settings
@@ -92,20 +95,36 @@ def active_runs_problem(
     *,
     force: bool,
     reuse_imported: bool = False,
+    submitter: str | None = None,
 ) -> str | None:
     """The refusal of a study that would leave more runs queued or running than the
-    quota (None: within)."""
+    quota, across the service or of ``submitter``'s studies (None: within both)."""
     adding = new_active_runs(session, spec, force=force, reuse_imported=reuse_imported)
     if not adding:
         return None
     active = session.scalar(select(func.count()).select_from(Run).where(Run.status.in_(ACTIVE)))
     total, limit = int(active or 0) + adding, settings.max_active_runs
+    if total > limit:
+        return (
+            f"quota POSBENCH_MAX_ACTIVE_RUNS exceeded: {active} runs are queued or running "
+            f"and this study adds {adding}, {total} in all, over the limit of {limit} by "
+            f"{total - limit}; wait for runs to finish or cancel some"
+        )
+    if submitter is None:
+        return None
+    mine = session.scalar(
+        select(func.count())
+        .select_from(Run)
+        .join(Study, Study.id == Run.study_id)
+        .where(Run.status.in_(ACTIVE), Study.submitted_by == submitter)
+    )
+    total, limit = int(mine or 0) + adding, settings.max_active_runs_per_submitter
     if total <= limit:
         return None
     return (
-        f"quota POSBENCH_MAX_ACTIVE_RUNS exceeded: {active} runs are queued or running and "
-        f"this study adds {adding}, {total} in all, over the limit of {limit} by "
-        f"{total - limit}; wait for runs to finish or cancel some"
+        f"quota POSBENCH_MAX_ACTIVE_RUNS_PER_SUBMITTER exceeded: {submitter} has {mine} runs "
+        f"queued or running and this study adds {adding}, {total} in all, over the limit of "
+        f"{limit} by {total - limit}; wait for your runs to finish or cancel some"
     )
 
 

@@ -1,4 +1,5 @@
-"""The reconciler loop, as its own process.
+"""The reconciler loop, as its own process: stranded runs back in the queue, and deleted
+studies purged once their retention period is over (``jobs.retention``).
 
 ``posbench worker`` starts one next to every Celery worker, so no extra service is
 needed, and it runs outside the worker's process: a thread in a process that
@@ -14,8 +15,9 @@ import sys
 import threading
 import time
 
+from jobs.retention import purge
 from jobs.service import database_steady, reconcile
-from jobs.settings import get_settings
+from jobs.settings import Settings, get_settings
 
 log = logging.getLogger("posbench.reconciler")
 
@@ -39,6 +41,27 @@ def loop(stop: threading.Event) -> None:
             continue
         if any(changed.values()):
             log.warning("reconciler: %s", changed)
+        _purge(settings)
+
+
+def _purge(settings: Settings) -> None:
+    """Purge the studies deleted longer ago than the retention period. A failure (a
+    checkpoint that cannot be removed, the database away) is logged and tried again at
+    the next pass; it says nothing about the workers' heartbeats."""
+    try:
+        purged = purge(settings)
+    except Exception:
+        log.exception("reconciler: purging deleted studies failed; trying again later")
+        return
+    if purged.studies:
+        log.warning(
+            "reconciler: purged studies %s, deleted longer ago than "
+            "POSBENCH_DELETE_RETENTION_DAYS (%g): %d runs, %d checkpoint files",
+            purged.studies,
+            settings.delete_retention_days,
+            purged.runs,
+            purged.checkpoints,
+        )
 
 
 def main() -> None:

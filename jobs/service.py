@@ -1,7 +1,8 @@
 """Submit, cancel, retry and reconcile: the use cases that change runs outside the worker.
 
 Each calls its transition in ``jobs.lifecycle``, the only code that changes a run's
-status.
+status, and records who asked in the audit trail (``jobs.audit``) in the same
+transaction. Deleting, restoring and purging a study are ``jobs.retention``'s.
 
 The database is the source of truth. A submission writes the study and its runs in
 one transaction and only then enqueues ``posbench.train_run(run_id)`` by name; a
@@ -18,13 +19,14 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from db.engine import transaction, with_retry
 from db.models import (
     Base,
     Evaluation,
+    Event,
     PositionBin,
     Run,
     RunSummary,
@@ -33,12 +35,13 @@ from db.models import (
     utcnow,
 )
 from db.queries import run_points
-from jobs import analysis, lifecycle, quotas
+from jobs import analysis, audit, lifecycle, quotas
+from jobs.audit import Action, actor_name, deleted_message, record, stamp
 from jobs.celery_app import TRAIN_RUN, producer
 from jobs.safe_text import redact_urls
 from jobs.settings import Settings, get_settings
 from jobs.spec import StudySpec
-from jobs.status import ACTIVE, STOPPING, RunStatus
+from jobs.status import STOPPING, RunStatus
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +49,7 @@ Send = Callable[[int], None]
 
 
 class NotFound(LookupError):
-    """A study or run id that does not exist."""
-
-
-class Busy(RuntimeError):
-    """The study still has runs queued or running."""
+    """A study or run id that does not exist, or a study that is deleted."""
 
 
 class Refused(ValueError):
@@ -123,14 +122,15 @@ def _copy_results(session: Session, source: Run, target: Run) -> None:
             session.add(_copied(b, evaluation_id=copy.id))
 
 
-def new_study(spec: StudySpec) -> Study:
-    """The row of a study, as submitted (or imported)."""
+def new_study(spec: StudySpec, submitted_by: str) -> Study:
+    """The row of a study, as submitted (or imported) by ``submitted_by``."""
     return Study(
         name=spec.name,
         task=spec.task.name,
         metric=spec.task.metric,
         train_length=spec.train.length,
         spec=spec.model_dump(mode="json"),
+        submitted_by=actor_name(submitted_by),
     )
 
 
@@ -150,6 +150,7 @@ def _cached_run(session: Session, config_hash: str, *, reuse_imported: bool) -> 
 def submit(
     spec: StudySpec,
     *,
+    actor: str,
     force: bool = False,
     reuse_imported: bool = False,
     settings: Settings | None = None,
@@ -175,11 +176,16 @@ def submit(
         # In the writing transaction, before its first write: SQLite's BEGIN IMMEDIATE
         # serialises submissions, so two cannot both pass on the same count.
         problem = quotas.active_runs_problem(
-            session, spec, settings, force=force, reuse_imported=reuse_imported
+            session,
+            spec,
+            settings,
+            force=force,
+            reuse_imported=reuse_imported,
+            submitter=actor_name(actor),
         )
         if problem:
             raise Refused(problem)
-        study = new_study(spec)
+        study = new_study(spec, actor)
         session.add(study)
         session.flush()
         for run_spec in spec.runs():
@@ -200,6 +206,8 @@ def submit(
             else:
                 queued.append(run.id)
         study_id = study.id
+        detail = f"{spec.name}: {audit.run_count(len(queued))} queued, {len(reused)} reused"
+        record(session, actor, Action.SUBMIT, study_id=study_id, detail=detail)
     unsent = enqueue(queued, settings=settings, send=send)
     return Submitted(study_id, queued, reused, unsent, imported)
 
@@ -234,97 +242,101 @@ def enqueue(
     return unsent
 
 
+def live_study(session: Session, study_id: int) -> Study:
+    """The study, locked until the transaction ends against another cancel, retry,
+    delete, restore or purge of it (PostgreSQL; SQLite's BEGIN IMMEDIATE already
+    serialises writers). NotFound when there is none, or it is deleted."""
+    study = session.get(Study, study_id, with_for_update={"key_share": True})
+    if study is None:
+        raise missing_study(session, study_id)
+    if study.deleted_at is not None:
+        raise NotFound(deleted_message(study.id, study.deleted_by, study.deleted_at))
+    return study
+
+
+def missing_study(session: Session, study_id: int) -> NotFound:
+    """The error for a study id with no row: purged (when, by whom: the audit trail
+    says), or never stored."""
+    purged = session.scalar(
+        select(Event)
+        .where(Event.study_id == study_id, Event.action == Action.PURGE.value)
+        .order_by(Event.id.desc())
+        .limit(1)
+    )
+    if purged is None:
+        return NotFound(f"no study with id {study_id}")
+    return NotFound(
+        f"study {study_id} was purged ({stamp(purged.at)}, by {purged.actor}): its runs, "
+        "results and checkpoints are gone and cannot be restored"
+    )
+
+
 def _select_runs(session: Session, study_id: int | None, run_id: int | None) -> list[Run]:
-    """The runs to act on, locked until the transaction ends (PostgreSQL: a claim or a
-    finish waits for the cancel or retry, then sees its result; SQLite's BEGIN
-    IMMEDIATE already serialises writers)."""
+    """The runs to act on, of a study that is not deleted, locked until the transaction
+    ends (PostgreSQL: a claim or a finish waits for the cancel or retry, then sees its
+    result). The study is locked first, whichever was named, so that two actions on
+    it always lock in the same order."""
     if run_id is not None:
+        study_id = session.scalar(select(Run.study_id).where(Run.id == run_id))
+        if study_id is None:
+            raise NotFound(f"no run with id {run_id}")
+        live_study(session, study_id)
         run = session.get(Run, run_id, with_for_update=True)
-        if run is None:
+        if run is None:  # its study was purged in the meantime
             raise NotFound(f"no run with id {run_id}")
         return [run]
-    if session.get(Study, study_id) is None:
-        raise NotFound(f"no study with id {study_id}")
+    live_study(session, study_id)
     runs = select(Run).where(Run.study_id == study_id).order_by(Run.id).with_for_update()
     return list(session.scalars(runs))
 
 
-def busy_message(study_id: int, busy: int) -> str:
-    runs = "1 run" if busy == 1 else f"{busy} runs"
-    return (
-        f"study {study_id} has {runs} queued or running: cancel first "
-        f"(posbench cancel {study_id}) and wait until they stop"
-    )
-
-
-@dataclass(frozen=True)
-class Deleted:
-    name: str
-    runs: int
-    evaluations: int
-    checkpoints: int  # checkpoint files removed from this machine's artifacts folder
-
-
-def delete_study(study_id: int, *, settings: Settings | None = None) -> Deleted:
-    """Delete a study with everything stored for it: runs, training curves, evaluations,
-    position bins, summaries (the database's cascades), then the runs' checkpoints in
-    this machine's artifacts folder. Refused (Busy) while a run is queued or running:
-    cancel first. Runs of other studies reused from its runs keep their own copies."""
-    settings = settings or get_settings()
-    with transaction(settings.database) as session:
-        runs = _select_runs(session, study_id, None)  # NotFound for an unknown id
-        busy = sum(run.status in ACTIVE for run in runs)
-        if busy:
-            raise Busy(busy_message(study_id, busy))
-        name = session.scalar(select(Study.name).where(Study.id == study_id))
-        run_ids = [run.id for run in runs]
-        evaluations = session.scalar(
-            select(func.count()).select_from(Evaluation).where(Evaluation.run_id.in_(run_ids))
-        )
-        session.execute(delete(Study).where(Study.id == study_id))
-    removed = 0
-    folder = settings.artifacts_dir / "runs"
-    for run_id in run_ids:
-        # The checkpoint, its fine-tuned variants' (.pt.ft-*), files set aside (.stale)
-        # and temporaries a killed write or a cache copy left (.tmp, some hidden).
-        others = [*folder.glob(f"{run_id}.pt.*"), *folder.glob(f".{run_id}.pt.*")]
-        for path in [folder / f"{run_id}.pt", *others]:
-            if path.is_file():
-                path.unlink()
-                removed += 1
-    return Deleted(name, len(run_ids), int(evaluations or 0), removed)
+def _acted_on(runs: list[Run], study_id: int | None, run_id: int | None) -> dict[str, int]:
+    """The study and run an event names: the run's study when a run was named."""
+    return {"study_id": runs[0].study_id if run_id is not None else study_id, "run_id": run_id}
 
 
 def cancel(
-    *, study_id: int | None = None, run_id: int | None = None, settings: Settings | None = None
+    *,
+    actor: str,
+    study_id: int | None = None,
+    run_id: int | None = None,
+    settings: Settings | None = None,
 ) -> dict[str, int]:
     """Queued runs are cancelled at once; running ones stop within a heartbeat (or a
     progress report, whichever comes first) while training, and before the next point
-    while evaluating."""
+    while evaluating. ``actor`` (who cancels) goes to the audit trail."""
     settings = settings or get_settings()
     counts = dict.fromkeys((RunStatus.CANCELLED.value, STOPPING), 0)
     with transaction(settings.database) as session:
-        for run in _select_runs(session, study_id, run_id):
+        runs = _select_runs(session, study_id, run_id)
+        for run in runs:
             outcome = lifecycle.cancel(run)
             if outcome is not None:
                 counts[outcome] += 1
+        detail = ", ".join(f"{count} {outcome}" for outcome, count in counts.items())
+        record(session, actor, Action.CANCEL, detail=detail, **_acted_on(runs, study_id, run_id))
     return counts
 
 
 def retry(
     *,
+    actor: str,
     study_id: int | None = None,
     run_id: int | None = None,
     settings: Settings | None = None,
     send: Send | None = None,
 ) -> list[int]:
-    """Re-queue failed or cancelled runs; they resume from their last checkpoint."""
+    """Re-queue failed or cancelled runs; they resume from their last checkpoint.
+    ``actor`` (who retries) goes to the audit trail."""
     settings = settings or get_settings()
     requeued = []
     with transaction(settings.database) as session:
-        for run in _select_runs(session, study_id, run_id):
+        runs = _select_runs(session, study_id, run_id)
+        for run in runs:
             if lifecycle.retry(run):
                 requeued.append(run.id)
+        detail = f"{audit.run_count(len(requeued))} queued again"
+        record(session, actor, Action.RETRY, detail=detail, **_acted_on(runs, study_id, run_id))
     enqueue(requeued, settings=settings, send=send)
     return requeued
 

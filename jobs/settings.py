@@ -26,11 +26,13 @@
 | POSBENCH_HF_ALLOW | unset | when set, the only hf: dataset names allowed (separated by ',') |
 | POSBENCH_MAX_STUDY_FLOPS | 1e19 | a study estimated above this (6 x params x tokens) is refused |
 | POSBENCH_MAX_ACTIVE_RUNS | 32 | most runs queued or running; a study over it is refused |
+| POSBENCH_MAX_ACTIVE_RUNS_PER_SUBMITTER | 16 | the same, for the runs of one submitter's studies |
 | POSBENCH_RUN_DEADLINE_HOURS | 24 | a run this long since it started fails (wall clock) |
 | POSBENCH_MIN_CHECKPOINT_SECONDS | 60 | least time between a worker's periodic checkpoints |
 | POSBENCH_MAX_CHECKPOINT_BYTES | 4294967296 (4 GiB) | a study with larger checkpoints is refused |
 | POSBENCH_MAX_ARTIFACTS_BYTES | 214748364800 (200 GiB) | the artifacts folder's budget (0: none) |
 | POSBENCH_MAX_CACHE_BYTES | 17179869184 (16 GiB) | corpora cached past it: LRU eviction (0: none) |
+| POSBENCH_DELETE_RETENTION_DAYS | 7 | a deleted study can be restored this long, then is purged |
 """
 
 from __future__ import annotations
@@ -106,6 +108,9 @@ class Settings(BaseSettings):
     max_active_runs: int = Field(
         32, ge=1, le=100_000, description="most runs queued or running across the service"
     )
+    max_active_runs_per_submitter: int = Field(
+        16, ge=1, le=100_000, description="most runs queued or running of one submitter"
+    )
     run_deadline_hours: float = Field(
         24.0, gt=0, le=30 * 24, description="a run this long since it started fails"
     )
@@ -122,6 +127,10 @@ class Settings(BaseSettings):
     )
     max_cache_bytes: int = Field(
         16 * GiB, ge=0, le=PiB, description="the prepared-corpus cache's bound (0: none)"
+    )
+    # Soft delete (jobs.retention): restorable this long, then purged by the reconciler.
+    delete_retention_days: float = Field(
+        7.0, ge=0, le=3650, description="how long a deleted study can be restored"
     )
 
     @field_validator("corpus_roots", "hf_allow", mode="before")

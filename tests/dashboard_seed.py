@@ -30,7 +30,7 @@ SEEDED_SPEC = parse_spec(
 
 
 def seed_study(settings: Settings) -> int:
-    submitted = submit(SEEDED_SPEC, settings=settings, send=lambda run_id: None)
+    submitted = submit(SEEDED_SPEC, settings=settings, send=lambda run_id: None, actor="tester")
     url = settings.database
     for index, run_id in enumerate(submitted.queued):
         claimed = lifecycle.claim(url, run_id, "seed")

@@ -44,7 +44,7 @@ def store_points(url: str, counts: dict[int, int]) -> None:
 
 
 def test_a_study_of_100k_training_points_loads_at_most_the_cap(settings: Settings) -> None:
-    runs = submit(SEEDED_SPEC, settings=settings, send=lambda run_id: None).queued
+    runs = submit(SEEDED_SPEC, settings=settings, send=lambda run_id: None, actor="tester").queued
     counts = dict(zip(runs, [33_000, 33_000, 30_000, 3_994, 3, 3], strict=True))
     assert sum(counts.values()) == 100_000
     store_points(settings.database, counts)
@@ -66,8 +66,8 @@ def test_a_study_of_100k_training_points_loads_at_most_the_cap(settings: Setting
 
 
 def test_the_cap_is_per_study(settings: Settings) -> None:
-    first = submit(SEEDED_SPEC, settings=settings, send=lambda run_id: None).queued
-    second = submit(SEEDED_SPEC, settings=settings, send=lambda run_id: None).queued
+    first = submit(SEEDED_SPEC, settings=settings, send=lambda run_id: None, actor="tester").queued
+    second = submit(SEEDED_SPEC, settings=settings, send=lambda run_id: None, actor="tester").queued
     store_points(settings.database, {run_id: 2_000 for run_id in [*first, *second]})
     points = queries.train_points(settings.database, [*first, *second], max_per_study=600)
     assert len(points[points["run_id"].isin(first)]) <= 600

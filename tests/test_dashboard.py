@@ -209,7 +209,7 @@ def test_queue_shows_a_study_whose_runs_are_all_still_queued(settings) -> None:
     from jobs.spec import parse_spec
 
     spec = parse_spec({"model": "tiny", "train": {"length": 16}, "encodings": ["nope", "rope"]})
-    study = submit(spec, settings=settings, send=lambda run_id: None).study_id
+    study = submit(spec, settings=settings, send=lambda run_id: None, actor="tester").study_id
     app = page("queue")
     app.query_params["study"] = str(study)
     app.run()
@@ -229,7 +229,7 @@ def test_queue_cancel_button_cancels_queued_runs(settings) -> None:
     from jobs.spec import parse_spec
 
     spec = parse_spec({"model": "tiny", "train": {"length": 16}, "encodings": ["nope"]})
-    study = submit(spec, settings=settings, send=lambda run_id: None).study_id
+    study = submit(spec, settings=settings, send=lambda run_id: None, actor="tester").study_id
     app = page("queue")
     app.query_params["study"] = str(study)
     app.run()

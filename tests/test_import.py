@@ -79,10 +79,14 @@ def test_a_local_study_is_imported_whole_and_reused(
     assert shown.returncode == 0 and "yarn:2" in shown.stdout
     # A later submit of the same study trains: imported numbers are not reused as if
     # they were trained here, unless the submitter asks.
-    again = submit(parse_spec(SPEC), settings=settings, send=lambda run_id: None)
+    again = submit(parse_spec(SPEC), settings=settings, send=lambda run_id: None, actor="tester")
     assert len(again.queued) == 2 and again.reused == [] and again.imported == []
     asked = submit(
-        parse_spec(SPEC), settings=settings, send=lambda run_id: None, reuse_imported=True
+        parse_spec(SPEC),
+        settings=settings,
+        send=lambda run_id: None,
+        reuse_imported=True,
+        actor="tester",
     )
     assert asked.queued == [] and asked.reused == asked.imported and len(asked.reused) == 2
     reused = queries.runs(settings.database, study_id=asked.study_id)
@@ -203,7 +207,7 @@ def test_a_number_no_run_could_have_measured_is_refused(
 ) -> None:
     path = write(tmp_path, _edited(payload, change))
     with pytest.raises(ImportProblem) as refused:
-        import_results(path, settings=settings)
+        import_results(path, settings=settings, actor="tester")
     assert message in str(refused.value)
     assert queries.studies(settings.database).empty
 
@@ -215,7 +219,9 @@ def test_long_fine_tuning_curves_do_not_count_against_the_provenance_bound(
         curve = [[step, 2.0] for step in range(60_000)]  # progress_every 1, long fine-tunings
         p["runs"][0]["provenance"]["finetune"] = {"yarn:2+ft60000": {"curve": curve}}
 
-    imported = import_results(write(tmp_path, _edited(payload, long_curve)), settings=settings)
+    imported = import_results(
+        write(tmp_path, _edited(payload, long_curve)), settings=settings, actor="tester"
+    )
     assert imported.runs == 2
 
 
@@ -225,11 +231,11 @@ def test_a_file_nested_too_deep_or_with_huge_numbers_is_refused(
     deep = tmp_path / "deep.json"
     deep.write_text('{"spec": {"a": ' + "[" * 100_000 + "]" * 100_000 + "}}")
     with pytest.raises(ImportProblem, match=r"deep\.json: not JSON"):
-        import_results(deep, settings=settings)
+        import_results(deep, settings=settings, actor="tester")
     huge = tmp_path / "huge.json"
     huge.write_text('{"spec": {}, "runs": [' + "9" * 5000 + "]}")
     with pytest.raises(ImportProblem, match=r"huge\.json: not JSON"):
-        import_results(huge, settings=settings)
+        import_results(huge, settings=settings, actor="tester")
 
 
 def test_summaries_are_computed_from_the_imported_points(

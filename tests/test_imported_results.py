@@ -3,6 +3,7 @@ and the result cache never passes them off as trained runs unless a submitter as
 
 from __future__ import annotations
 
+import getpass
 import json
 from pathlib import Path
 
@@ -58,6 +59,11 @@ def test_imported_numbers_are_not_reused_as_trained_unless_asked(
     imported = posbench(settings, "import", str(results))
     assert imported.returncode == 0, imported.stderr
     assert "marked imported" in imported.stdout and "--reuse-imported" in imported.stdout
+    # The audit trail: who imported it (the OS user running the CLI), and from where.
+    (event,) = queries.events(settings.database).to_dict("records")
+    assert (event["actor"], event["action"]) == (f"{getpass.getuser()} (cli)", "import")
+    assert event["detail"].startswith(f"{parse_spec(SPEC).name}: 2 runs, ")
+    assert event["detail"].endswith(f" evaluations from {results}")
 
     # The same spec, submitted: its runs are queued to train, none reused.
     submitted = posbench(settings, "submit", str(spec), "--json")
@@ -210,7 +216,7 @@ def test_0009_marks_the_runs_a_database_at_0008_holds_as_imported(tmp_path: Path
                 )
             )
     upgrade(url)
-    assert current(url) == "0009"
+    assert current(url) == "0010"
     marked = queries.runs(url, study_id=1).set_index("id")["imported_from"]
     assert marked[1] == marked[2] == "/laptop/results.json"
     assert marked[[3, 4]].isna().all()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pandas as pd
 import pytest
 import sqlalchemy as sa
 
@@ -105,15 +104,20 @@ def test_a_database_of_the_release_before_upgrades_and_reads_the_same(tmp_path: 
     url = f"sqlite:///{tmp_path}/old.db"
     upgrade(url, "0007")
     _fill_at_0007(url)
-    studies_before = queries.studies(url)
-    curves_before = queries.curves(url, study_ids=[1])
     upgrade(url)
-    assert current(url) == "0009"
+    assert current(url) == "0010"
     # The flags are columns now, with their values; provenance keeps the audit only.
     assert _stored(url) == EXPECTED
-    # The same results, counts and curves.
-    pd.testing.assert_frame_equal(queries.studies(url), studies_before)
-    pd.testing.assert_frame_equal(queries.curves(url, study_ids=[1]), curves_before)
+    # The same results, counts and curves as were written (today's queries read the
+    # latest schema only, so they are checked against what _fill_at_0007 wrote).
+    (study,) = queries.studies(url).to_dict("records")
+    counts = {k: study[k] for k in ("id", "name", "runs", *RUN_STATUSES)}
+    statuses = [status for status, _ in STORED.values()]
+    expected = {status: statuses.count(status) for status in RUN_STATUSES}
+    assert counts == {"id": 1, "name": "old", "runs": 7, **expected}
+    curves = queries.curves(url, study_ids=[1])
+    assert list(curves["run_id"]) == list(STORED)
+    assert set(zip(curves["eval_length"], curves["perplexity"], strict=True)) == {(16, 7.39)}
     # The notes people read come from the columns: run 3 waits, run 4 fine-tunes.
     notes = run_notes(queries.runs(url, study_id=1))
     assert notes == [

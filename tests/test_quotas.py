@@ -1,5 +1,6 @@
-"""Quotas (DESIGN.md, Security contract): a study's compute, the active runs, a run's
-wall-clock deadline and the spacing of its checkpoints."""
+"""Quotas (DESIGN.md, Security contract): a study's compute, the active runs (across the
+service and per submitter; tests/test_audit.py has the latter's service-level test), a
+run's wall-clock deadline and the spacing of its checkpoints."""
 
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ def test_a_study_over_the_compute_quota_is_refused_before_anything_is_written(
     spec = parse_spec(SPEC)
     config = service_settings(tmp_path, max_study_flops=spec.estimated_flops() / 2)
     with pytest.raises(Refused, match="quota POSBENCH_MAX_STUDY_FLOPS exceeded") as refused:
-        submit(spec, settings=config, send=Recorder())
+        submit(spec, settings=config, send=Recorder(), actor="tester")
     assert "over the limit of" in str(refused.value) and "2 x the limit" in str(refused.value)
     assert stored(config, Study) == 0 and stored(config, Run) == 0
 
@@ -79,20 +80,22 @@ def test_active_runs_count_across_the_service_and_the_cache_is_not_counted(
     tmp_path: Path,
 ) -> None:
     config = service_settings(tmp_path, max_active_runs=6)
-    first = submit(parse_spec(SPEC), settings=config, send=Recorder())
+    first = submit(parse_spec(SPEC), settings=config, send=Recorder(), actor="tester")
     assert len(first.queued) == 4
     with pytest.raises(Refused, match=r"4 runs are queued or running and this study adds 4"):
-        submit(parse_spec({**SPEC, "name": "again"}), settings=config, send=Recorder())
+        submit(
+            parse_spec({**SPEC, "name": "again"}), settings=config, send=Recorder(), actor="tester"
+        )
     assert stored(config, Study) == 1 and stored(config, Run) == 4
     # Finished runs are not active, and a run the result cache serves adds none.
     with transaction(config.database) as session:
         session.execute(update(Run).values(status=RunStatus.DONE, finished_at=utcnow(), lease=None))
-    again = submit(parse_spec(SPEC), settings=config, send=Recorder())
+    again = submit(parse_spec(SPEC), settings=config, send=Recorder(), actor="tester")
     assert again.queued == [] and len(again.reused) == 4
     # --force trains every run again: all of them count.
     small = service_settings(tmp_path, max_active_runs=3)
     with pytest.raises(Refused, match=r"adds 4, 4 in all, over the limit of 3 by 1"):
-        submit(parse_spec(SPEC), force=True, settings=small, send=Recorder())
+        submit(parse_spec(SPEC), force=True, settings=small, send=Recorder(), actor="tester")
 
 
 def write_spec(tmp_path: Path, spec: dict) -> Path:
@@ -106,12 +109,14 @@ def write_spec(tmp_path: Path, spec: dict) -> Path:
     [
         ("POSBENCH_MAX_STUDY_FLOPS", "1e6", "quota POSBENCH_MAX_STUDY_FLOPS exceeded"),
         ("POSBENCH_MAX_ACTIVE_RUNS", "3", "over the limit of 3 by 1"),
+        # Per submitter: the OS user, as the audit trail names them.
+        ("POSBENCH_MAX_ACTIVE_RUNS_PER_SUBMITTER", "3", "alice (cli) has 0 runs queued or running"),
     ],
 )
 def test_posbench_submit_over_a_quota_exits_2_with_one_line(
     tmp_path: Path, variable: str, value: str, message: str
 ) -> None:
-    env = isolated_env(tmp_path, **{variable: value})
+    env = isolated_env(tmp_path, LOGNAME="alice", **{variable: value})
     assert posbench_cli("db", "upgrade", env=env).returncode == 0
     done = posbench_cli("submit", str(write_spec(tmp_path, SPEC)), env=env)
     assert done.returncode == 2, done.stderr
@@ -140,7 +145,9 @@ def test_a_visibility_timeout_shorter_than_the_deadline_stops_every_command(tmp_
 
 
 def claimed_run(config: Settings, started_ago: dt.timedelta) -> lifecycle.ClaimedRun:
-    submitted = submit(parse_spec({**SPEC, "seeds": [0]}), settings=config, send=Recorder())
+    submitted = submit(
+        parse_spec({**SPEC, "seeds": [0]}), settings=config, send=Recorder(), actor="tester"
+    )
     claimed = lifecycle.claim(config.database, submitted.queued[0], "node")
     with transaction(config.database) as session:
         started = utcnow() - started_ago

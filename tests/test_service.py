@@ -22,7 +22,8 @@ from jobs import lifecycle
 from jobs.results_schema import Evaluation as Row
 from jobs.results_schema import PositionBin as Bin
 from jobs.results_schema import TrainPoint as Point
-from jobs.service import Busy, NotFound, cancel, delete_study, reconcile, retry, submit
+from jobs.retention import Busy, delete_study, purge
+from jobs.service import NotFound, cancel, reconcile, retry, submit
 from jobs.settings import Settings
 from jobs.spec import parse_spec
 from jobs.status import RunStatus
@@ -68,13 +69,13 @@ def count(settings: Settings, model: type) -> int:
 
 
 def test_migrations_create_the_schema(settings: Settings) -> None:
-    assert current(settings.database) == "0009"
+    assert current(settings.database) == "0010"
     upgrade(settings.database)  # idempotent
 
 
 def test_submit_writes_study_and_runs_then_enqueues_them(settings: Settings) -> None:
     send = Recorder()
-    submitted = submit(parse_spec(SPEC), settings=settings, send=send)
+    submitted = submit(parse_spec(SPEC), settings=settings, send=send, actor="tester")
     assert send.sent == submitted.queued and len(submitted.queued) == 4
     with transaction(settings.database) as session:
         runs = session.scalars(select(Run).order_by(Run.id)).all()
@@ -90,7 +91,9 @@ def test_submit_writes_study_and_runs_then_enqueues_them(settings: Settings) -> 
 
 
 def test_broker_down_keeps_the_runs_for_the_reconciler(settings: Settings) -> None:
-    submitted = submit(parse_spec(SPEC), settings=settings, send=Recorder(fail=True))
+    submitted = submit(
+        parse_spec(SPEC), settings=settings, send=Recorder(fail=True), actor="tester"
+    )
     assert submitted.unsent == submitted.queued
     send = Recorder()
     assert reconcile(settings=settings, send=send)["resent"] == submitted.queued
@@ -118,9 +121,11 @@ def _finish_run(settings: Settings, run_id: int) -> None:
 
 
 def test_a_finished_config_hash_is_reused_unless_forced(settings: Settings) -> None:
-    first = submit(parse_spec(SPEC), settings=settings, send=Recorder())
+    first = submit(parse_spec(SPEC), settings=settings, send=Recorder(), actor="tester")
     _finish_run(settings, first.queued[0])
-    again = submit(parse_spec({**SPEC, "name": "again"}), settings=settings, send=Recorder())
+    again = submit(
+        parse_spec({**SPEC, "name": "again"}), settings=settings, send=Recorder(), actor="tester"
+    )
     assert len(again.reused) == 1 and len(again.queued) == 3
     with transaction(settings.database) as session:
         reused = session.get(Run, again.reused[0])
@@ -140,7 +145,9 @@ def test_a_finished_config_hash_is_reused_unless_forced(settings: Settings) -> N
         assert [(p.step, p.loss, p.lr, p.tokens_per_second, p.elapsed) for p in curve] == [
             (4, 2.5, 1e-3, 100.0, 1.0)
         ]
-    forced = submit(parse_spec(SPEC), settings=settings, send=Recorder(), force=True)
+    forced = submit(
+        parse_spec(SPEC), settings=settings, send=Recorder(), force=True, actor="tester"
+    )
     assert forced.reused == [] and len(forced.queued) == 4
     with transaction(settings.database) as session:
         run = session.get(Run, forced.queued[0])
@@ -152,7 +159,7 @@ def test_a_finished_config_hash_is_reused_unless_forced(settings: Settings) -> N
 
 
 def test_claim_is_exclusive_and_guards_every_write(settings: Settings) -> None:
-    run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder()).queued[0]
+    run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder(), actor="tester").queued[0]
     first = lifecycle.claim(settings.database, run_id, "a")
     assert first is not None and (first.run_id, first.run.status) == (run_id, "running")
     assert first.spec["encodings"][0]["name"] == "rope"  # its study's spec, as stored
@@ -162,13 +169,13 @@ def test_claim_is_exclusive_and_guards_every_write(settings: Settings) -> None:
     with pytest.raises(lifecycle.LeaseLost):
         lifecycle.progress(stolen, Point(1, 1, 1, 1, 1))
     assert lifecycle.heartbeat(first) == (True, False)
-    cancel(run_id=run_id, settings=settings)
+    cancel(run_id=run_id, settings=settings, actor="tester")
     # The heartbeat carries a cancel to the run in every phase.
     assert lifecycle.heartbeat(first) == (True, True)
 
 
 def test_a_released_run_is_queued_unsent_and_its_claim_given_back(settings: Settings) -> None:
-    run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder()).queued[0]
+    run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder(), actor="tester").queued[0]
     claimed = lifecycle.claim(settings.database, run_id, "a")
     assert lifecycle.release(replace(claimed, lease="not-the-lease")) is None
     assert lifecycle.release(claimed) == "queued"
@@ -182,7 +189,7 @@ def test_a_released_run_is_queued_unsent_and_its_claim_given_back(settings: Sett
     claimed = lifecycle.claim(settings.database, run_id, "b")
     # A cancel the run had not yet seen when its worker shut down: it ends cancelled,
     # not back in the queue.
-    cancel(run_id=run_id, settings=settings)
+    cancel(run_id=run_id, settings=settings, actor="tester")
     assert lifecycle.release(claimed) == "cancelled"
     with transaction(settings.database) as session:
         assert session.get(Run, run_id).status == "cancelled"
@@ -194,7 +201,7 @@ def _heartbeat_at(settings: Settings, run_id: int) -> dt.datetime:
 
 
 def test_the_heartbeat_stops_when_the_run_makes_no_progress(settings: Settings) -> None:
-    run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder()).queued[0]
+    run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder(), actor="tester").queued[0]
     claimed = lifecycle.claim(settings.database, run_id, "a")
     verdicts: list[float] = []
     with Heartbeat(claimed, 0.05, hang_seconds=1.0, on_hang=verdicts.append) as beat:
@@ -213,7 +220,7 @@ def test_the_heartbeat_stops_when_the_run_makes_no_progress(settings: Settings) 
 
 def test_a_hung_worker_process_dumps_its_stacks_and_exits(settings: Settings) -> None:
     # The real verdict in a real process: its main thread blocks for good.
-    run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder()).queued[0]
+    run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder(), actor="tester").queued[0]
     lease = lifecycle.claim(settings.database, run_id, "a").lease
     script = f"""
 import io, sys, threading
@@ -239,15 +246,18 @@ with Heartbeat(ClaimedRun({settings.database!r}, {run_id}, {lease!r}), 0.1, hang
     assert "stuck_in_a_device_call" in done.stderr  # every thread's stack, for the post-mortem
 
 
-def test_deleting_a_study_removes_everything_stored_for_it(settings: Settings) -> None:
-    first = submit(parse_spec(SPEC), settings=settings, send=Recorder())
+def test_a_delete_keeps_everything_and_a_purge_removes_everything_stored(
+    settings: Settings,
+) -> None:
+    first = submit(parse_spec(SPEC), settings=settings, send=Recorder(), actor="tester")
     _finish_run(settings, first.queued[0])
-    again = submit(parse_spec({**SPEC, "name": "again"}), settings=settings, send=Recorder())
+    again = submit(
+        parse_spec({**SPEC, "name": "again"}), settings=settings, send=Recorder(), actor="tester"
+    )
     # Queued runs are refused: cancel first. Nothing is deleted.
     with pytest.raises(Busy, match="has 3 runs queued or running: cancel first"):
-        delete_study(first.study_id, settings=settings)
-    assert count(settings, Study) == 2
-    cancel(study_id=first.study_id, settings=settings)
+        delete_study(first.study_id, settings=settings, actor="tester")
+    cancel(study_id=first.study_id, settings=settings, actor="tester")
     folder = settings.artifacts_dir / "runs"
     folder.mkdir(parents=True)
     run = first.queued[0]
@@ -259,26 +269,34 @@ def test_deleting_a_study_removes_everything_stored_for_it(settings: Settings) -
     for name in mine + others:
         (folder / name).write_bytes(b"checkpoint")
     before = {model: count(settings, model) for model in (Evaluation, PositionBin, TrainPoint)}
-    deleted = delete_study(first.study_id, settings=settings)
-    assert (deleted.runs, deleted.evaluations, deleted.checkpoints) == (4, 1, len(mine))
+    deleted = delete_study(first.study_id, settings=settings, actor="tester")
+    assert (deleted.runs, deleted.evaluations) == (4, 1)
+    # Soft: every row and every file stays, until the purge.
+    assert {model: count(settings, model) for model in before} == before
+    assert len(list(folder.iterdir())) == len(mine + others)
+    with pytest.raises(NotFound, match=f"study {first.study_id} is deleted"):
+        delete_study(first.study_id, settings=settings, actor="tester")
+    purged = purge(settings, study_id=first.study_id, actor="tester")
+    assert (purged.studies, purged.runs, purged.evaluations) == ([first.study_id], 4, 1)
+    assert purged.checkpoints == len(mine)
     assert sorted(p.name for p in folder.iterdir()) == sorted(others)
     with transaction(settings.database) as session:
         assert session.get(Study, first.study_id) is None
         assert session.scalars(select(Run.study_id).distinct()).all() == [again.study_id]
         reused = session.get(Run, again.reused[0])
         assert reused.status == "done" and reused.reused_from_run_id is None
-    # The reused run keeps its own copies; the deleted run's rows are gone.
+    # The reused run keeps its own copies; the purged run's rows are gone.
     after = {model: count(settings, model) for model in (Evaluation, PositionBin, TrainPoint)}
     assert after == {model: before[model] // 2 for model in before}
-    with pytest.raises(NotFound):
-        delete_study(first.study_id, settings=settings)
+    with pytest.raises(NotFound, match=f"study {first.study_id} was purged"):
+        delete_study(first.study_id, settings=settings, actor="tester")
 
 
 def test_a_hang_that_holds_the_gil_is_caught_by_the_hard_deadline(settings: Settings) -> None:
     # No Python thread runs while the main thread is inside one C call that never
     # lets go of the GIL (here a regular expression that backtracks for ages), so the
     # heartbeat cannot judge; faulthandler's C watchdog does.
-    run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder()).queued[0]
+    run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder(), actor="tester").queued[0]
     lease = lifecycle.claim(settings.database, run_id, "a").lease
     script = f"""
 import io, re, sys
@@ -307,10 +325,10 @@ def test_a_trained_model_is_adopted_only_from_a_final_checkpoint_of_the_same_tra
 
     from worker.training import CHECKPOINT_VERSION
 
-    first = submit(parse_spec(SPEC), settings=settings, send=Recorder())
+    first = submit(parse_spec(SPEC), settings=settings, send=Recorder(), actor="tester")
     donor = first.queued[0]
     other_eval = {**SPEC, "name": "longer", "eval": {"lengths": [16, 32, 64]}}
-    second = submit(parse_spec(other_eval), settings=settings, send=Recorder())
+    second = submit(parse_spec(other_eval), settings=settings, send=Recorder(), actor="tester")
     with transaction(settings.database) as session:
         hashes = {r.id: r.train_hash for r in session.scalars(select(Run))}
     run_id = second.queued[0]  # rope, seed 0: the donor's training, evaluated further
@@ -364,9 +382,9 @@ def test_a_twin_still_evaluating_gives_its_final_checkpoint_by_its_data_stamp(
 
     from worker.training import CHECKPOINT_VERSION
 
-    first = submit(parse_spec(SPEC), settings=settings, send=Recorder())
+    first = submit(parse_spec(SPEC), settings=settings, send=Recorder(), actor="tester")
     other_eval = {**SPEC, "name": "longer", "eval": {"lengths": [16, 32, 64]}}
-    second = submit(parse_spec(other_eval), settings=settings, send=Recorder())
+    second = submit(parse_spec(other_eval), settings=settings, send=Recorder(), actor="tester")
     donor, run_id = first.queued[0], second.queued[0]
     url = settings.database
     with transaction(url) as session:
@@ -399,9 +417,9 @@ def test_a_run_waits_only_for_a_twin_whose_model_it_can_adopt(settings: Settings
 
     from worker.training import CHECKPOINT_VERSION
 
-    first = submit(parse_spec(SPEC), settings=settings, send=Recorder())
+    first = submit(parse_spec(SPEC), settings=settings, send=Recorder(), actor="tester")
     other_eval = {**SPEC, "name": "longer", "eval": {"lengths": [16, 32, 64]}}
-    second = submit(parse_spec(other_eval), settings=settings, send=Recorder())
+    second = submit(parse_spec(other_eval), settings=settings, send=Recorder(), actor="tester")
     older, newer = first.queued[0], second.queued[0]  # the same training
     folder = settings.artifacts_dir / "runs"
     folder.mkdir(parents=True)
@@ -459,7 +477,7 @@ def test_a_run_waits_only_for_a_twin_whose_model_it_can_adopt(settings: Settings
 def test_fine_tuning_records_are_kept_as_they_come(settings: Settings) -> None:
     # Stored when each fine-tuned model is ready, so an attempt that dies later keeps
     # them; merged under provenance.finetune; only by the lease holder.
-    run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder()).queued[0]
+    run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder(), actor="tester").queued[0]
     url = settings.database
     claimed = lifecycle.claim(url, run_id, "w")
     store.note_provenance(claimed, "finetune", "yarn:4+ft9", {"steps": 9})
@@ -487,7 +505,7 @@ def test_fine_tuning_records_are_kept_as_they_come(settings: Settings) -> None:
 
 
 def test_evaluations_are_idempotent_upserts(settings: Settings) -> None:
-    run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder()).queued[0]
+    run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder(), actor="tester").queued[0]
     claimed = lifecycle.claim(settings.database, run_id, "a")
     row = Row(
         "none",
@@ -507,32 +525,37 @@ def test_evaluations_are_idempotent_upserts(settings: Settings) -> None:
 
 
 def test_cancel_is_immediate_for_queued_and_cooperative_for_running(settings: Settings) -> None:
-    submitted = submit(parse_spec(SPEC), settings=settings, send=Recorder())
+    submitted = submit(parse_spec(SPEC), settings=settings, send=Recorder(), actor="tester")
     running = submitted.queued[0]
     claimed = lifecycle.claim(settings.database, running, "w")
-    assert cancel(study_id=submitted.study_id, settings=settings) == {"cancelled": 3, "stopping": 1}
+    assert cancel(study_id=submitted.study_id, settings=settings, actor="tester") == {
+        "cancelled": 3,
+        "stopping": 1,
+    }
     assert lifecycle.claim(settings.database, submitted.queued[1], "w") is None  # never trained
     asked = lifecycle.progress(claimed, Point(2, 1, 1, 1, 1))
     assert asked is True
     with pytest.raises(NotFound, match="no study with id 99"):
-        cancel(study_id=99, settings=settings)
+        cancel(study_id=99, settings=settings, actor="tester")
 
 
 def test_retry_requeues_failed_and_cancelled_only(settings: Settings) -> None:
-    submitted = submit(parse_spec(SPEC), settings=settings, send=Recorder())
+    submitted = submit(parse_spec(SPEC), settings=settings, send=Recorder(), actor="tester")
     _finish_run(settings, submitted.queued[0])
-    cancel(run_id=submitted.queued[1], settings=settings)
+    cancel(run_id=submitted.queued[1], settings=settings, actor="tester")
     send = Recorder()
-    assert retry(study_id=submitted.study_id, settings=settings, send=send) == [submitted.queued[1]]
+    assert retry(study_id=submitted.study_id, settings=settings, send=send, actor="tester") == [
+        submitted.queued[1]
+    ]
     assert send.sent == [submitted.queued[1]]
     with pytest.raises(NotFound, match="no run with id 1234"):
-        retry(run_id=1234, settings=settings)
+        retry(run_id=1234, settings=settings, actor="tester")
 
 
 def test_reconciler_revives_stale_runs_and_fails_them_after_max_attempts(
     settings: Settings,
 ) -> None:
-    run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder()).queued[0]
+    run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder(), actor="tester").queued[0]
     long_ago = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=5)
 
     def go_silent() -> None:
@@ -556,7 +579,7 @@ def test_reconciler_revives_stale_runs_and_fails_them_after_max_attempts(
 
 
 def test_reconciler_resends_lost_messages_only_when_the_queue_is_empty(settings: Settings) -> None:
-    run_ids = submit(parse_spec(SPEC), settings=settings, send=Recorder()).queued
+    run_ids = submit(parse_spec(SPEC), settings=settings, send=Recorder(), actor="tester").queued
     long_ago = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=5)
     with transaction(settings.database) as session:
         session.execute(update(Run).values(enqueued_at=long_ago))
@@ -571,8 +594,10 @@ def test_reconciler_resends_lost_messages_only_when_the_queue_is_empty(settings:
 
 
 def test_a_lost_message_is_resent_when_its_own_queue_is_empty(settings: Settings) -> None:
-    gpu = submit(parse_spec(SPEC), settings=settings, send=Recorder()).queued
-    cpu = submit(parse_spec({**SPEC, "queue": "cpu"}), settings=settings, send=Recorder()).queued
+    gpu = submit(parse_spec(SPEC), settings=settings, send=Recorder(), actor="tester").queued
+    cpu = submit(
+        parse_spec({**SPEC, "queue": "cpu"}), settings=settings, send=Recorder(), actor="tester"
+    ).queued
     long_ago = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=5)
     with transaction(settings.database) as session:
         session.execute(update(Run).values(enqueued_at=long_ago))
@@ -588,10 +613,10 @@ def test_a_lost_message_is_resent_when_its_own_queue_is_empty(settings: Settings
 
 
 def test_a_retry_starts_the_worker_death_budget_afresh(settings: Settings) -> None:
-    run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder()).queued[0]
+    run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder(), actor="tester").queued[0]
     claimed = lifecycle.claim(settings.database, run_id, "w1")
     lifecycle.finish(claimed, RunStatus.FAILED, reason="boom")
-    assert retry(run_id=run_id, settings=settings, send=Recorder()) == [run_id]
+    assert retry(run_id=run_id, settings=settings, send=Recorder(), actor="tester") == [run_id]
     with transaction(settings.database) as session:
         assert session.get(Run, run_id).attempts == 0
 
@@ -599,9 +624,12 @@ def test_a_retry_starts_the_worker_death_budget_afresh(settings: Settings) -> No
 def test_a_cancel_outlives_the_worker_that_was_asked(settings: Settings) -> None:
     # Cancel a running run, then its worker dies before reading the flag: the
     # reconciler ends it as cancelled instead of queueing it to train again.
-    run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder()).queued[0]
+    run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder(), actor="tester").queued[0]
     assert lifecycle.claim(settings.database, run_id, "w1") is not None
-    assert cancel(run_id=run_id, settings=settings) == {"cancelled": 0, "stopping": 1}
+    assert cancel(run_id=run_id, settings=settings, actor="tester") == {
+        "cancelled": 0,
+        "stopping": 1,
+    }
     long_ago = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=5)
     with transaction(settings.database) as session:
         session.execute(update(Run).where(Run.id == run_id).values(heartbeat_at=long_ago))

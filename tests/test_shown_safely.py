@@ -207,7 +207,7 @@ def test_the_dashboard_shows_names_and_failures_as_text(settings) -> None:
 
     name = f"{BEACON} **bold** [/] x"
     spec = SEEDED_SPEC.model_copy(update={"name": name})
-    study = submit(spec, settings=settings, send=lambda run_id: None).study_id
+    study = submit(spec, settings=settings, send=lambda run_id: None, actor="tester").study_id
     _fail_a_run(settings.database, study, f"**bold** {BEACON}")
 
     for which in ("queue", "compare"):

@@ -35,7 +35,7 @@ def settings(tmp_path: Path) -> Settings:
 
 
 def test_the_migrations_build_exactly_the_models_schema(settings: Settings) -> None:
-    assert current(settings.database) == "0009"
+    assert current(settings.database) == "0010"
     with engine_for(settings.database).connect() as connection:
         differences = compare_metadata(MigrationContext.configure(connection), Base.metadata)
     assert differences == []
@@ -188,7 +188,7 @@ def test_results_groups_gives_accuracy_by_word_order_variant(settings: Settings)
             "eval": {"lengths": [96, 192]},
         }
     )
-    submitted = submit(spec, settings=settings, send=lambda run_id: None)
+    submitted = submit(spec, settings=settings, send=lambda run_id: None, actor="tester")
     url = settings.database
     for index, run_id in enumerate(submitted.queued):  # nope, then rope
         claimed = lifecycle.claim(url, run_id, "test")
@@ -220,7 +220,7 @@ def test_a_reused_run_brings_its_summaries(settings: Settings) -> None:
     from jobs.service import submit
 
     seed_study(settings)
-    again = submit(SEEDED_SPEC, settings=settings, send=lambda run_id: None)
+    again = submit(SEEDED_SPEC, settings=settings, send=lambda run_id: None, actor="tester")
     assert len(again.reused) == 4  # the finished runs
     assert stored(settings) == 2 * 4 * 12
 

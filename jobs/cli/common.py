@@ -1,9 +1,11 @@
 """What every command shares: the Typer app, the console, id and port checks, the
-database a command reads, and the one way a command fails (a line on stderr, exit 2 for
-bad input, 1 for a failure)."""
+database a command reads, who acts (for the audit trail), and the one way a command
+fails (a line on stderr, exit 2 for bad input, 1 for a failure)."""
 
 from __future__ import annotations
 
+import getpass
+import os
 from pathlib import Path
 from typing import Annotated, NoReturn
 
@@ -90,6 +92,31 @@ def _database() -> str:
     if revision is None:
         fail(f"the database {redact_url(url)} has no schema yet: run `posbench db upgrade`", code=1)
     return url
+
+
+def cli_actor() -> str:
+    """Who runs this command, as the audit trail records it: the OS user (``getpass``:
+    $LOGNAME or $USER first, then the password database), or the uid when there is no
+    name, e.g. ``alice (cli)``. What the user's environment says, not proof: the
+    database's credentials are what bounds who may act."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError, ImportError):  # no name for this uid (a bare container)
+        user = f"uid {os.getuid()}"
+    return f"{user} (cli)"
+
+
+def _missing_study(url: str, study: int) -> NoReturn:
+    """Exit 2 for a study id no live study has: deleted (who, when, the way back), or
+    none at all."""
+    from db import queries
+    from jobs.audit import deleted_message
+
+    deleted = queries.deleted_studies(url, [study])
+    if deleted.empty:
+        fail(f"no study with id {study}", code=2)
+    row = deleted.iloc[0]
+    fail(deleted_message(study, row["deleted_by"], row["deleted_at"]), code=2)
 
 
 def _first_line(err: BaseException) -> str:

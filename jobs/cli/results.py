@@ -15,7 +15,9 @@ from jobs.cli.common import (
     _check_id,
     _database,
     _first_line,
+    _missing_study,
     app,
+    cli_actor,
     console,
     fail,
 )
@@ -40,7 +42,7 @@ def import_(
 
     url = _database()
     try:
-        done = import_results(results_file, settings=get_settings(), force=force)
+        done = import_results(results_file, actor=cli_actor(), settings=get_settings(), force=force)
     except ImportProblem as err:
         fail(str(err), code=2)
     typer.echo(
@@ -141,7 +143,7 @@ def results(
     url = _database()
     studies = queries.studies(url, [study])
     if studies.empty:
-        fail(f"no study with id {study}", code=2)
+        _missing_study(url, study)
     row = studies.iloc[0]
     if protocol is not None:
         evaluated = (queries.study_spec(url, study) or {}).get("eval", {}).get("protocols", [])

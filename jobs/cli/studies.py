@@ -1,5 +1,6 @@
 """Commands on studies: list encodings, run a study in-process, submit one to the
-service, watch its status, cancel, retry and delete."""
+service, watch its status, cancel, retry and delete (restore and purge are in
+``jobs.cli.audit``, with the audit trail's views)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from jobs.cli.common import (
     _check_id,
     _database,
     _load,
+    _missing_study,
     app,
+    cli_actor,
     console,
     fail,
 )
@@ -138,7 +141,9 @@ def submit(
     from jobs.service import submit as submit_study
 
     try:
-        submitted = submit_study(spec, force=force, reuse_imported=reuse_imported)
+        submitted = submit_study(
+            spec, actor=cli_actor(), force=force, reuse_imported=reuse_imported
+        )
     except Refused as err:
         fail(str(err), code=2)
     payload = {
@@ -180,12 +185,44 @@ def status(
         typer.Argument(help="A study id; all studies without it.", show_default=False),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print as JSON.")] = False,
+    events: Annotated[
+        bool,
+        typer.Option(
+            "--events",
+            help="The audit trail instead: who submitted, cancelled, retried, deleted, "
+            "restored, purged or imported, newest first (of STUDY only, with it).",
+        ),
+    ] = False,
+    limit: Annotated[
+        int | None,
+        typer.Option(
+            "--limit", min=1, max=10_000, help="--events: how many, newest first (default 50)."
+        ),
+    ] = None,
+    deleted: Annotated[
+        bool,
+        typer.Option(
+            "--deleted",
+            help="The deleted studies instead: who deleted them, when, and when they are "
+            "purged (posbench restore ID brings one back until then).",
+        ),
+    ] = False,
 ) -> None:
-    """Studies and their runs: status, progress, failures."""
+    """Studies and their runs: status, progress, failures; or the audit trail, or the
+    deleted studies."""
     from db import queries
 
     _check_id(study, "the study id")
+    _check_views(study, events=events, deleted=deleted, limit=limit)
     url = _database()
+    if events or deleted:
+        from jobs.cli.audit import show_deleted, show_events
+
+        if events:
+            show_events(url, study, limit or 50, as_json=as_json)
+        else:
+            show_deleted(url, as_json=as_json)
+        return
     if study is None:
         frame = queries.studies(url)
         imported = queries.imported_runs(url)
@@ -193,7 +230,7 @@ def status(
         shown = ["id", "name", "task", "runs", *RUN_STATUSES, "imported"]
     else:
         if queries.studies(url, [study]).empty:
-            fail(f"no study with id {study}", code=2)
+            _missing_study(url, study)
         from jobs.analysis import run_notes
 
         frame = queries.runs(url, study_id=study)
@@ -220,6 +257,15 @@ def status(
     console.print(frame_table(frame[shown], title=title))
 
 
+def _check_views(study: int | None, *, events: bool, deleted: bool, limit: int | None) -> None:
+    if events and deleted:
+        fail("give --events or --deleted, not both", code=2)
+    if deleted and study is not None:
+        fail("--deleted lists every deleted study: give no study id", code=2)
+    if limit is not None and not events:
+        fail("--limit applies to --events only", code=2)
+
+
 def _on_runs(action, study: int | None, run: int | None):
     """Apply a jobs.service action to a study or one run; bad ids exit 2."""
     from jobs.service import NotFound
@@ -230,7 +276,7 @@ def _on_runs(action, study: int | None, run: int | None):
     _check_id(run, "--run")
     _database()
     try:
-        return action(study_id=study, run_id=run)
+        return action(study_id=study, run_id=run, actor=cli_actor())
     except NotFound as err:
         fail(str(err), code=2)
 
@@ -257,29 +303,36 @@ def delete(
     study: Annotated[int, typer.Argument(show_default=False, help="The study's id.")],
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
 ) -> None:
-    """Delete a finished study: its runs, curves, evaluations, summaries and checkpoints."""
+    """Delete a finished study: hidden at once, restorable (posbench restore) for
+    POSBENCH_DELETE_RETENTION_DAYS, then purged with its results and checkpoints."""
     from db import queries
-    from jobs.service import Busy, NotFound, busy_message, delete_study
+    from jobs.audit import stamp
+    from jobs.retention import Busy, busy_message, delete_study
+    from jobs.service import NotFound
+    from jobs.settings import get_settings
 
     _check_id(study, "the study id")
     url = _database()
     found = queries.studies(url, [study])
     if found.empty:
-        fail(f"no study with id {study}", code=2)
+        _missing_study(url, study)
     row = found.iloc[0]
     if busy := sum(int(row[status]) for status in ACTIVE):
         fail(busy_message(study, busy), code=1)
+    days = get_settings().delete_retention_days
     if not yes and not typer.confirm(
-        f"Delete study {study} ({row['name']}) with its {row['runs']} runs and their results?"
+        f"Delete study {study} ({row['name']}) with its {row['runs']} runs and their results? "
+        f"It can be restored for {days:g} days (posbench restore {study}), then it is purged."
     ):
         fail("nothing deleted", code=1)
     try:
-        deleted = delete_study(study)
+        deleted = delete_study(study, actor=cli_actor())
     except NotFound as err:
         fail(str(err), code=2)
     except Busy as err:
         fail(str(err), code=1)
     typer.echo(
         f"deleted study {study} ({deleted.name}): {deleted.runs} runs, "
-        f"{deleted.evaluations} evaluations, {deleted.checkpoints} checkpoint files"
+        f"{deleted.evaluations} evaluations; posbench restore {study} brings it back until "
+        f"{stamp(deleted.purge_at)}, when it is purged with its checkpoints"
     )

@@ -23,8 +23,17 @@ from pydantic import ValidationError
 from sqlalchemy import select
 
 from db.engine import transaction
-from db.models import Evaluation, PositionBin, Run, RunSummary, TrainPoint, utcnow
+from db.models import (
+    Evaluation,
+    PositionBin,
+    Run,
+    RunSummary,
+    TrainPoint,
+    in_live_study,
+    utcnow,
+)
 from jobs.analysis import ANY_PROTOCOL, summarize_points
+from jobs.audit import Action, record, run_count
 from jobs.files import FileRefused, read_bounded
 from jobs.lifecycle import import_run
 from jobs.metrics import METRICS, measured, metric_named
@@ -297,10 +306,13 @@ def _check_runs(path: Path, results, spec, planned) -> dict[str, list]:
     return summaries
 
 
-def import_results(path: Path, *, settings: Settings | None = None, force: bool = False):
-    """Store ``posbench run``'s ``results.json`` at ``path`` as a finished study; refused
-    (ImportProblem, nothing written) when a run's results are already in the database
-    (by config hash), unless ``force``."""
+def import_results(
+    path: Path, *, actor: str, settings: Settings | None = None, force: bool = False
+):
+    """Store ``posbench run``'s ``results.json`` at ``path`` as a finished study, submitted
+    by ``actor`` (the audit trail records the import); refused (ImportProblem, nothing
+    written) when a run's results are already in the database (by config hash, a
+    deleted study's aside), unless ``force``."""
     settings = settings or get_settings()
     path = path.expanduser().resolve()
     results, spec = _parse(path)
@@ -311,7 +323,7 @@ def import_results(path: Path, *, settings: Settings | None = None, force: bool 
         if not force:
             there = session.execute(
                 select(Run.id, Run.study_id)
-                .where(Run.config_hash.in_(seen), Run.status == RunStatus.DONE)
+                .where(Run.config_hash.in_(seen), Run.status == RunStatus.DONE, in_live_study())
                 .order_by(Run.id)
             ).first()
             if there is not None:
@@ -319,7 +331,7 @@ def import_results(path: Path, *, settings: Settings | None = None, force: bool 
                     f"{path}: its results are already stored (run {there.id} of study "
                     f"{there.study_id} has the same config hash); --force imports them again"
                 )
-        study = new_study(spec)
+        study = new_study(spec, actor)
         session.add(study)
         session.flush()
         now = utcnow()
@@ -356,4 +368,7 @@ def import_results(path: Path, *, settings: Settings | None = None, force: bool 
                 for summary in summaries[run.config_hash]
             )
         study_id = study.id
+        counts = f"{run_count(len(results.runs))}, {evaluations} evaluations"
+        detail = f"{spec.name}: {counts} from {path}"
+        record(session, actor, Action.IMPORT, study_id=study_id, detail=detail)
     return Imported(study_id, spec.name, len(results.runs), evaluations)

@@ -43,6 +43,7 @@ from sqlalchemy import select
 from db.engine import transaction
 from db.models import Evaluation, Run, RunSummary, Study, TrainPoint, as_utc
 from jobs.analysis import ANY_PROTOCOL, line_name
+from jobs.audit import deleted_message
 from jobs.metrics import METRICS
 from jobs.status import RunStatus
 
@@ -251,6 +252,8 @@ def to_mlflow(
         study = session.get(Study, study_id)
         if study is None:
             raise ExportError(f"no study with id {study_id}")
+        if study.deleted_at is not None:  # hidden as everywhere, until it is restored
+            raise ExportError(deleted_message(study.id, study.deleted_by, study.deleted_at))
         name = experiment or study.name
         runs = session.execute(
             select(Run.id, Run.status, Run.config_hash)

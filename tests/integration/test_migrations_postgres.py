@@ -1,5 +1,6 @@
-"""Migration 0008 on PostgreSQL, on a database built at the schema before it (0007): the
-run control flags leave provenance for their own columns, and come back on downgrade."""
+"""Migrations on PostgreSQL: 0008 on a database built at the schema before it (0007), the
+run control flags leave provenance for their own columns and come back on downgrade;
+0010's audit trail and soft delete, used, then down and up again."""
 
 from __future__ import annotations
 
@@ -15,9 +16,44 @@ def test_0008_carries_the_control_flags_over_on_postgresql(postgres_server: str)
     upgrade(url, "0007")
     _fill_at_0007(url)
     upgrade(url)
-    assert current(url) == "0009"
+    assert current(url) == "0010"
     assert _stored(url) == EXPECTED
     downgrade(url, "0007")
     upgrade(url)  # and up again: the same columns from the restored provenance
     assert _stored(url) == EXPECTED
     assert len(STORED) == len(EXPECTED)
+
+
+def test_0010_audit_and_soft_delete_on_postgresql(postgres_server: str, tmp_path) -> None:
+    """The events, the study's lock (FOR NO KEY UPDATE) and the purge's cascades on
+    PostgreSQL, then 0010 down and up again."""
+    from sqlalchemy import text
+
+    from db import queries
+    from db.engine import engine_for
+    from jobs.retention import delete_study, purge, restore_study
+    from jobs.service import cancel, submit
+    from jobs.settings import Settings
+    from jobs.spec import parse_spec
+
+    url = _postgres_database(postgres_server)
+    upgrade(url)
+    settings = Settings(home=tmp_path, database_url=url)
+    spec = parse_spec({"model": "tiny", "train": {"length": 16}, "encodings": ["rope"]})
+    study = submit(spec, actor="alice", settings=settings, send=lambda run_id: None).study_id
+    cancel(study_id=study, actor="bob", settings=settings)
+    deleted = delete_study(study, actor="bob", settings=settings)
+    assert queries.studies(url).empty and queries.runs(url).empty
+    with engine_for(url).connect() as connection:
+        assert not connection.execute(text("SELECT * FROM encoding_summaries")).all()
+    restore_study(study, actor="carol", settings=settings)
+    assert list(queries.studies(url)["id"]) == [study]
+    again = delete_study(study, actor="bob", settings=settings)
+    assert purge(settings, now=deleted.purge_at).studies == []  # deleted again since
+    assert purge(settings, now=again.purge_at).studies == [study]
+    events = queries.events(url)
+    assert list(events["action"]) == ["purge", "delete", "restore", "delete", "cancel", "submit"]
+    assert events["at"].dt.tz is not None  # timestamptz: aware times
+    downgrade(url, "0009")
+    upgrade(url)
+    assert current(url) == "0010" and queries.events(url).empty

@@ -67,7 +67,7 @@ def test_submit_train_evaluate_query(cluster_factory, database_url: str) -> None
     cluster = cluster_factory(database_url)
     cluster.start_worker()
     study_spec = spec(["rope", "alibi"], variants=["pi:2+ft10"], val_every=20, val_tokens=256)
-    submitted = submit(study_spec, settings=cluster.settings, send=cluster.send)
+    submitted = submit(study_spec, settings=cluster.settings, send=cluster.send, actor="tester")
     runs = cluster.wait_for(all_done, what="both runs done")
     assert [r.attempts for r in runs] == [1, 1]
     assert all(
@@ -123,7 +123,10 @@ def test_kill_9_mid_training_resumes_from_the_checkpoint(cluster_factory, sqlite
     cluster = cluster_factory(sqlite_url)
     worker = cluster.start_worker("first")
     submit(
-        spec(["rope"], steps=400, checkpoint_every=20), settings=cluster.settings, send=cluster.send
+        spec(["rope"], steps=400, checkpoint_every=20),
+        settings=cluster.settings,
+        send=cluster.send,
+        actor="tester",
     )
     cluster.wait_for(lambda runs: runs[0].step >= 60, what="60 steps")
     cluster.kill(worker)  # kill -9 the whole worker: parent and pool process
@@ -156,6 +159,7 @@ def test_sigterm_hands_the_run_back_and_another_worker_resumes_it_at_once(
         spec(["rope"], steps=2000, checkpoint_every=1000),
         settings=cluster.settings,
         send=cluster.send,
+        actor="tester",
     )
     cluster.wait_for(lambda runs: runs[0].step >= 30, what="30 steps")
     os.kill(first.pid, signal.SIGTERM)
@@ -182,11 +186,13 @@ def test_a_study_that_only_evaluates_differently_trains_nothing_again(
 ) -> None:
     cluster = cluster_factory(sqlite_url)
     cluster.start_worker()
-    first = submit(spec(["rope"]), settings=cluster.settings, send=cluster.send)
+    first = submit(spec(["rope"]), settings=cluster.settings, send=cluster.send, actor="tester")
     cluster.wait_for(all_done, what="the first study done")
     longer = spec(["rope"]).model_dump(mode="json")
     longer["eval"]["lengths"] = [32, 64, 128]  # another config hash, the same training
-    second = submit(parse_spec(longer), settings=cluster.settings, send=cluster.send)
+    second = submit(
+        parse_spec(longer), settings=cluster.settings, send=cluster.send, actor="tester"
+    )
     assert second.reused == []  # not the same results: it must evaluate at 128
     runs = cluster.wait_for(lambda runs: len(runs) == 2 and all_done(runs), what="both done")
     trained, adopted = runs
@@ -221,11 +227,11 @@ def test_a_study_submitted_while_its_twin_trains_waits_and_trains_nothing(
     cluster.start_worker("w1")
     cluster.start_worker("w2")  # idle while the first trains: free to train the second
     first = spec(["rope"], steps=600, checkpoint_every=20)
-    submit(first, settings=cluster.settings, send=cluster.send)
+    submit(first, settings=cluster.settings, send=cluster.send, actor="tester")
     cluster.wait_for(lambda runs: runs and runs[0].step >= 20, what="first trained 20 steps")
     longer = first.model_dump(mode="json")
     longer["eval"]["lengths"] = [32, 64, 128]
-    submit(parse_spec(longer), settings=cluster.settings, send=cluster.send)
+    submit(parse_spec(longer), settings=cluster.settings, send=cluster.send, actor="tester")
     runs = cluster.wait_for(
         lambda runs: len(runs) == 2 and all_done(runs), timeout=300, what="both done"
     )
@@ -241,7 +247,9 @@ def test_a_study_submitted_while_its_twin_trains_waits_and_trains_nothing(
 
 def test_a_duplicated_message_never_duplicates_rows(cluster_factory, sqlite_url: str) -> None:
     cluster = cluster_factory(sqlite_url)
-    submitted = submit(spec(["alibi"]), settings=cluster.settings, send=cluster.send)
+    submitted = submit(
+        spec(["alibi"]), settings=cluster.settings, send=cluster.send, actor="tester"
+    )
     run_id = submitted.queued[0]
     cluster.send(run_id)  # the same message, delivered twice more
     cluster.send(run_id)
@@ -266,11 +274,16 @@ def test_cancel_stops_a_running_run_within_one_progress_interval(
 ) -> None:
     cluster = cluster_factory(sqlite_url)
     cluster.start_worker()
-    submitted = submit(spec(["nope"], steps=5000), settings=cluster.settings, send=cluster.send)
+    submitted = submit(
+        spec(["nope"], steps=5000), settings=cluster.settings, send=cluster.send, actor="tester"
+    )
     cluster.wait_for(lambda runs: runs[0].step >= 10, what="training under way")
     asked_at = cluster.runs()[0].step
     started = time.monotonic()
-    assert cancel(study_id=submitted.study_id, settings=cluster.settings)["stopping"] == 1
+    assert (
+        cancel(study_id=submitted.study_id, settings=cluster.settings, actor="tester")["stopping"]
+        == 1
+    )
     runs = cluster.wait_for(
         lambda runs: runs[0].status == "cancelled", timeout=60, what="cancelled"
     )
@@ -288,6 +301,7 @@ def test_four_workers_on_one_sqlite_file(cluster_factory, sqlite_url: str) -> No
         spec(["nope", "rope", "alibi", "t5"], steps=20, seeds=[0, 1]),
         settings=cluster.settings,
         send=cluster.send,
+        actor="tester",
     )
     runs = cluster.wait_for(all_done, timeout=300, what="8 runs done")
     assert len(runs) == 8 and len({r.worker.split(":")[0] for r in runs}) >= 1

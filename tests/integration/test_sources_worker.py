@@ -27,7 +27,7 @@ def _store(url: str, corpus: str) -> int:
         }
     )
     with transaction(url) as session:
-        study = new_study(spec)
+        study = new_study(spec, "tester")
         session.add(study)
         session.flush()
         (run_spec,) = spec.runs()

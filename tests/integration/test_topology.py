@@ -138,7 +138,9 @@ def test_compose_topology_as_local_processes(
         for name in ("node-a", "node-b"):
             workers.append(cluster.start_worker(name))
         assert "--queues" in SERVICES["worker"]["command"]
-        submitted = submit(preset_spec("smoke"), settings=cluster.settings, send=cluster.send)
+        submitted = submit(
+            preset_spec("smoke"), settings=cluster.settings, send=cluster.send, actor="tester"
+        )
         runs = cluster.wait_for(
             lambda runs: runs and all(r.status == "done" for r in runs),
             timeout=300,

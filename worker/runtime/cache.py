@@ -30,7 +30,7 @@ from urllib.parse import unquote, urlparse
 from sqlalchemy import select, update
 
 from db.engine import transaction, with_retry
-from db.models import Run, TrainPoint
+from db.models import Run, TrainPoint, in_live_study
 from db.upsert import upsert
 from jobs import lifecycle
 from jobs.files import private_folder
@@ -55,8 +55,14 @@ def cached_models(
     with transaction(url) as session:
         rows = session.execute(
             select(Run.id, Run.checkpoint_uri, Run.provenance, Run.status)
-            # An imported run has no checkpoint here, and its training is not ours.
-            .where(Run.train_hash == train_hash, Run.id != run_id, Run.imported_from.is_(None))
+            # An imported run has no checkpoint here, and its training is not ours; a
+            # deleted study's models serve no one (they go when it is purged).
+            .where(
+                Run.train_hash == train_hash,
+                Run.id != run_id,
+                Run.imported_from.is_(None),
+                in_live_study(),
+            )
             .order_by((Run.status == RunStatus.DONE).desc(), Run.finished_at.desc(), Run.id)
         )
         return [
