@@ -87,7 +87,7 @@ def test_a_study_whose_checkpoint_is_over_the_quota_is_refused_before_anything_i
 ) -> None:
     config = service_settings(tmp_path, max_checkpoint_bytes=MiB)
     with pytest.raises(Refused) as refused:
-        submit(parse_spec(SPEC), settings=config, send=send)
+        submit(parse_spec(SPEC), actor="tester", settings=config, send=send)
     assert str(refused.value) == (
         "quota POSBENCH_MAX_CHECKPOINT_BYTES exceeded: a run's checkpoint needs about "
         "1.31 MiB (12 bytes x 114,688 parameters: weights and AdamW's two moments), over "
@@ -96,13 +96,13 @@ def test_a_study_whose_checkpoint_is_over_the_quota_is_refused_before_anything_i
     assert stored(config, Study) == 0 and stored(config, Run) == 0
     # At the limit: accepted.
     fits = service_settings(tmp_path, max_checkpoint_bytes=1_376_256)
-    assert len(submit(parse_spec(SPEC), settings=fits, send=send).queued) == 4
+    assert len(submit(parse_spec(SPEC), actor="tester", settings=fits, send=send).queued) == 4
 
 
 def test_a_study_whose_checkpoints_exceed_the_artifacts_budget_is_refused(tmp_path: Path) -> None:
     config = service_settings(tmp_path, max_artifacts_bytes=4 * MiB)
     with pytest.raises(Refused) as refused:
-        submit(parse_spec(SPEC), settings=config, send=send)
+        submit(parse_spec(SPEC), actor="tester", settings=config, send=send)
     # 4 runs x 1,376,256 bytes = 5,505,024 bytes, 1,310,720 over.
     assert str(refused.value) == (
         "quota POSBENCH_MAX_ARTIFACTS_BYTES exceeded: the study's 4 runs keep a checkpoint "
@@ -112,9 +112,9 @@ def test_a_study_whose_checkpoints_exceed_the_artifacts_budget_is_refused(tmp_pa
     assert stored(config, Study) == 0
     # Three runs fit; no budget (0) bounds nothing.
     fewer = parse_spec({**SPEC, "seeds": [0], "encodings": ["rope", "alibi", "nope"]})
-    assert len(submit(fewer, settings=config, send=send).queued) == 3
+    assert len(submit(fewer, actor="tester", settings=config, send=send).queued) == 3
     unbounded = service_settings(tmp_path, max_artifacts_bytes=0, max_active_runs=100)
-    assert len(submit(parse_spec(SPEC), settings=unbounded, send=send).queued) == 4
+    assert len(submit(parse_spec(SPEC), actor="tester", settings=unbounded, send=send).queued) == 4
 
 
 @pytest.mark.parametrize(
@@ -249,7 +249,7 @@ def worker_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Settings
 
 
 def claim(config: Settings, spec: dict) -> lifecycle.ClaimedRun:
-    run_id = submit(parse_spec(spec), settings=config, send=send).queued[0]
+    run_id = submit(parse_spec(spec), actor="tester", settings=config, send=send).queued[0]
     return lifecycle.claim(config.database, run_id, "node")
 
 
