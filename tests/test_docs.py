@@ -532,3 +532,45 @@ def test_every_cli_command_is_documented() -> None:
     text = " ".join(page.read_text() for page in PAGES)
     missing = [c for c in cli_commands() if c not in text]
     assert not missing, f"commands nowhere in README.md or docs/: {missing}"
+
+
+def _settings_rows(text: str) -> dict[str, str]:
+    return {
+        line.split("|")[1].strip(): line
+        for line in text.splitlines()
+        if line.startswith("| POSBENCH_")
+    }
+
+
+def test_the_security_page_states_each_setting_it_names_with_its_default() -> None:
+    import jobs.settings
+    from jobs.settings import Settings
+
+    source = _settings_rows(jobs.settings.__doc__ or "")
+    text = (DOCS / "security.md").read_text()
+    table = _settings_rows(text.split("## Every setting", 1)[1])
+    named = set(re.findall(r"POSBENCH_[A-Z_]+", text))
+    fields = {f"POSBENCH_{name}".upper() for name in Settings.model_fields}
+    assert sorted((named & fields) - set(table)) == []
+    drifted = [name for name, row in table.items() if source.get(name) != row]
+    assert drifted == [], "rows differ from jobs/settings.py's table"
+
+
+def test_the_settings_table_states_the_defaults_the_settings_have() -> None:
+    import jobs.settings
+    from jobs.settings import Settings
+
+    wrong = []
+    for name, row in _settings_rows(jobs.settings.__doc__ or "").items():
+        stated = row.split("|")[2].strip().split(" ")[0]
+        field = Settings.model_fields[name.removeprefix("POSBENCH_").lower()]
+        default = field.default
+        if isinstance(default, bool):
+            ok = stated == str(default).lower()
+        elif isinstance(default, int | float):
+            ok = float(stated) == float(default)
+        else:
+            continue  # paths under the home, URLs, lists: stated in words
+        if not ok:
+            wrong.append(f"{name}: table says {stated}, the setting is {default}")
+    assert wrong == []
