@@ -1,5 +1,5 @@
-"""Commands on results: import a results.json, export to MLflow, print curves,
-summaries and pairwise claims."""
+"""Commands on results: import a results.json, export to MLflow, export a run as a
+Hugging Face model, print curves, summaries and pairwise claims."""
 
 from __future__ import annotations
 
@@ -104,6 +104,56 @@ def export(
         f"study {study} -> MLflow experiment {done.experiment!r} ({done.experiment_id}): "
         f"{len(done.written)} runs written, {len(done.skipped)} already there"
         + (f", {len(done.unfinished)} not finished (not exported)" if done.unfinished else "")
+    )
+
+
+@app.command("export-hf")
+def export_hf(
+    run: Annotated[
+        int, typer.Argument(show_default=False, help="The run's id (posbench status STUDY).")
+    ],
+    out: Annotated[
+        Path,
+        typer.Option(
+            "--out",
+            show_default=False,
+            help="The folder to write: new or empty, or an earlier export with --force.",
+        ),
+    ],
+    variant: Annotated[
+        str | None,
+        typer.Option(
+            "--variant",
+            "--with-scaling",
+            help="A RoPE scaling for the config, named as in eval.variants (yarn:4, pi:2); "
+            "default: the trained model as it is.",
+        ),
+    ] = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace an earlier export in --out.")
+    ] = False,
+) -> None:
+    """Write a finished run as a Hugging Face transformers folder (GPT-NeoX, byte
+    tokenizer) that AutoModelForCausalLM loads; checked against posbench's logits."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from jobs.settings import get_settings
+    from jobs.transfer.hf_export import ExportFailed, ExportRefused, export_run
+
+    _check_id(run, "the run id")
+    url = _database()
+    artifacts = get_settings().artifacts_dir
+    try:
+        done = export_run(url, run, out, artifacts=artifacts, variant=variant, force=force)
+    except ExportRefused as err:
+        fail(str(err), code=2)
+    except ExportFailed as err:
+        fail(str(err), code=1)
+    except SQLAlchemyError as err:
+        fail(f"the database {redact_url(url)}: {_first_line(err)}", code=1)
+    typer.echo(
+        f"run {run} ({done.variant}) -> {done.out}: transformers' logits equal posbench's "
+        f"to {done.difference:.1e} at {done.checked_length} tokens"
     )
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from worker.catalog.params import EncodingConfigError, Param, short_repr
-from worker.catalog.scalings import NO_SCALING, SCALINGS, ScalingInfo, scaling_info
+from worker.catalog.scalings import NO_SCALING, SCALINGS, Rotary, ScalingInfo, scaling_info
 
 __all__ = [
     "NO_SCALING",
@@ -27,6 +27,7 @@ __all__ = [
     "Fit",
     "Param",
     "ScalingInfo",
+    "hf_exportable",
     "info",
     "scaling_info",
 ]
@@ -63,6 +64,10 @@ class EncodingInfo:
     # Whether the encoding's own length limit is the training length.
     bounded_by_train_length: bool = False
     check: Check | None = None
+    # Whether a GPT-NeoX model of HF transformers computes what this encoding computes
+    # (no position signal, or RoPE over the first rotary dimensions of each head), so
+    # `posbench export-hf` can write a trained model as one (``hf_rotary``).
+    hf_export: bool = False
 
     def param(self, name: str) -> Param:
         for p in self.params:
@@ -94,6 +99,18 @@ class EncodingInfo:
         if self.family != "rotary":
             return 0
         return int(head_dim * params.get("rotary_fraction", 1.0)) // 2 * 2
+
+    def hf_rotary(self, params: Mapping[str, Any], head_dim: int, train_length: int) -> Rotary:
+        """The rotary part a GPT-NeoX export of this encoding with resolved ``params`` states:
+        its base, how many dimensions it rotates (0: none, no position signal) and the
+        training length; refused for an encoding no HF architecture computes."""
+        if not self.hf_export:
+            raise EncodingConfigError(
+                f"encoding {short_repr(self.name)} has no HF transformers form (those with "
+                f"one: {', '.join(hf_exportable())})"
+            )
+        base = float(params.get("base", _ROPE_BASE.default))
+        return Rotary(base, self.rotary_width(head_dim, params), train_length)
 
     def problems(self, params: Mapping[str, Any], fit: Fit) -> list[str]:
         """What keeps this encoding with resolved ``params`` from fitting the model
@@ -156,6 +173,7 @@ REGISTRY: dict[str, EncodingInfo] = {
             reference="Kazemnejad et al. 2023, The Impact of Positional Encoding on Length "
             "Generalization in Transformers (arXiv:2305.19466)",
             implementation="worker.encodings.nope:NoPE",
+            hf_export=True,
         ),
         EncodingInfo(
             name="sinusoidal",
@@ -183,6 +201,7 @@ REGISTRY: dict[str, EncodingInfo] = {
             implementation="worker.encodings.rope:Rope",
             params=(_ROPE_BASE, _ROTARY_FRACTION),
             scalable=True,
+            hf_export=True,
         ),
         EncodingInfo(
             name="xpos",
@@ -305,6 +324,11 @@ REGISTRY: dict[str, EncodingInfo] = {
         ),
     )
 }
+
+
+def hf_exportable() -> list[str]:
+    """The encodings `posbench export-hf` writes as HF transformers models."""
+    return [name for name, entry in REGISTRY.items() if entry.hf_export]
 
 
 def info(name: str) -> EncodingInfo:
