@@ -337,7 +337,7 @@ def test_a_failed_run_keeps_its_last_checkpoint_and_a_retry_resumes_from_it(
     assert runtime.execute(claimed, "node").startswith("failed: wall-clock deadline")
     assert files(folder) == {f"{claimed.run_id}.pt", *others}
     monkeypatch.setattr(runtime, "monotonic", time.monotonic)
-    assert retry(run_id=claimed.run_id, settings=worker_settings, send=send)
+    assert retry(run_id=claimed.run_id, actor="tester", settings=worker_settings, send=send)
     again = lifecycle.claim(worker_settings.database, claimed.run_id, "node")
     assert runtime.execute(again, "node") == "done"
     with transaction(worker_settings.database) as session:
@@ -367,7 +367,7 @@ def test_a_run_cancelled_while_fine_tuning_keeps_one_checkpoint_and_its_retry_lo
     before = stored_points(worker_settings, claimed.run_id)
     assert [point[0] for point in before] == ["none", "none"]
     monkeypatch.setattr(runtime.StoreHooks, "on_finetune_progress", on_progress)
-    assert retry(run_id=claimed.run_id, settings=worker_settings, send=send)
+    assert retry(run_id=claimed.run_id, actor="tester", settings=worker_settings, send=send)
     again = lifecycle.claim(worker_settings.database, claimed.run_id, "node")
     assert runtime.execute(again, "node") == "done"
     after = stored_points(worker_settings, claimed.run_id)

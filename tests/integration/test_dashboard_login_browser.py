@@ -343,7 +343,7 @@ def test_an_operator_may_delete(roles: Dashboard, new_page) -> None:
     page.get_by_text("Delete study", exact=True).first.click()  # open the expander
     delete = page.get_by_role("button", name="Delete study")
     expect(delete).to_be_disabled()  # not without the tick
-    page.get_by_text("Delete study 1 and everything stored", exact=False).click()
+    page.get_by_text("Delete study 1 with its", exact=False).click()
     expect(delete).to_be_enabled()
 
 
