@@ -126,6 +126,40 @@ def test_posbench_submit_over_a_quota_exits_2_with_one_line(
     assert listed.returncode == 0 and listed.stdout.strip() == "[]"  # nothing written
 
 
+# The finding as reported: one spec of 64 runs, about 1.9e22 FLOPs, each run checkpointing
+# an 11.5 GB file at every step, was accepted.
+FINDING = {
+    "name": "the whole cluster",
+    "encodings": ["nope", "rope", "alibi", "t5", "xpos", "kerple_log", "fire", "sinusoidal"],
+    "seeds": list(range(8)),
+    "model": {"d_model": 2048, "n_layers": 19, "n_heads": 16},
+    "train": {"steps": 100_000, "batch_size": 64, "length": 8192, "checkpoint_every": 1},
+}
+
+
+def test_the_reported_spec_is_refused_at_the_default_quotas(tmp_path: Path) -> None:
+    spec = parse_spec(FINDING)
+    assert len(list(spec.runs())) == 64
+    assert 1.8e22 < spec.estimated_flops() < 2.0e22
+    assert 11e9 < spec.estimated_checkpoint_bytes() < 12e9
+    # Each quota alone refuses it: lift the ones before it, one after the other.
+    lifted: dict[str, float] = {}
+    for setting, message in [
+        ("max_study_flops", "POSBENCH_MAX_STUDY_FLOPS exceeded: the study needs about 1.93e+22"),
+        ("max_checkpoint_bytes", "quota POSBENCH_MAX_CHECKPOINT_BYTES exceeded"),
+        ("max_artifacts_bytes", "quota POSBENCH_MAX_ARTIFACTS_BYTES exceeded"),
+        ("max_active_runs", "quota POSBENCH_MAX_ACTIVE_RUNS exceeded"),
+        ("max_active_runs_per_submitter", "quota POSBENCH_MAX_ACTIVE_RUNS_PER_SUBMITTER exceeded"),
+    ]:
+        config = service_settings(tmp_path, **lifted)
+        with pytest.raises(Refused, match=message.replace("+", r"\+")):
+            submit(spec, settings=config, send=Recorder(), actor="tester")
+        assert stored(config, Study) == 0
+        lifted[setting] = Settings.model_fields[setting].metadata[-1].le
+    # The checkpoint cadence of every step is spaced by the worker's floor (60 s).
+    assert Settings().min_checkpoint_seconds == 60
+
+
 # --- the wall-clock deadline ------------------------------------------------------------
 
 
