@@ -83,7 +83,9 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trained]:
         settings_module.get_settings.cache_clear()
         settings = settings_module.get_settings()
         upgrade(settings.database)
-        queued = submit(parse_spec(SPEC), settings=settings, send=lambda run_id: None).queued
+        queued = submit(
+            parse_spec(SPEC), actor="tester", settings=settings, send=lambda run_id: None
+        ).queued
         labels = ["rope", "rope(rotary_fraction=0.25)", "nope", "alibi"]
         runs = dict(zip(labels, queued, strict=True))
         for label in labels[:3]:
@@ -215,6 +217,7 @@ def test_refusals_exit_2_with_the_reason(trained: Trained, tmp_path: Path) -> No
     assert "no run 999" in refused("999", "--out", str(out))
     queued = submit(
         parse_spec({**SPEC, "name": "later", "seeds": [1]}),
+        actor="tester",
         settings=trained.settings,
         send=lambda run_id: None,
     ).queued[0]
