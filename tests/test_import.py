@@ -32,6 +32,39 @@ def payload() -> dict:
     return run_study(spec, task=task, device=resolve_device(default=settings.device)).to_dict()
 
 
+# A fine-tuned variant (rope only: alibi is not rotary), its curve a point a step.
+TUNED = {
+    **SPEC,
+    "name": "tuned",
+    "train": {**SPEC["train"], "progress_every": 1},
+    "eval": {**SPEC["eval"], "variants": ["yarn:2+ft3"]},
+}
+
+
+@pytest.fixture(scope="module")
+def tuned_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The results.json a real `posbench run` of TUNED wrote."""
+    folder = tmp_path_factory.mktemp("tuned")
+    spec = folder / "tuned.json"
+    spec.write_text(json.dumps(TUNED))
+    env = isolated_env(folder / "home")
+    done = posbench_cli("run", str(spec), "--out", str(folder / "out"), env=env, timeout=600)
+    assert done.returncode == 0, done.stderr
+    return folder / "out" / "results.json"
+
+
+def _retuned(payload: dict, steps: int) -> dict:
+    """The TUNED file as if its variant were fine-tuned for ``steps`` steps: relabelled
+    everywhere, with the config hashes this version computes for that spec."""
+    old, new = json.dumps("yarn:2+ft3"), json.dumps(f"yarn:2+ft{steps}")
+    edited = json.loads(json.dumps(payload).replace(old, new))
+    edited["spec"]["eval"]["variants"][1]["finetune"]["steps"] = steps
+    hashes = {(r.encoding.label, r.seed): r.config_hash for r in parse_spec(edited["spec"]).runs()}
+    for run in edited["runs"]:
+        run["config_hash"] = hashes[(run["label"], run["seed"])]
+    return edited
+
+
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
     config = Settings(home=tmp_path / "home")
@@ -213,16 +246,16 @@ def test_a_number_no_run_could_have_measured_is_refused(
 
 
 def test_long_fine_tuning_curves_do_not_count_against_the_provenance_bound(
-    settings: Settings, payload: dict, tmp_path: Path
+    settings: Settings, tuned_file: Path, tmp_path: Path
 ) -> None:
-    def long_curve(p: dict) -> None:
-        curve = [[step, 2.0] for step in range(60_000)]  # progress_every 1, long fine-tunings
-        p["runs"][0]["provenance"]["finetune"] = {"yarn:2+ft60000": {"curve": curve}}
-
-    imported = import_results(
-        write(tmp_path, _edited(payload, long_curve)), settings=settings, actor="tester"
-    )
+    # A long fine-tuning reporting every step: a curve over the 1 MiB provenance bound.
+    payload = _retuned(json.loads(tuned_file.read_text()), 100_000)
+    curve = [[step, 2.0] for step in range(1, 100_001)]
+    payload["runs"][0]["provenance"]["finetune"]["yarn:2+ft100000"]["curve"] = curve
+    imported = import_results(write(tmp_path, payload), settings=settings, actor="tester")
     assert imported.runs == 2
+    stored = queries.runs(settings.database, study_id=imported.study_id)["provenance"][0]
+    assert stored["finetune"]["yarn:2+ft100000"]["curve"] == curve
 
 
 def test_a_file_nested_too_deep_or_with_huge_numbers_is_refused(
@@ -270,22 +303,76 @@ def test_a_missing_or_unreadable_file_says_so(settings: Settings, tmp_path: Path
     assert bad.returncode == 2 and "bad.json: not JSON" in bad.stderr
 
 
+def test_a_study_fine_tuned_by_posbench_run_imports_with_its_curves(
+    settings: Settings, tuned_file: Path
+) -> None:
+    done = posbench(settings, "import", str(tuned_file))
+    assert done.returncode == 0, done.stderr
+    assert "imported study 1 (tuned): 2 runs, 6 evaluations" in done.stdout
+    runs = queries.runs(settings.database, study_id=1).set_index("label")
+    written = {r["label"]: r["provenance"] for r in json.loads(tuned_file.read_text())["runs"]}
+    tuning = runs.loc["rope", "provenance"]["finetune"]["yarn:2+ft3"]
+    assert tuning == written["rope"]["finetune"]["yarn:2+ft3"]
+    assert [step for step, _ in tuning["curve"]] == [1, 2, 3]  # progress_every 1
+    assert "finetune" not in runs.loc["alibi", "provenance"]  # not scalable: not tuned
+
+
+def _long_curve(points: int) -> list:
+    return [[step, 2.0] for step in range(1, points + 1)]
+
+
 @pytest.mark.parametrize(
-    "curve",
+    ("tuned", "label", "curve", "message"),
     [
-        [[step, 2.0] for step in range(1_500_000)],  # more points than any fine-tuning has
-        [[1, "x" * 20_000_000]],  # 20 MB where a point's loss goes
+        # The reviewer's: a label no fine-tuning of the spec has, over the old bound.
+        (False, "yarn:2+ft1", _long_curve(200_000), "not a fine-tuned variant of this run's"),
+        (True, "yarn:2+ft200000", _long_curve(200_000), "(allowed: yarn:2+ft3)"),
+        # The label of a 3-step fine-tuning with a long curve.
+        (True, "yarn:2+ft3", _long_curve(200_000), ".curve: must be a list of at most 3 points"),
+        (True, "yarn:2+ft3", [[1, "x" * 20_000_000]], "each point must be a pair [step, loss]"),
     ],
-    ids=["too-many-points", "not-numbers"],
+    ids=["unknown-label", "label-of-no-variant", "too-many-points", "not-numbers"],
 )
 def test_a_huge_fine_tuning_curve_is_refused_and_nothing_written(
-    settings: Settings, payload: dict, tmp_path: Path, curve: list
+    settings: Settings,
+    payload: dict,
+    tuned_file: Path,
+    tmp_path: Path,
+    tuned: bool,
+    label: str,
+    curve: list,
+    message: str,
 ) -> None:
-    def huge(p: dict) -> None:
-        p["runs"][0]["provenance"]["finetune"] = {"yarn:2+ft1": {"curve": curve}}
-
-    done = posbench(settings, "import", str(write(tmp_path, _edited(payload, huge))))
+    edited = json.loads(tuned_file.read_text()) if tuned else _edited(payload, lambda p: None)
+    edited["runs"][0]["provenance"]["finetune"] = {label: {"steps": 3, "curve": curve}}
+    done = posbench(settings, "import", str(write(tmp_path, edited)))
     assert done.returncode == 2, done.stdout + done.stderr
-    assert "provenance.finetune.'yarn:2+ft1'.curve" in done.stderr
+    assert f"runs[0].provenance.finetune.'{label}'" in done.stderr
+    assert message in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+    assert queries.studies(settings.database).empty
+    assert queries.events(settings.database).empty
+
+
+@pytest.mark.parametrize(
+    ("curve", "message"),
+    [
+        ([[1, 2.0], [4, 2.0]], "the steps increasing within 1..3"),  # past its 3 steps
+        ([[0, 2.0]], "the steps increasing within 1..3"),
+        ([[2, 2.0], [1, 2.0]], "the steps increasing within 1..3"),
+        ([[1, -1.0]], "the loss 0..2^53"),
+        ([[1, float("nan")]], "the loss 0..2^53"),
+        ([[1, True]], "a pair [step, loss] of numbers"),
+        ({"1": 2.0}, "must be a list of at most 3 points"),
+    ],
+)
+def test_a_fine_tuning_curve_no_run_could_have_recorded_is_refused(
+    settings: Settings, tuned_file: Path, tmp_path: Path, curve, message: str
+) -> None:
+    edited = json.loads(tuned_file.read_text())
+    edited["runs"][0]["provenance"]["finetune"]["yarn:2+ft3"]["curve"] = curve
+    with pytest.raises(ImportProblem) as refused:
+        import_results(write(tmp_path, edited), settings=settings, actor="tester")
+    assert "runs[0].provenance.finetune.'yarn:2+ft3'.curve: " in str(refused.value)
+    assert message in str(refused.value)
     assert queries.studies(settings.database).empty

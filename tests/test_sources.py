@@ -5,10 +5,13 @@ the corpus roots, read under byte caps; hf: only where turned on; refusals at su
 from __future__ import annotations
 
 import os
+import re
+import sys
 import time
 from pathlib import Path
 
 import pytest
+import tomllib
 from conftest import isolated_env, posbench_cli
 from sqlalchemy import func, select
 
@@ -18,6 +21,7 @@ from db.models import Run, Study
 from jobs.settings import Settings
 from jobs.spec import parse_spec
 from worker.catalog.corpora import SourcePolicy, corpus_access_problem, scrub
+from worker.data import sources
 from worker.data.lm import CorpusError, load_corpus
 
 SECRET = "outside-secret-4711"  # a name that must never appear in a reason
@@ -132,8 +136,6 @@ def test_huggingface_only_where_an_operator_turned_it_on(layout) -> None:
 def test_a_hub_dataset_runs_no_code_and_is_sized_before_download(monkeypatch) -> None:
     from types import SimpleNamespace
 
-    from worker.data import sources
-
     calls = []
 
     def load_dataset_builder(path, name=None, trust_remote_code=None):
@@ -151,6 +153,85 @@ def test_a_hub_dataset_runs_no_code_and_is_sized_before_download(monkeypatch) ->
     assert calls == [("builder", False)]  # refused before anything was downloaded
     sources._load_dataset(fake, "wikitext", "raw", SourcePolicy(hf_enabled=True))
     assert calls[-1] == ("load", {"trust_remote_code": False})
+
+
+def _fake_datasets(calls: list, download_size=None, dataset_size=None):
+    """A ``datasets`` module that records what is asked of it and downloads nothing."""
+    from types import SimpleNamespace
+
+    def load_dataset_builder(path, name=None, trust_remote_code=None):
+        calls.append(("builder", path))
+        info = SimpleNamespace(download_size=download_size, dataset_size=dataset_size)
+        return SimpleNamespace(info=info)
+
+    def load_dataset(path, name=None, **kwargs):
+        calls.append(("load", path))
+        return {"train": [], "validation": []}
+
+    return SimpleNamespace(load_dataset_builder=load_dataset_builder, load_dataset=load_dataset)
+
+
+def test_a_hub_dataset_of_no_stated_size_is_refused_before_download(
+    tmp_path: Path, monkeypatch
+) -> None:
+    calls: list = []
+    monkeypatch.setitem(sys.modules, "datasets", _fake_datasets(calls))
+    with pytest.raises(CorpusError) as refused:
+        load_corpus("hf:wikitext:raw", tmp_path / "cache", SourcePolicy(hf_enabled=True))
+    message = str(refused.value)
+    assert message.startswith("corpus hf:wikitext:raw: the hub states no size for the dataset")
+    assert "POSBENCH_CORPUS_MAX_TOTAL_BYTES" in message and "corpus root" in message
+    assert calls == [("builder", "wikitext")] and not (tmp_path / "cache").exists()
+    # A stated size under the cap downloads.
+    sized = _fake_datasets(calls, dataset_size=5_000)
+    sources._load_dataset(sized, "wikitext", "raw", SourcePolicy(hf_enabled=True))
+    assert calls[-1] == ("load", "wikitext")
+
+
+def test_a_local_dataset_is_sized_by_its_files_before_it_is_loaded(
+    layout, tmp_path: Path, monkeypatch
+) -> None:
+    root = layout["root"]
+    dataset = root / "ds"
+    dataset.mkdir()
+    (dataset / "train.jsonl").write_text("x" * 6_000)
+    (dataset / "validation.jsonl").write_text("x" * 6_000)
+    calls: list = []
+    monkeypatch.setitem(sys.modules, "datasets", _fake_datasets(calls))
+    cache = tmp_path / "cache"
+    rules = policy(root, hf_enabled=True, max_total_bytes=10_000)
+    with pytest.raises(CorpusError) as refused:
+        load_corpus("hf:./ds", cache, rules)
+    assert str(refused.value) == (
+        "corpus hf:./ds: the dataset's files are over 10,000 bytes "
+        "(POSBENCH_CORPUS_MAX_TOTAL_BYTES); it is not loaded"
+    )
+    # A link out of the roots is refused by its name, not its target.
+    (dataset / "validation.jsonl").unlink()
+    (dataset / "escape.jsonl").symlink_to(layout["outside"] / "passwords.txt")
+    with pytest.raises(CorpusError, match=r"escape\.jsonl links outside the corpus roots") as out:
+        load_corpus("hf:./ds", cache, rules)
+    assert SECRET not in str(out.value)
+    assert calls == [] and not cache.exists()  # nothing loaded, nothing cached
+    (dataset / "escape.jsonl").unlink()
+    sources._load_dataset(sys.modules["datasets"], str(dataset.resolve()), "", rules)
+    assert calls == [("load", str(dataset.resolve()))]
+
+
+def test_pyproject_requires_datasets_that_runs_no_loading_script() -> None:
+    # datasets < 2.20 runs a dataset's loading script whatever it is told.
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+
+    def strings(value):
+        if isinstance(value, str):
+            yield value
+        elif isinstance(value, dict | list):
+            for item in value.values() if isinstance(value, dict) else value:
+                yield from strings(item)
+
+    named = [s for s in strings(pyproject) if re.match(r"datasets\b(?![-.])", s.strip())]
+    assert len(named) >= 2  # the hf and dev extras
+    assert all(s.replace(" ", "") == "datasets>=2.20" for s in named), named
 
 
 def test_settings_give_the_rules(tmp_path: Path, monkeypatch) -> None:

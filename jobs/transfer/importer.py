@@ -41,7 +41,7 @@ from jobs.results_schema import MAX_RESULTS_BYTES, RunRecord, parse_results
 from jobs.results_schema import Evaluation as Row
 from jobs.service import new_study
 from jobs.settings import Settings, get_settings
-from jobs.spec import MAX_STEPS, MAX_VARIANT_LABEL, SpecError, parse_spec
+from jobs.spec import MAX_VARIANT_LABEL, SpecError, parse_spec
 from jobs.status import RunStatus
 from worker.catalog.encodings import REGISTRY
 from worker.catalog.params import short_repr
@@ -157,47 +157,57 @@ def _check_values(where: str, run: RunRecord, spec) -> None:
             )
         if summary.value is not None and not math.isfinite(summary.value):
             raise ImportProblem(f"{at}: {summary.name} must be a finite number")
-    _check_provenance(where, run, spec)
 
 
-def _check_provenance(where: str, run: RunRecord, spec) -> None:
+def _check_provenance(where: str, run: RunRecord, spec, planned) -> None:
     """The provenance is a few fields, within MAX_PROVENANCE_BYTES, and the fine-tunings'
-    loss curves, which grow with their steps: one per variant at most, each a list of
-    at most MAX_STEPS (step, loss) pairs of numbers, so their size is bounded too."""
+    loss curves, which grow with their steps: one per fine-tuned variant of the run's
+    plan, each a list of at most that variant's steps (step, loss) pairs of numbers, as
+    the worker records them (one per progress report), so their size is bounded too."""
     tunings = run.provenance.get("finetune")
     rest = {k: v for k, v in run.provenance.items() if k != "finetune"}
     if isinstance(tunings, dict):
-        if len(tunings) > len(spec.eval.variants):
-            raise ImportProblem(
-                f"{where}.provenance.finetune: {len(tunings)} fine-tunings, more than the "
-                f"spec's {len(spec.eval.variants)} variants"
-            )
+        scalable = REGISTRY[planned.encoding.name].scalable
+        tuned = {
+            v.label: v.finetune.steps
+            for v, _, _ in spec.eval.plan(scalable)
+            if v.finetune is not None
+        }
         rest["finetune"] = {}
         for label, record in tunings.items():
+            at = f"{where}.provenance.finetune.{short_repr(label)}"
+            if label not in tuned:
+                raise ImportProblem(
+                    f"{at}: not a fine-tuned variant of this run's spec (allowed: "
+                    f"{', '.join(tuned) or 'none'})"
+                )
             if isinstance(record, dict) and "curve" in record:
-                _check_curve(f"{where}.provenance.finetune.{short_repr(label)}", record["curve"])
+                _check_curve(at, record["curve"], tuned[label])
                 record = {k: v for k, v in record.items() if k != "curve"}
             rest["finetune"][label] = record
     if len(json.dumps(rest, default=str)) > MAX_PROVENANCE_BYTES:
         raise ImportProblem(f"{where}.provenance: larger than 1 MiB (fine-tuning curves aside)")
 
 
-def _check_curve(at: str, curve: Any) -> None:
-    if not isinstance(curve, list) or len(curve) > MAX_STEPS:
-        raise ImportProblem(f"{at}.curve: must be a list of at most {MAX_STEPS:,} points")
-    last = -1
+def _check_curve(at: str, curve: Any, steps: int) -> None:
+    """A fine-tuning's curve: a point per progress report, at steps 1..``steps``."""
+    if not isinstance(curve, list) or len(curve) > steps:
+        raise ImportProblem(
+            f"{at}.curve: must be a list of at most {steps:,} points (the fine-tuning's steps)"
+        )
+    last = 0
     for point in curve:
         if not (
             isinstance(point, list)
             and len(point) == 2
             and type(point[0]) is int
-            and last < point[0] <= MAX_STEPS
+            and last < point[0] <= steps
             and type(point[1]) in (int, float)
-            and abs(point[1]) <= MAX_COUNT
+            and 0 <= point[1] <= MAX_COUNT
         ):
             raise ImportProblem(
                 f"{at}.curve: each point must be a pair [step, loss] of numbers, the steps "
-                f"increasing within 0..{MAX_STEPS:,}"
+                f"increasing within 1..{steps:,}, the loss 0..2^53"
             )
         last = point[0]
 
@@ -296,6 +306,7 @@ def _check_runs(path: Path, results, spec, planned) -> dict[str, list]:
                 raise ImportProblem(f"{path}: runs[{index}].{part}: {twice[0]} appears twice")
         _check_complete(path, index, run, spec, planned[run.config_hash])
         _check_values(f"{path}: runs[{index}]", run, spec)
+        _check_provenance(f"{path}: runs[{index}]", run, spec, planned[run.config_hash])
         summaries[run.config_hash] = _summaries(spec, run)
     missing = [r for h, r in planned.items() if h not in seen]
     if missing:

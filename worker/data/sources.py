@@ -168,11 +168,35 @@ def _hf_location(name: str, policy: SourcePolicy) -> str:
     return name
 
 
+def _local_size(location: str, policy: SourcePolicy) -> None:
+    """A local dataset is sized before it is loaded: its files' sizes summed (links out
+    of the roots and anything not a regular file refused), over the total cap refused."""
+    located = locate(location, policy, kind="hf")
+    if isinstance(located, str):
+        raise CorpusError(located)
+    path, root = located
+    if not path.exists():
+        raise CorpusError("no such file or folder")
+    total = 0
+    for name, target in _files(path, root) if path.is_dir() else [(path.name, path)]:
+        if not target.is_file():
+            raise CorpusError(f"{name} is not a regular file")
+        total += target.stat().st_size
+        if total > policy.max_total_bytes:
+            raise CorpusError(
+                f"the dataset's files are over {policy.max_total_bytes:,} bytes "
+                f"({TOTAL_CAP_SETTING}); it is not loaded"
+            )
+
+
 def _load_dataset(datasets, location: str, config: str, policy: SourcePolicy):
-    """The dataset, loaded without running any code of its own; a hub dataset whose
-    stated size is over the total cap is refused before anything is downloaded."""
+    """The dataset, loaded without running any code of its own; sized before it is
+    loaded: a local one by its files, a hub one by the size the hub states (one that
+    states none, or over the total cap, is refused before anything is downloaded)."""
     config_name = config or None
-    if not is_local(location):
+    if is_local(location):
+        _local_size(location, policy)
+    else:
         # datasets < 4 runs a loading script unless told not to; later versions run
         # none and refuse the argument here.
         builder_args = inspect.signature(datasets.load_dataset_builder).parameters
@@ -180,6 +204,12 @@ def _load_dataset(datasets, location: str, config: str, policy: SourcePolicy):
         builder = datasets.load_dataset_builder(location, config_name, **no_code)
         info = builder.info
         stated = max(info.download_size or 0, info.dataset_size or 0)
+        if not stated:
+            raise CorpusError(
+                "the hub states no size for the dataset, so it cannot be checked against "
+                f"{TOTAL_CAP_SETTING} before download; an operator can put its files in a "
+                "corpus root and name that folder instead"
+            )
         if stated > policy.max_total_bytes:
             raise CorpusError(
                 f"the dataset is {stated:,} bytes, over {policy.max_total_bytes:,} "
