@@ -226,9 +226,9 @@ def test_gpt2_past_n_positions_is_not_applicable_named_by_its_limit(
     assert at_the_end.not_applicable is None and at_the_end.loss > 0
     with pytest.raises(HfModelError, match=r"learned positions end at 32 \(n_positions\)"):
         model.model(torch.zeros(1, CONTEXT + 1, dtype=torch.long))
-    with pytest.raises(HfModelError, match="RoPE scalings apply to RoPE models"):
-        with model.model.scaled("yarn", 2.0, CONTEXT):
-            pass
+    scaled = model.model.scaled("yarn", 2.0, CONTEXT)
+    with pytest.raises(HfModelError, match="RoPE scalings apply to RoPE models"), scaled:
+        pass
 
 
 def test_each_token_carries_the_bytes_it_covers() -> None:
