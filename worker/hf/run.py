@@ -44,7 +44,7 @@ def run_hf(
 
     loaded = checked_model(spec, models)
     text = tokenized(task, loaded.tokenizer)
-    text.check_plan(spec.eval)
+    text.check_plan(spec.eval, spec.train.length if spec.eval.order_probe else None)
     rows = evaluate(
         loaded.model,
         text,

@@ -141,8 +141,16 @@ class TokenizedLanguageModelling(Task):
             scored = (position >= begin) & (position < begin + counts)
             yield Batch(inputs, targets, None if bool(scored.all()) else scored, None, covered)
 
-    def check_plan(self, spec: EvalSpec) -> None:
+    def check_plan(self, spec: EvalSpec, probe_length: int | None = None) -> None:
+        """Before the first evaluation: the longest length (and the order probe's,
+        ``probe_length``: the model's context) must fit the split in tokens."""
         self._plan(max(spec.lengths), "nonoverlapping", spec.tokens, None, None)
+        if probe_length is not None and len(self.ids) < probe_length + 1:
+            raise CorpusError(
+                f"the validation split is {len(self.ids)} tokens of the model's tokenizer; "
+                f"the order probe scores windows of train.length = {probe_length} tokens "
+                "(give a larger corpus, or eval.order_probe: false)"
+            )
 
 
 def tokenized(task: Task, tokenizer: Any) -> TokenizedLanguageModelling:
