@@ -256,3 +256,17 @@ def test_a_split_too_short_for_the_longest_length_is_refused_in_tokens(
     with pytest.raises(ValueError, match=f"needs at least {longest + 1}"):
         task.check_plan(EvalSpec(lengths=[longest]))
     task.check_plan(EvalSpec(lengths=[longest - 1], tokens=64))
+
+
+def test_weights_come_from_safetensors_only(models_root: Path) -> None:
+    import shutil
+
+    pickled = models_root / "pickled"
+    shutil.copytree(models_root / "llama", pickled)
+    (pickled / "model.safetensors").unlink()
+    (pickled / "pytorch_model.bin").write_bytes(b"not read")
+    policy = ModelPolicy(roots=(models_root.resolve(),))
+    with pytest.raises(HfModelError, match=r"no \*\.safetensors weights"):
+        load_model("pickled", policy)
+    with pytest.raises(HfModelError, match="not inside the models roots"):
+        load_model(str(models_root), ModelPolicy(roots=(models_root.resolve() / "llama",)))

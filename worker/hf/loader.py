@@ -96,7 +96,7 @@ def load_model(name: str, policy: ModelPolicy) -> LoadedModel:
             source, attn_implementation="sdpa", dtype=torch.float32, use_safetensors=True, **common
         )
         tokenizer = AutoTokenizer.from_pretrained(source, **common)
-    except (OSError, ValueError, KeyError) as err:
+    except Exception as err:  # the libraries raise many types; report any of them plainly
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         # A library's words may name its cache or the working folder: paths outside the
         # roots are not shown.
