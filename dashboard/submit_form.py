@@ -16,7 +16,6 @@ import streamlit as st
 from pydantic import BaseModel
 
 from jobs.spec import QUEUES, EvalSpec, ModelSpec, TrainSpec
-from jobs.spec.base import MAX_TRAIN_LENGTH
 from worker.catalog.encodings import REGISTRY, SCALINGS
 from worker.catalog.models import MODEL_PRESETS
 from worker.catalog.params import Param
@@ -186,8 +185,7 @@ def _step_inputs(train: dict[str, Any], key: Keys) -> dict[str, Any]:
                 "Train length",
                 value=train.get("length", 128),
                 key=key("length"),
-                # The form trains: a model.hf's longer context is not its to give.
-                **(spec_bounds(TrainSpec, "length") | {"max_value": MAX_TRAIN_LENGTH}),
+                **spec_bounds(TrainSpec, "length"),
             )
         ),
         "steps": int(
@@ -195,7 +193,7 @@ def _step_inputs(train: dict[str, Any], key: Keys) -> dict[str, Any]:
                 "Steps",
                 value=train.get("steps", 600),
                 key=key("steps"),
-                **(spec_bounds(TrainSpec, "steps") | {"min_value": 1}),
+                **spec_bounds(TrainSpec, "steps"),
             )
         ),
         "batch_size": int(
