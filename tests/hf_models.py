@@ -18,6 +18,7 @@ TEXT = (
     "Ünïcödé bytes and an emoji 😀 take several bytes each. "
 )
 FAMILIES = ("gpt2", "gpt_neox", "llama")
+MORE_ROPE = ("mistral", "qwen2")  # the other RoPE families, HF's Llama code path
 CONTEXT = 32  # n_positions / max_position_embeddings of every tiny model
 VOCAB = 320
 SEED = 1234
@@ -45,7 +46,7 @@ def build_tokenizer():
 
 def model_config(family: str, vocab_size: int, eos: int, **extra: Any):
     """The config of a tiny model of ``family``: 2 layers, 2 heads of 16 dimensions."""
-    from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig
+    from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig, MistralConfig, Qwen2Config
 
     ids = {"bos_token_id": eos, "eos_token_id": eos, "vocab_size": vocab_size}
     if family == "gpt2":
@@ -61,6 +62,10 @@ def model_config(family: str, vocab_size: int, eos: int, **extra: Any):
         return GPTNeoXConfig(rotary_pct=0.25, **sizes, **ids, **extra)
     if family == "llama":
         return LlamaConfig(num_key_value_heads=1, **sizes, **ids, **extra)
+    if family == "mistral":
+        return MistralConfig(num_key_value_heads=1, sliding_window=None, **sizes, **ids, **extra)
+    if family == "qwen2":
+        return Qwen2Config(num_key_value_heads=1, rope_theta=1e4, **sizes, **ids, **extra)
     raise ValueError(family)
 
 

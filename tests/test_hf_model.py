@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hf_models import CONTEXT, FAMILIES, build_tokenizer, corpus_text, save_model
+from hf_models import CONTEXT, FAMILIES, MORE_ROPE, build_tokenizer, corpus_text, save_model
 
 from jobs.spec import EvalSpec, VariantSpec
 from worker.catalog.hf_models import HfModelError, ModelPolicy
@@ -32,7 +32,7 @@ CPU = torch.device("cpu")
 @pytest.fixture(scope="module")
 def models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("models")
-    for family in FAMILIES:
+    for family in (*FAMILIES, *MORE_ROPE):
         save_model(root / family, family)
     return root
 
@@ -270,3 +270,24 @@ def test_weights_come_from_safetensors_only(models_root: Path) -> None:
         load_model("pickled", policy)
     with pytest.raises(HfModelError, match="not inside the models roots"):
         load_model(str(models_root), ModelPolicy(roots=(models_root.resolve() / "llama",)))
+
+
+@pytest.mark.parametrize("family", MORE_ROPE)
+@pytest.mark.parametrize("variant", ["none", "yarn:4"])
+def test_mistral_and_qwen2_are_evaluated_like_llama(
+    models_root: Path, family: str, variant: str
+) -> None:
+    model = load_model(family, ModelPolicy(roots=(models_root.resolve(),)))
+    assert (model.facts.encoding, model.facts.rotary.rotary_dim) == ("rope", 16)
+    task = text_task(model.tokenizer)
+    length = 2 * CONTEXT
+    usable = (len(task.ids) - length) // length * length
+    task.ids, task.bytes = task.ids[: usable + length], task.bytes[: usable + length]
+    row = posbench_row(model.model, task, length, "nonoverlapping", variant)
+    theirs = (
+        model.model.hf
+        if variant == "none"
+        else hf_model_with(models_root / family, hand_written(variant, 8))
+    )
+    nats, count = reference(theirs, task.ids, nonoverlapping(usable, length))
+    assert row.loss == pytest.approx(nats / count, abs=1e-5)
