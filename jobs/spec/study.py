@@ -225,7 +225,7 @@ class StudySpec(_Strict):
 
     def _encoding_problems(self) -> list[str]:
         """Each encoding's own rules for this model, and the scalings it must carry (an
-        hf: model's config is checked where it is read: ``model_problem``)."""
+        hf: model's config is checked where it is read: ``source_problem``)."""
         problems = []
         scalings = [v for v in self.eval.variants if v.method != "none"]
         if (
