@@ -51,6 +51,9 @@ class Metric:
     # on import), and that function in words.
     to_loss: Callable[[float], float] | None = None
     from_loss: str = ""
+    # Whether ``to_loss`` holds only where the loss is per byte (posbench's byte-level
+    # models): an hf: model's loss is per token of its tokenizer.
+    per_byte: bool = False
 
     def format(self, value: float | None) -> str:
         """A table cell: the value in the metric's format, ``n/a`` without one."""
@@ -75,7 +78,8 @@ METRICS: dict[str, Metric] = {
             lower_is_better=True,
             fmt=".2f",
             column="loss",
-            description="mean next-byte cross-entropy of the scored bytes (nats per byte)",
+            description="mean next-byte cross-entropy of the scored bytes (nats per byte; "
+            "per token of its tokenizer for an hf: model)",
             every_task=True,
         ),
         Metric(
@@ -98,9 +102,12 @@ METRICS: dict[str, Metric] = {
             lower_is_better=True,
             fmt=".2f",
             column="bits_per_byte",
-            description="loss / ln 2: the bits a byte costs to encode",
+            description="the bits a byte of text costs to encode: loss / ln 2 for byte-level "
+            "models; the scored tokens' nats / (ln 2 x the bytes they cover) for an hf: "
+            "model, so models with different tokenizers compare",
             to_loss=lambda value: value * math.log(2),
             from_loss="loss / ln 2",
+            per_byte=True,
         ),
         Metric(
             name="accuracy",

@@ -20,6 +20,7 @@ from jobs.metrics import kind_of, reported
 from jobs.render.report import plot_curves, seed_bands
 from jobs.render.tables import CurveTable, curve_table, markdown_frame
 from jobs.results_schema import MAX_RESULTS_BYTES, StudyResults
+from jobs.safe_text import markup
 from jobs.spec import DEFAULT_NAME, StudySpec
 from jobs.status import RunStatus
 from worker.catalog.params import short_repr
@@ -195,7 +196,8 @@ def _prepare(spec: StudySpec, out: Path | None, device: str | None):
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     settings = get_settings()
-    problem = spec.task.source_problem(settings.sources)  # before anything is written
+    # Before anything is written: the corpus and the hf: model, under the operator's rules.
+    problem = spec.source_problem(settings.sources, settings.models)
     if problem:
         _fail(problem)
     private = out is None  # under $POSBENCH_HOME: its owner's alone
@@ -223,6 +225,7 @@ def _prepare(spec: StudySpec, out: Path | None, device: str | None):
 
 
 def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: str | None) -> None:
+    from jobs.settings import get_settings
     from worker.cpu import flush_denormals
     from worker.run import run_study
     from worker.training import TrainingDiverged
@@ -231,8 +234,13 @@ def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: 
     console = Console(stderr=as_json)
     out, private, checkpoints, torch_device, task = _prepare(spec, out, device)
     runs = spec.runs()
+    work = (
+        f"{len(runs)} runs x {spec.train.steps} steps"
+        if spec.model.hf is None
+        else f"{markup(runs[0].encoding.label)} as it is (no training)"
+    )
     console.print(
-        f"study [bold]{spec.name}[/]: {len(runs)} runs x {spec.train.steps} steps on "
+        f"study [bold]{spec.name}[/]: {work} on "
         f"{torch_device}, evaluated at {', '.join(map(str, spec.eval.lengths))}"
     )
     view = _StudyView(spec, runs, console)
@@ -244,6 +252,7 @@ def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: 
                 device=torch_device,
                 checkpoint_dir=checkpoints,
                 hooks_for=view.hooks_for,
+                models=get_settings().models,
             )
     except TrainingDiverged as err:
         Console(stderr=True).print(f"[bold red]run failed:[/] {err}")

@@ -60,7 +60,7 @@ class Refused(ValueError):
 def check_sources(spec: StudySpec, settings: Settings) -> None:
     """Refuse, before anything is stored, a spec whose data this service may not read
     (the worker checks again where it reads)."""
-    problem = spec.task.source_problem(settings.sources)
+    problem = spec.source_problem(settings.sources, settings.models)  # corpus and hf: model
     if problem:
         raise Refused(problem)
 

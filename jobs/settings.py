@@ -22,8 +22,9 @@
 | POSBENCH_CORPUS_ROOTS | <home>/corpora | folders a text: corpus may come from (':'-separated) |
 | POSBENCH_CORPUS_MAX_FILE_BYTES | 268435456 (256 MiB) | a larger text: corpus file is refused |
 | POSBENCH_CORPUS_MAX_TOTAL_BYTES | 1073741824 (1 GiB) | a larger corpus (in all) is refused |
-| POSBENCH_HF_DATASETS | false | whether hf: corpora (HuggingFace datasets) may be loaded |
-| POSBENCH_HF_ALLOW | unset | when set, the only hf: dataset names allowed (separated by ',') |
+| POSBENCH_HF_DATASETS | false | whether hf: corpora and hub models (model.hf) may be loaded |
+| POSBENCH_HF_ALLOW | unset | when set, the only hf: datasets and hub models allowed (',') |
+| POSBENCH_MODELS_ROOTS | <home>/models | folders a model.hf folder may come from (':'-separated) |
 | POSBENCH_MAX_STUDY_FLOPS | 1e19 | a study estimated above this (6 x params x tokens) is refused |
 | POSBENCH_MAX_ACTIVE_RUNS | 32 | most runs queued or running; a study over it is refused |
 | POSBENCH_MAX_ACTIVE_RUNS_PER_SUBMITTER | 16 | the same, for the runs of one submitter's studies |
@@ -49,6 +50,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from worker.catalog.corpora import MiB, SourcePolicy, forbidden
+from worker.catalog.hf_models import ModelPolicy
 
 BROKER_SCHEMES = ("redis", "rediss", "redis+socket")
 DATABASE_BACKENDS = ("sqlite", "postgresql")
@@ -96,9 +98,15 @@ class Settings(BaseSettings):
     )
     corpus_max_file_bytes: int = Field(256 * MiB, ge=1, description="largest corpus file")
     corpus_max_total_bytes: int = Field(1024 * MiB, ge=1, description="largest corpus in all")
-    hf_datasets: bool = Field(False, description="whether hf: corpora may be loaded")
+    hf_datasets: bool = Field(
+        False, description="whether hf: corpora and hub models (model.hf) may be loaded"
+    )
     hf_allow: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="the only hf: datasets allowed (empty: any)"
+        default_factory=list,
+        description="the only hf: datasets and hub models allowed (empty: any)",
+    )
+    models_roots: Annotated[list[Path] | None, NoDecode] = Field(
+        None, description="folders a model.hf folder may come from (default: <home>/models)"
     )
 
     # Quotas: what one accepted spec may cost the service (jobs.quotas, the worker).
@@ -133,7 +141,7 @@ class Settings(BaseSettings):
         7.0, ge=0, le=3650, description="how long a deleted study can be restored"
     )
 
-    @field_validator("corpus_roots", "hf_allow", mode="before")
+    @field_validator("corpus_roots", "models_roots", "hf_allow", mode="before")
     @classmethod
     def _split(cls, value: Any, info) -> Any:
         # From the environment: a JSON list, or names separated by ':' (roots, like
@@ -142,7 +150,7 @@ class Settings(BaseSettings):
             return value
         if value.lstrip().startswith("["):
             return json.loads(value)
-        separator = os.pathsep if info.field_name == "corpus_roots" else ","
+        separator = os.pathsep if info.field_name.endswith("_roots") else ","
         return [part.strip() for part in value.split(separator) if part.strip()]
 
     @field_validator("dashboard_operators", "dashboard_viewers", mode="before")
@@ -155,7 +163,7 @@ class Settings(BaseSettings):
             return json.loads(value)
         return [part.strip().lower() for part in value.split(",") if part.strip()]
 
-    @field_validator("corpus_roots")
+    @field_validator("corpus_roots", "models_roots")
     @classmethod
     def _corpus_roots(cls, roots: list[Path] | None) -> list[Path] | None:
         for root in roots or ():
@@ -260,6 +268,18 @@ class Settings(BaseSettings):
             hf_enabled=self.hf_datasets,
             hf_allow=tuple(self.hf_allow),
             max_cache_bytes=self.max_cache_bytes or None,
+        )
+
+    @property
+    def models(self) -> ModelPolicy:
+        """The rules on hf: models (model.hf), for the spec's check at submit and the
+        loader: folders in the models roots; hub ids under the hf: corpora's switch and
+        allow-list."""
+        roots = self.models_roots if self.models_roots is not None else [self.home / "models"]
+        return ModelPolicy(
+            roots=tuple(dict.fromkeys(root.expanduser().resolve() for root in roots)),
+            hub_enabled=self.hf_datasets,
+            hub_allow=tuple(self.hf_allow),
         )
 
     @property

@@ -1,7 +1,9 @@
 """Extrapolation evaluation: one trained model, every (variant x protocol x length).
 
-For language modelling the metrics are mean loss (nats per byte), perplexity and
-bits per byte, plus the loss in log-spaced bins of position inside the window;
+For language modelling the metrics are mean loss (nats per byte; per token of its
+tokenizer for an hf: model), perplexity and bits per byte (the scored targets' nats
+over ln 2 x the bytes of text they cover: loss / ln 2 for byte-level models), plus the
+loss in log-spaced bins of position inside the window;
 synthetic tasks report exact-match accuracy (per group too, e.g. a pass key's
 depth). Every row records tokens/s and peak memory. A length an encoding cannot
 represent (a learned table past its end) is recorded as *not applicable*, never
@@ -68,6 +70,7 @@ class _Accumulator:
     def __init__(self, length: int) -> None:
         self.loss_sum = 0.0
         self.tokens = 0
+        self.text_bytes: int | None = None  # bytes the scored targets cover (tokenizers)
         self.position_loss = torch.zeros(length, dtype=torch.float64)
         self.position_tokens = torch.zeros(length, dtype=torch.float64)
         self.inputs = 0
@@ -90,6 +93,9 @@ class _Accumulator:
         self.inputs += batch.inputs.numel()
         self.loss_sum += float(masked.sum(dtype=torch.float64))
         self.tokens += int(scored.sum())
+        if batch.target_bytes is not None:
+            covered = int((batch.target_bytes * scored).sum(dtype=torch.int64))
+            self.text_bytes = (self.text_bytes or 0) + covered
         self.position_loss += masked.sum(0).double().cpu()
         self.position_tokens += scored.sum(0).double().cpu()
         if batch.scored is not None:
@@ -251,7 +257,9 @@ def evaluate_length(
     row.loss = result.loss_sum / max(1, result.tokens)
     if kind_of(task.metric) is Kind.LANGUAGE_MODELLING:
         row.perplexity = math.exp(row.loss)
-        row.bits_per_byte = row.loss / math.log(2)
+        # Per byte of text whatever the tokenizer: models with different ones compare.
+        per_byte = result.loss_sum / result.text_bytes if result.text_bytes else row.loss
+        row.bits_per_byte = per_byte / math.log(2)
         row.position_bins = result.bins()
     else:
         row.accuracy = result.exact / max(1, result.examples)

@@ -28,6 +28,7 @@ from jobs.results_schema import Evaluation
 from jobs.spec import RunSpec, StudySpec
 from worker.catalog.corpora import SourcePolicy
 from worker.catalog.encodings import REGISTRY
+from worker.catalog.hf_models import NO_MODELS, ModelPolicy
 from worker.data import build_task
 from worker.data.base import NO_SOURCES, Task
 from worker.evaluate import evaluate, validation_loss
@@ -260,13 +261,23 @@ def run_one(
     skip_evaluations: set[tuple[str, str, int]] | None = None,
     min_checkpoint_seconds: float = 0.0,
     disk_budget: DiskBudget | None = None,
+    models: ModelPolicy = NO_MODELS,
 ) -> RunResult:
     """Train one (encoding, seed) of ``spec`` and evaluate it at every planned point but
     those in ``skip_evaluations`` (stored by an earlier attempt); ``task`` is the
     study's task, prepared (``prepared_task``); ``hooks`` hear the run's progress and
     may stop it; ``min_checkpoint_seconds`` spaces the periodic checkpoints (the
     service's floor; 0: every ``checkpoint_every`` steps) and ``disk_budget`` skips
-    those that would not fit (the service's artifacts budget; None: no bound)."""
+    those that would not fit (the service's artifacts budget; None: no bound). A study
+    of an hf: model trains nothing and evaluates that model, loaded from where
+    ``models`` (the operator's rules) allow (``worker.hf.run``)."""
+    if spec.model.hf is not None:
+        from worker.hf.run import run_hf
+
+        skip = skip_evaluations
+        return run_hf(
+            spec, run, task=task, device=device, hooks=hooks, skip_evaluations=skip, models=models
+        )
     model = build_run_model(spec, run)
     spacing = {"min_checkpoint_seconds": min_checkpoint_seconds, "disk_budget": disk_budget}
     trained = train_run_model(
@@ -358,9 +369,11 @@ def run_study(
     device: torch.device,
     checkpoint_dir: Path | None = None,
     hooks_for: Callable[[RunSpec], RunHooks] | None = None,
+    models: ModelPolicy = NO_MODELS,
 ) -> StudyResult:
     """Every run of ``spec``, one after another, in this process (``task``: the study's
-    task, prepared). ``hooks_for(run)`` gives the hooks of each run, asked as it starts."""
+    task, prepared). ``hooks_for(run)`` gives the hooks of each run, asked as it starts;
+    ``models`` says where an hf: model may be loaded from."""
     result = StudyResult(spec)
     data = hashlib.sha256(task.fingerprint.encode()).hexdigest()[:12]
     for run in spec.runs():
@@ -368,8 +381,20 @@ def run_study(
         # Named by what was trained, on which data: a study that only evaluates
         # differently (another stride, a new length or variant) finds the trained model
         # and trains nothing; an edited corpus file has another fingerprint.
-        checkpoint = checkpoint_dir / f"{run.train_hash}-{data}.pt" if checkpoint_dir else None
+        checkpoint = (
+            checkpoint_dir / f"{run.train_hash}-{data}.pt"
+            if checkpoint_dir and run.train_hash
+            else None
+        )
         result.runs.append(
-            run_one(spec, run, task=task, device=device, checkpoint=checkpoint, hooks=hooks)
+            run_one(
+                spec,
+                run,
+                task=task,
+                device=device,
+                checkpoint=checkpoint,
+                hooks=hooks,
+                models=models,
+            )
         )
     return result

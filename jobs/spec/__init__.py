@@ -8,8 +8,9 @@ value and what is allowed.
 
 The package, lowest first: ``base`` (version, bounds, the error), ``parts`` (task,
 model, training, encoding, fine-tuning), ``variants`` (evaluation variants and
-settings), ``study`` (the study and its runs), ``loading`` (mappings and YAML files)
-and ``presets``. Torch-free: the CLI and the dashboard validate specs without it.
+settings), ``hf`` (the rules of a study of a HuggingFace model, ``model: {hf: NAME}``),
+``study`` (the study and its runs), ``loading`` (mappings and YAML files) and
+``presets``. Torch-free: the CLI and the dashboard validate specs without it.
 """
 
 from jobs.spec.base import (

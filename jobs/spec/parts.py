@@ -11,6 +11,7 @@ from pydantic import (
 
 from jobs.metrics import Kind
 from jobs.spec.base import (
+    MAX_EVAL_LENGTH,
     MAX_PARAMETERS,
     MAX_STEPS,
     MAX_TRAIN_LENGTH,
@@ -19,6 +20,7 @@ from jobs.spec.base import (
 )
 from worker.catalog.corpora import SourcePolicy
 from worker.catalog.encodings import REGISTRY, info
+from worker.catalog.hf_models import HF_ENCODING, MAX_NAME
 from worker.catalog.models import MODEL_PRESETS
 from worker.catalog.params import short_repr
 from worker.catalog.tasks import DEFAULT_TASK, TASKS, task_info
@@ -71,6 +73,13 @@ class ModelSpec(_Strict):
     n_layers: int = Field(4, ge=1, le=64)
     n_heads: int = Field(4, ge=1, le=64)
     preset: str | None = None
+    hf: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_NAME,
+        description="a HuggingFace causal LM to evaluate as it is: a folder in a models root "
+        "or, where an operator allows it, a hub id (docs/evaluate-your-own-model.md)",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -98,6 +107,8 @@ class ModelSpec(_Strict):
 
     @model_validator(mode="after")
     def _shape(self) -> ModelSpec:
+        if self.hf is not None:
+            return self._hf_only()
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
         if (self.d_model // self.n_heads) % 2:
@@ -108,6 +119,21 @@ class ModelSpec(_Strict):
         if self.parameters > MAX_PARAMETERS:
             raise ValueError(
                 f"{self.parameters:,} parameters exceed the limit of {MAX_PARAMETERS:,}"
+            )
+        return self
+
+    def _hf_only(self) -> ModelSpec:
+        """An hf: model brings its own size: no preset, dimensions left at their defaults."""
+        if not self.hf or not self.hf.strip() or any(not ch.isprintable() for ch in self.hf):
+            raise ValueError("model.hf must be a printable folder name or hub id, not blank")
+        given = [
+            name
+            for name, field in type(self).model_fields.items()
+            if name != "hf" and getattr(self, name) != field.default
+        ]
+        if given:
+            raise ValueError(
+                f"model.hf brings its own size; give either hf or {', '.join(given)}, not both"
             )
         return self
 
@@ -122,9 +148,19 @@ class ModelSpec(_Strict):
     def dims(self) -> dict[str, int]:
         return {"d_model": self.d_model, "n_layers": self.n_layers, "n_heads": self.n_heads}
 
+    def identity(self) -> dict[str, Any]:
+        """What a run's hashes know of the model: its dimensions, or its hf: name."""
+        return {"hf": self.hf} if self.hf is not None else self.dims()
+
 
 class TrainSpec(_Strict):
-    length: int = Field(128, ge=8, le=MAX_TRAIN_LENGTH, description="training sequence length")
+    length: int = Field(
+        128,
+        ge=8,
+        le=MAX_EVAL_LENGTH,
+        description=f"training sequence length (at most {MAX_TRAIN_LENGTH} to train; a "
+        "model.hf's original context, up to the longest evaluation length)",
+    )
     min_length: int | None = Field(
         None,
         ge=2,
@@ -133,7 +169,9 @@ class TrainSpec(_Strict):
         "(training on every length up to length, as in the randomized-positions and NoPE "
         "length-generalisation papers); default: every step at length",
     )
-    steps: int = Field(600, ge=1, le=MAX_STEPS)
+    steps: int = Field(
+        600, ge=0, le=MAX_STEPS, description="optimizer steps (0, no training: model.hf only)"
+    )
     batch_size: int = Field(16, ge=1, le=1024)
     grad_accum: int = Field(
         1, ge=1, le=256, description="micro-batches of batch_size per optimizer step"
@@ -211,6 +249,30 @@ class EncodingSpec(_Strict):
             if p.name in self.params and self.params[p.name] != p.default
         ]
         return f"{self.name}({', '.join(changed)})" if changed else self.name
+
+
+class HfEncoding(_Strict):
+    """The run's encoding when the study evaluates an hf: model: the model's own (what it
+    is, learned or RoPE, its config says; worker.catalog.hf_models). Named like an
+    encoding (``name``, ``label``, parameters) wherever a run's encoding is."""
+
+    model: str
+
+    @property
+    def name(self) -> str:
+        return HF_ENCODING
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return {"model": self.model}
+
+    @property
+    def resolved_params(self) -> dict[str, Any]:
+        return self.params
+
+    @property
+    def label(self) -> str:
+        return f"{HF_ENCODING}:{self.model}"
 
 
 def _format_param(value: Any) -> str:

@@ -26,8 +26,10 @@ from jobs.spec.base import (
     Queue,
     _Strict,
 )
+from jobs.spec.hf import hf_defaults, hf_problems, model_source_problem, trained_problems
 from jobs.spec.parts import (
     EncodingSpec,
+    HfEncoding,
     ModelSpec,
     TaskSpec,
     TrainSpec,
@@ -36,7 +38,9 @@ from jobs.spec.variants import (
     EvalSpec,
     VariantSpec,
 )
+from worker.catalog.corpora import SourcePolicy
 from worker.catalog.encodings import REGISTRY, SCALINGS, Fit, info
+from worker.catalog.hf_models import ModelPolicy
 from worker.catalog.params import is_positive_int, short_repr
 from worker.catalog.tasks import TASKS
 
@@ -46,12 +50,13 @@ CHECKPOINT_BYTES_PER_PARAMETER = 12
 
 class RunSpec(_Strict):
     """One trained model of a study: (encoding, seed), with its config hash (everything
-    its results depend on) and its train hash (what the trained model depends on)."""
+    its results depend on) and its train hash (what the trained model depends on; None
+    for an hf: model, which nothing trains: the model cache has nothing to share)."""
 
-    encoding: EncodingSpec
+    encoding: EncodingSpec | HfEncoding
     seed: int
     config_hash: str
-    train_hash: str
+    train_hash: str | None
 
 
 class StudySpec(_Strict):
@@ -69,7 +74,8 @@ class StudySpec(_Strict):
     task: TaskSpec = Field(default_factory=TaskSpec)
     model: ModelSpec = Field(default_factory=lambda: ModelSpec.model_validate("small"))
     train: TrainSpec = Field(default_factory=TrainSpec)
-    encodings: Annotated[list[EncodingSpec], Field(min_length=1, max_length=MAX_RUNS)]
+    # At least one, unless model.hf (then none: the model brings its own); checked below.
+    encodings: Annotated[list[EncodingSpec], Field(max_length=MAX_RUNS)]
     seeds: Annotated[
         list[Annotated[int, Field(ge=0, lt=2**31)]], Field(min_length=1, max_length=16)
     ] = Field(default_factory=lambda: [0])
@@ -83,7 +89,9 @@ class StudySpec(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _default_lengths(cls, data: Any) -> Any:
-        """Without eval.lengths, evaluate at 1, 2, 4 and 8 times the training length."""
+        """Without eval.lengths, evaluate at 1, 2, 4 and 8 times the training length (an
+        hf: model's defaults first: jobs.spec.hf)."""
+        data = hf_defaults(data)
         if not isinstance(data, dict):
             return data
         evaluation = data.get("eval", {})
@@ -102,7 +110,8 @@ class StudySpec(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> StudySpec:
         problems = (
-            self._grid_problems()
+            (hf_problems(self) if self.model.hf is not None else trained_problems(self))
+            + self._grid_problems()
             + self._budget_problems()
             + self._length_problems()
             + self._protocol_problems()
@@ -215,10 +224,15 @@ class StudySpec(_Strict):
         return problems
 
     def _encoding_problems(self) -> list[str]:
-        """Each encoding's own rules for this model, and the scalings it must carry."""
+        """Each encoding's own rules for this model, and the scalings it must carry (an
+        hf: model's config is checked where it is read: ``source_problem``)."""
         problems = []
         scalings = [v for v in self.eval.variants if v.method != "none"]
-        if scalings and not any(REGISTRY[e.name].scalable for e in self.encodings):
+        if (
+            scalings
+            and self.model.hf is None
+            and not any(REGISTRY[e.name].scalable for e in self.encodings)
+        ):
             scalable = ", ".join(n for n, e in REGISTRY.items() if e.scalable)
             problems.append(
                 f"eval.variants: {short_repr(scalings[0].label)} scales RoPE and applies "
@@ -288,7 +302,7 @@ class StudySpec(_Strict):
                 f"the training length {self.train.length} is not among eval.lengths: "
                 "extrapolation ratios and the effective length will stay empty"
             )
-        if not any(REGISTRY[e.name].scalable for e in self.encodings):
+        if self.model.hf is None and not any(REGISTRY[e.name].scalable for e in self.encodings):
             return out
         labels = {v.label for v in self.eval.variants}
         for method, scaling in SCALINGS.items():  # each scaling's first note, in its order
@@ -338,12 +352,32 @@ class StudySpec(_Strict):
         """The size of one run's checkpoint, estimated as 12 bytes per parameter: float32
         weights and AdamW's two float32 moments (the parameters as the FLOPs estimate
         counts them; the RNG states and the loss curve add little): what
-        POSBENCH_MAX_CHECKPOINT_BYTES bounds. A fine-tuned variant's is as large."""
+        POSBENCH_MAX_CHECKPOINT_BYTES bounds. A fine-tuned variant's is as large. An hf:
+        model writes none."""
+        if self.model.hf is not None:
+            return 0
         return CHECKPOINT_BYTES_PER_PARAMETER * self.model.parameters
+
+    def source_problem(self, sources: SourcePolicy, models: ModelPolicy) -> str | None:
+        """Why this service may not read the study's data (``sources``: the corpus rules)
+        or its hf: model (``models``: the models roots, the hub switch), or None: the
+        caller's settings, checked at submit and by ``posbench run``."""
+        return self.task.source_problem(sources) or model_source_problem(self, models)
 
     # -- runs ---------------------------------------------------------------------------------
 
     def runs(self) -> list[RunSpec]:
+        if self.model.hf is not None:  # one run: the model itself
+            encoding = HfEncoding(model=self.model.hf)
+            seed = self.seeds[0]
+            return [
+                RunSpec(
+                    encoding=encoding,
+                    seed=seed,
+                    config_hash=self.config_hash(encoding, seed),
+                    train_hash=None,
+                )
+            ]
         return [
             RunSpec(
                 encoding=encoding,
@@ -355,7 +389,7 @@ class StudySpec(_Strict):
             for seed in self.seeds
         ]
 
-    def _training_payload(self, encoding: EncodingSpec, seed: int) -> dict[str, Any]:
+    def _training_payload(self, encoding: EncodingSpec | HfEncoding, seed: int) -> dict[str, Any]:
         # Reporting, checkpointing and validation change no weight of the trained model.
         reporting = {"checkpoint_every", "progress_every", "val_every", "val_tokens"}
         train = self.train.model_dump(exclude=reporting)
@@ -365,10 +399,12 @@ class StudySpec(_Strict):
             del train["grad_accum"]
         if train["min_length"] is None:
             del train["min_length"]
+        if self.model.hf is not None:  # nothing trained: the model's original context
+            train = {"length": self.train.length}
         return {
             "results_version": RESULTS_VERSION,
             "task": {"name": self.task.name, "params": self.task.params},
-            "model": self.model.dims(),
+            "model": self.model.identity(),
             "train": train,
             "encoding": {"name": encoding.name, "params": encoding.resolved_params},
             "seed": seed,
@@ -379,7 +415,7 @@ class StudySpec(_Strict):
         canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
         return hashlib.sha256(canonical.encode()).hexdigest()[:24]
 
-    def config_hash(self, encoding: EncodingSpec, seed: int) -> str:
+    def config_hash(self, encoding: EncodingSpec | HfEncoding, seed: int) -> str:
         """Stable hash of everything that changes a run's results (not the study's name,
         nor the other encodings or seeds), RESULTS_VERSION included."""
         evaluation = self.eval.model_dump(mode="json", exclude={"order_probe"})
@@ -391,7 +427,7 @@ class StudySpec(_Strict):
         # The order probe adds summaries but changes no point of the curve.
         return self._digest({**self._training_payload(encoding, seed), "eval": evaluation})
 
-    def train_hash(self, encoding: EncodingSpec, seed: int) -> str:
+    def train_hash(self, encoding: EncodingSpec | HfEncoding, seed: int) -> str:
         """Stable hash of what the trained model depends on: the config hash less the
         evaluation settings. Runs that share it share their trained model (a study that
         only evaluates differently trains nothing again), and it stamps checkpoints."""

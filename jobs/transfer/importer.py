@@ -87,12 +87,14 @@ def _check_complete(path: Path, index: int, run: RunRecord, spec, planned) -> No
     """A run is stored as done only when it is whole: trained for the spec's steps, and
     evaluated at exactly the points its spec plans for it."""
     where = f"{path}: runs[{index}] ({run.label}, seed {run.seed})"
-    if run.train.steps != spec.train.steps or not run.train.curve:
+    # An hf: model trains nothing (0 steps, no curve).
+    if run.train.steps != spec.train.steps or (spec.train.steps and not run.train.curve):
         raise ImportProblem(
             f"{where} trained {run.train.steps} of {spec.train.steps} steps"
             + ("" if run.train.curve else ", with no training curve")
         )
-    scalable = REGISTRY[planned.encoding.name].scalable
+    # An hf: model's variants were checked against its config where it was evaluated.
+    scalable = spec.model.hf is not None or REGISTRY[planned.encoding.name].scalable
     plan = {(v.label, p, n) for v, p, n in spec.eval.plan(scalable)}
     stored = {(e.variant, e.protocol, e.length) for e in run.evaluations}
     if stored - plan:
@@ -127,7 +129,7 @@ def _check_values(where: str, run: RunRecord, spec) -> None:
             if given:
                 raise ImportProblem(f"{at}: not applicable, yet has a {given[0]}")
             continue
-        _check_metrics(at, row, spec.task)
+        _check_metrics(at, row, spec.task, byte_level=spec.model.hf is None)
         if any(_bad(value, 0, 1) for value in row.groups.values()):
             raise ImportProblem(f"{at}: group accuracies must be within 0..1")
         if _bad(row.tokens, 0, MAX_COUNT) or _bad(row.peak_memory_bytes, 0, MAX_COUNT):
@@ -212,10 +214,11 @@ def _check_curve(at: str, curve: Any, steps: int) -> None:
         last = point[0]
 
 
-def _check_metrics(at: str, row: Row, task) -> None:
+def _check_metrics(at: str, row: Row, task, *, byte_level: bool = True) -> None:
     """The metrics of an evaluation point (``jobs.metrics``): the loss and the task's
     metric present, no metric of another kind of task, each within its range, and those
-    that follow from the loss consistent with it."""
+    that follow from the loss consistent with it (per byte: for byte-level models only,
+    not ``byte_level`` for an hf: model's tokens)."""
     kind = task.kind
     required = [m for m in measured(kind) if m.every_task or m.headline]
     missing = [m.name for m in required if getattr(row, m.column) is None]
@@ -233,7 +236,7 @@ def _check_metrics(at: str, row: Row, task) -> None:
             )
     for metric in METRICS.values():
         value = getattr(row, metric.column)
-        if metric.to_loss is None or value is None:
+        if metric.to_loss is None or value is None or (metric.per_byte and not byte_level):
             continue
         if not math.isclose(metric.to_loss(value), row.loss, rel_tol=1e-6, abs_tol=1e-9):
             raise ImportProblem(f"{at}: {metric.name} is not {metric.from_loss}")
@@ -348,17 +351,17 @@ def import_results(
         now = utcnow()
         evaluations = 0
         for run in results.runs:
-            last = run.train.curve[-1]
+            last = run.train.curve[-1] if run.train.curve else None  # none: an hf: model
             row = import_run(
                 study,
                 spec,
                 planned[run.config_hash],
                 str(path),
                 step=run.train.steps,
-                latest_loss=last.loss,
-                tokens_per_second=last.tokens_per_second,
+                latest_loss=last.loss if last else None,
+                tokens_per_second=last.tokens_per_second if last else None,
                 # The file keeps durations, not times: it finished now, after training.
-                started_at=now - dt.timedelta(seconds=max(0.0, last.elapsed)),
+                started_at=now - dt.timedelta(seconds=max(0.0, last.elapsed if last else 0.0)),
                 finished_at=now,
                 provenance={**run.provenance, "imported_from": str(path)},
             )

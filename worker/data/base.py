@@ -23,20 +23,27 @@ class Batch:
     """``inputs`` predict ``targets`` (the same sequences shifted by one byte).
 
     ``scored`` marks the target positions that count (None: all of them);
-    ``groups`` labels each row for per-group accuracy (e.g. a pass key's depth).
+    ``groups`` labels each row for per-group accuracy (e.g. a pass key's depth);
+    ``target_bytes`` holds the bytes of text each target token covers, where a token is
+    not one byte (an hf: model's tokenizer; None: one byte each), for bits per byte.
     """
 
     inputs: Tensor
     targets: Tensor
     scored: Tensor | None = None
     groups: list[str] | None = None
+    target_bytes: Tensor | None = None
 
     def to(self, device: torch.device) -> Batch:
+        def moved(tensor: Tensor | None) -> Tensor | None:
+            return None if tensor is None else tensor.to(device, non_blocking=True)
+
         return Batch(
             self.inputs.to(device, non_blocking=True),
             self.targets.to(device, non_blocking=True),
-            None if self.scored is None else self.scored.to(device, non_blocking=True),
+            moved(self.scored),
             self.groups,
+            moved(self.target_bytes),
         )
 
 

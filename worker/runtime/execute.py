@@ -102,6 +102,7 @@ def _train_and_evaluate(claimed: ClaimedRun, spec, run, beat) -> str:
             skip_evaluations=store.stored_evaluations(url, run_id),
             min_checkpoint_seconds=settings.min_checkpoint_seconds,
             disk_budget=artifacts_budget(settings),
+            models=settings.models,
         )
     except RunCancelled as err:
         if beat.lost:
@@ -133,7 +134,9 @@ def _train_and_evaluate(claimed: ClaimedRun, spec, run, beat) -> str:
         provenance["training"] = cache.finished_provenance(url, taken["trained_by_run"])
     if noted.get("finetune"):  # every attempt's fine-tunings, not only this one's
         provenance["finetune"] = {**noted["finetune"], **provenance.get("finetune", {})}
-    end(claimed, RunStatus.DONE, provenance=provenance, checkpoint_uri=checkpoint.as_uri())
+    # An hf: model trains nothing and writes no checkpoint.
+    uri = None if spec.model.hf is not None else checkpoint.as_uri()
+    end(claimed, RunStatus.DONE, provenance=provenance, checkpoint_uri=uri)
     return RunStatus.DONE.value
 
 

@@ -43,7 +43,7 @@ class RunCancelled(RuntimeError):
 @dataclass
 class TrainResult:
     steps: int
-    final_loss: float
+    final_loss: float | None  # None: nothing trained (an hf: model)
     resumed_from: int
     seconds: float
     curve: list[TrainPoint] = field(default_factory=list)

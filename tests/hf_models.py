@@ -1,0 +1,94 @@
+"""Tiny HuggingFace models for the tests, made here and never downloaded: GPT-2 (learned
+absolute positions), GPT-NeoX (RoPE on a quarter of each head, as Pythia) and Llama
+(RoPE), random weights from a fixed seed, saved with ``save_pretrained`` into a folder
+with a byte-level BPE tokenizer trained on a few sentences."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Text the tokenizer learns its merges from, and a corpus to evaluate on.
+TEXT = (
+    "The quick brown fox jumps over the lazy dog. A position encoding tells a "
+    "transformer where each token sits; past the training length some keep working "
+    "and others fall apart. def f(x):\n    return x + 1\n"
+    "Ünïcödé bytes and an emoji 😀 take several bytes each. "
+)
+FAMILIES = ("gpt2", "gpt_neox", "llama")
+MORE_ROPE = ("mistral", "qwen2")  # the other RoPE families, HF's Llama code path
+CONTEXT = 32  # n_positions / max_position_embeddings of every tiny model
+VOCAB = 320
+SEED = 1234
+
+
+def build_tokenizer():
+    """A byte-level BPE tokenizer of VOCAB entries with one special token, end of text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator([TEXT] * 4, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|endoftext|>", bos_token="<|endoftext|>"
+    )
+
+
+def model_config(family: str, vocab_size: int, eos: int, **extra: Any):
+    """The config of a tiny model of ``family``: 2 layers, 2 heads of 16 dimensions."""
+    from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig, MistralConfig, Qwen2Config
+
+    ids = {"bos_token_id": eos, "eos_token_id": eos, "vocab_size": vocab_size}
+    if family == "gpt2":
+        return GPT2Config(n_positions=CONTEXT, n_embd=32, n_layer=2, n_head=2, **ids, **extra)
+    sizes = {
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "intermediate_size": 64,
+        "max_position_embeddings": CONTEXT,
+    }
+    if family == "gpt_neox":
+        return GPTNeoXConfig(rotary_pct=0.25, **sizes, **ids, **extra)
+    if family == "llama":
+        return LlamaConfig(num_key_value_heads=1, **sizes, **ids, **extra)
+    if family == "mistral":
+        return MistralConfig(num_key_value_heads=1, sliding_window=None, **sizes, **ids, **extra)
+    if family == "qwen2":
+        return Qwen2Config(num_key_value_heads=1, rope_theta=1e4, **sizes, **ids, **extra)
+    raise ValueError(family)
+
+
+def save_model(folder: Path, family: str, seed: int = SEED) -> Path:
+    """A tiny ``family`` model with random weights from ``seed`` and the tokenizer, saved
+    into ``folder`` (config.json, model.safetensors, tokenizer files)."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = build_tokenizer()
+    config = model_config(family, len(tokenizer), tokenizer.eos_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def corpus_text(repeats: int = 6) -> str:
+    """A validation text for the tiny models: TEXT, shuffled a little each time."""
+    words = TEXT.split(" ")
+    lines = []
+    for k in range(repeats):
+        lines.append(" ".join(words[k % len(words) :] + words[: k % len(words)]))
+    return "\n".join(lines)

@@ -1,0 +1,295 @@
+"""HuggingFace models as a study's model (``model: {hf: NAME}``): where one may come from
+under the operator's rules, and what its ``config.json`` says about how it tells a token
+where it sits. Torch-free like the whole catalogue: the spec's check at submit reads the
+config as JSON, and the loader on the worker checks the loaded config with the same
+rules.
+
+- a local folder (``config.json``, safetensors weights, a tokenizer) inside one of the
+  models roots, once resolved (no ``..``, no symbolic link out of the roots, never under
+  /proc, /sys or /dev); a relative name is looked up in each root in turn, and a name
+  that starts with ``/``, ``~`` or ``.`` is never anything else;
+- a hub id (``gpt2``, ``EleutherAI/pythia-70m``) that no models root holds, only where
+  an operator turned HuggingFace on (``POSBENCH_HF_DATASETS``, the switch of ``hf:``
+  corpora) and within its allow-list (``POSBENCH_HF_ALLOW``) when there is one.
+
+A reason never names a path outside the roots: a refused path reads the same whether or
+not it exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jobs.files import FileRefused, read_bounded
+from worker.catalog.corpora import ALLOW_SETTING, HF_SETTING, HUB_NAME, forbidden, inside
+from worker.catalog.encodings import REGISTRY
+from worker.catalog.scaling_entry import Rotary
+
+# A run's encoding when its model is an hf: model: the model's own position encoding.
+HF_ENCODING = "hf"
+ROOTS_SETTING = "POSBENCH_MODELS_ROOTS"
+CONFIG_FILE = "config.json"
+MAX_CONFIG_BYTES = 1 << 20
+MAX_NAME = 160  # characters of model.hf (a run's label is "hf:" + it, VARCHAR(200))
+
+
+class HfModelError(ValueError):
+    """An hf: model that may not or cannot be evaluated here: one readable line."""
+
+
+@dataclass(frozen=True)
+class ModelPolicy:
+    """The operator's rules on hf: models. The default reads no folder and no hub id:
+    only callers that hold the settings widen it."""
+
+    roots: tuple[Path, ...] = ()  # resolved folders
+    hub_enabled: bool = False
+    hub_allow: tuple[str, ...] = ()  # empty: any hub id, once enabled
+
+    def roots_shown(self) -> str:
+        return ", ".join(map(str, self.roots)) or "none"
+
+
+NO_MODELS = ModelPolicy()
+
+
+# The model families posbench evaluates (their config's ``model_type``), each with the
+# catalogue entry its positions correspond to, and how much of a head RoPE rotates when
+# the config does not say (GPT-NeoX's default is a quarter).
+@dataclass(frozen=True)
+class HfFamily:
+    model_type: str
+    encoding: str  # the catalogue's name for what the family does: learned or rope
+    summary: str
+    rotary_fraction: float = 1.0
+
+
+HF_FAMILIES: dict[str, HfFamily] = {
+    family.model_type: family
+    for family in (
+        HfFamily("gpt2", "learned", "GPT-2: a learned table of n_positions positions"),
+        HfFamily(
+            "gpt_neox", "rope", "GPT-NeoX / Pythia: RoPE on part of each head", rotary_fraction=0.25
+        ),
+        HfFamily("llama", "rope", "Llama: RoPE, rope_parameters / rope_scaling"),
+        HfFamily("mistral", "rope", "Mistral: RoPE"),
+        HfFamily("qwen2", "rope", "Qwen2: RoPE"),
+    )
+}
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a model's config says about its positions."""
+
+    model_type: str
+    encoding: str  # learned or rope (HF_FAMILIES)
+    context: int  # the length it was trained at (its original context)
+    context_key: str  # the config key that says so
+    max_positions: int | None  # the last position + 1 it can represent (None: no end)
+    rotary: Rotary | None  # base, rotated dimensions, original length (RoPE models)
+    partial_rotary_factor: float = 1.0
+
+    @property
+    def scalable(self) -> bool:
+        return REGISTRY[self.encoding].scalable
+
+    @property
+    def described(self) -> str:
+        return f"{self.model_type} ({HF_FAMILIES[self.model_type].summary})"
+
+
+def _positive_int(config: Mapping[str, Any], key: str) -> int | None:
+    value = config.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _rope_parameters(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The config's RoPE parameters: transformers 5's ``rope_parameters``, or the older
+    ``rope_scaling`` (a per-layer-type mapping is not one of the supported families')."""
+    for key in ("rope_parameters", "rope_scaling"):
+        value = config.get(key)
+        if isinstance(value, Mapping):
+            return value
+    return {}
+
+
+def _number(*values: Any) -> float | None:
+    return next(
+        (float(v) for v in values if isinstance(v, int | float) and not isinstance(v, bool)), None
+    )
+
+
+def model_facts(config: Mapping[str, Any]) -> ModelFacts:
+    """The facts of a config (``config.json`` as read, or a loaded config's ``to_dict``);
+    HfModelError for a family posbench does not evaluate or a config it cannot read."""
+    model_type = config.get("model_type")
+    family = HF_FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        raise HfModelError(
+            f"model_type {str(model_type)[:40]!r} is not one posbench evaluates "
+            f"(supported: {', '.join(HF_FAMILIES)})"
+        )
+    if family.encoding == "learned":
+        positions = _positive_int(config, "n_positions")
+        if positions is None:
+            raise HfModelError(f"the {model_type} config has no n_positions")
+        return ModelFacts(model_type, family.encoding, positions, "n_positions", positions, None)
+    rope = _rope_parameters(config)
+    heads = _positive_int(config, "num_attention_heads")
+    hidden = _positive_int(config, "hidden_size")
+    head_dim = _positive_int(config, "head_dim") or (hidden // heads if hidden and heads else None)
+    longest = _positive_int(config, "max_position_embeddings")
+    if head_dim is None or longest is None:
+        raise HfModelError(
+            f"the {model_type} config lacks hidden_size / num_attention_heads (or head_dim) "
+            "or max_position_embeddings"
+        )
+    fraction = _number(
+        rope.get("partial_rotary_factor"),
+        config.get("partial_rotary_factor"),
+        config.get("rotary_pct"),
+        family.rotary_fraction,
+    )
+    base = _number(rope.get("rope_theta"), config.get("rope_theta"), config.get("rotary_emb_base"))
+    original = _positive_int(rope, "original_max_position_embeddings")
+    context_key = "original_max_position_embeddings" if original else "max_position_embeddings"
+    context = original or longest
+    rotary = Rotary(base or 10000.0, int(head_dim * (fraction or 1.0)), context)
+    return ModelFacts(
+        model_type, family.encoding, context, context_key, None, rotary, fraction or 1.0
+    )
+
+
+# -- where a model comes from ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Located:
+    """A model's source: a local folder (resolved, with the root holding it) or a hub id."""
+
+    folder: Path | None = None
+    root: Path | None = None
+    hub_id: str | None = None
+
+    @property
+    def shown(self) -> str:
+        return str(self.folder) if self.folder is not None else f"hub:{self.hub_id}"
+
+
+def explicit_path(name: str) -> bool:
+    """Whether ``name`` can only be a folder (never a hub id)."""
+    return name.startswith(("/", "~", ".")) or not HUB_NAME.match(name)
+
+
+def _resolved(path: Path) -> Path | None:
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError):  # a link loop, a name too long
+        return None
+
+
+def _in_roots(name: str, policy: ModelPolicy) -> list[tuple[Path, Path]]:
+    """(resolved folder, root) of each place inside the roots that ``name`` names."""
+    raw = Path(name).expanduser()
+    candidates = [raw] if raw.is_absolute() else [root / raw for root in policy.roots]
+    found = []
+    for candidate in candidates:
+        path = _resolved(candidate)
+        if path is None or forbidden(path):
+            continue
+        root = next((r for r in policy.roots if inside(path, r)), None)
+        if root is not None:
+            found.append((path, root))
+    return found
+
+
+def locate_model(name: str, policy: ModelPolicy) -> Located:
+    """Where ``model.hf`` = ``name`` comes from here; HfModelError (a reason that names no
+    path outside the roots) when nowhere allowed."""
+    if ".." in Path(name).parts:
+        raise HfModelError("model.hf: a path may not contain '..'")
+    found = _in_roots(name, policy) if policy.roots else []
+    folders = [(path, root) for path, root in found if path.is_dir()]
+    if folders:
+        return Located(folder=folders[0][0], root=folders[0][1])
+    if explicit_path(name):
+        if not policy.roots:
+            raise HfModelError(
+                f"model.hf: local models need a models root ({ROOTS_SETTING}); none is set"
+            )
+        if found:
+            raise HfModelError(f"model.hf {name!r}: no such folder in the models roots")
+        raise HfModelError(
+            f"model.hf: the path is not inside the models roots ({ROOTS_SETTING}: "
+            f"{policy.roots_shown()}); copy the model folder into one of them"
+        )
+    return Located(hub_id=_hub_id(name, policy))
+
+
+def _hub_id(name: str, policy: ModelPolicy) -> str:
+    where = f"no models root holds a folder {name!r} ({ROOTS_SETTING}: {policy.roots_shown()})"
+    if not policy.hub_enabled:
+        raise HfModelError(
+            f"model.hf: {where}, and HuggingFace hub models are off here; an operator turns "
+            f"them on with {HF_SETTING}=true (the switch of hf: corpora), optionally limited "
+            f"by {ALLOW_SETTING}"
+        )
+    if policy.hub_allow and name not in policy.hub_allow:
+        raise HfModelError(
+            f"model.hf: hub model {name!r} is not in the operator's allow-list "
+            f"({ALLOW_SETTING}: {', '.join(policy.hub_allow)})"
+        )
+    if Path(name).exists():  # from_pretrained would read the worker's own folder
+        raise HfModelError(
+            f"model.hf: {name!r} is also a local path here; give a local model as a path "
+            "inside the models roots, starting with / or ./"
+        )
+    return name
+
+
+def folder_problem(folder: Path, root: Path) -> str | None:
+    """What keeps a located folder from being read as a model: no config.json, or a file
+    that links out of the roots (named by its name in the folder, never its target)."""
+    if not (folder / CONFIG_FILE).is_file():
+        return f"model.hf {folder}: no {CONFIG_FILE} (a HuggingFace model folder has one)"
+    for parent, folders, names in os.walk(folder, followlinks=False):
+        folders.sort()
+        for entry in [*folders, *names]:
+            path = Path(parent) / entry
+            target = _resolved(path)
+            if target is None or not inside(target, root) or forbidden(target):
+                shown = path.relative_to(folder).as_posix()
+                return f"model.hf {folder}: {shown} links outside the models roots"
+    return None
+
+
+def read_config(folder: Path) -> dict[str, Any]:
+    """The folder's config.json, read within a bound."""
+    try:
+        data = json.loads(read_bounded(folder / CONFIG_FILE, MAX_CONFIG_BYTES, "a model config"))
+    except (FileRefused, OSError, ValueError) as err:
+        raise HfModelError(f"model.hf {folder}: {CONFIG_FILE} cannot be read ({err})") from None
+    if not isinstance(data, dict):
+        raise HfModelError(f"model.hf {folder}: {CONFIG_FILE} is not a JSON object")
+    return data
+
+
+def local_facts(name: str, policy: ModelPolicy) -> tuple[Located, ModelFacts | None]:
+    """Where ``name`` comes from and, for a local folder, its config's facts (a hub id's
+    are known once a worker has it); HfModelError when it may not be read."""
+    located = locate_model(name, policy)
+    if located.folder is None or located.root is None:
+        return located, None
+    problem = folder_problem(located.folder, located.root)
+    if problem:
+        raise HfModelError(problem)
+    try:
+        return located, model_facts(read_config(located.folder))
+    except HfModelError as err:
+        raise HfModelError(f"model.hf {located.folder}: {err}") from None

@@ -1,0 +1,120 @@
+"""Loading an hf: model and its tokenizer under the operator's rules (``ModelPolicy``, the
+caller's argument: the engine reads no settings).
+
+A local folder is located inside the models roots and checked (config.json, no link out
+of the roots) where it is read, then loaded from its files alone; a hub id only where
+the policy allows it. Never any code of the model's own (``trust_remote_code=False``),
+weights from safetensors only, float32 weights (the evaluation runs bf16 autocast on
+CUDA, as for posbench's models), attention by PyTorch's SDPA. What was loaded is
+recorded: the config's and the weights' SHA-256 for a folder, the hub's commit for a
+hub id, and transformers' version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from worker.catalog.corpora import SourcePolicy, scrub
+from worker.catalog.hf_models import (
+    CONFIG_FILE,
+    HfModelError,
+    Located,
+    ModelFacts,
+    ModelPolicy,
+    folder_problem,
+    locate_model,
+    model_facts,
+)
+from worker.hf.model import HfCausalLM
+
+CHUNK = 8 << 20
+
+
+@dataclass
+class LoadedModel:
+    model: HfCausalLM
+    tokenizer: Any  # a fast tokenizer (PreTrainedTokenizerFast or transformers 5's backend)
+    facts: ModelFacts
+    provenance: dict[str, Any]
+
+
+def _sha256(paths: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(f"{path.name}\0{path.stat().st_size}\0".encode())
+        with path.open("rb") as handle:
+            while chunk := handle.read(CHUNK):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def locate(name: str, policy: ModelPolicy) -> Located:
+    """Where ``name`` comes from, checked here (the worker's file system)."""
+    located = locate_model(name, policy)
+    if located.folder is not None and located.root is not None:
+        problem = folder_problem(located.folder, located.root)
+        if problem:
+            raise HfModelError(problem)
+    return located
+
+
+def _source(located: Located, name: str) -> tuple[str, dict[str, Any]]:
+    """What from_pretrained reads, and its identity for the provenance."""
+    import transformers
+
+    record: dict[str, Any] = {"hf": name, "transformers_version": transformers.__version__}
+    if located.folder is None:
+        return located.hub_id or name, record | {"hub_id": located.hub_id}
+    weights = sorted(located.folder.glob("*.safetensors"))
+    if not weights:
+        raise HfModelError(f"model.hf {located.folder}: no *.safetensors weights")
+    record |= {
+        "folder": str(located.folder),
+        "config_sha256": _sha256([located.folder / CONFIG_FILE]),
+        "weights_sha256": _sha256(weights),
+        "weights_files": [path.name for path in weights],
+    }
+    return str(located.folder), record
+
+
+def load_model(name: str, policy: ModelPolicy) -> LoadedModel:
+    """``model.hf`` = ``name`` loaded on the CPU in float32, in evaluation mode, with its
+    fast tokenizer; HfModelError for one that may not or cannot be loaded here."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    located = locate(name, policy)
+    source, record = _source(located, name)
+    hub = located.folder is None
+    common = {"trust_remote_code": False, "local_files_only": not hub}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source, attn_implementation="sdpa", dtype=torch.float32, use_safetensors=True, **common
+        )
+        tokenizer = AutoTokenizer.from_pretrained(source, **common)
+    except Exception as err:  # the libraries raise many types; report any of them plainly
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        # A library's words may name its cache or the working folder: paths outside the
+        # roots are not shown.
+        reason = scrub(first, SourcePolicy(roots=policy.roots))[:300]
+        raise HfModelError(f"model.hf {name!r} could not be loaded: {reason}") from None
+    if not getattr(tokenizer, "is_fast", False):
+        raise HfModelError(
+            f"model.hf {name!r}: its tokenizer is not a fast one (tokenizer.json); posbench "
+            "counts the bytes each token covers from a fast tokenizer's offsets"
+        )
+    facts = model_facts(model.config.to_dict())
+    if hub:
+        record["commit"] = getattr(model.config, "_commit_hash", None)
+    record |= {
+        "model_type": facts.model_type,
+        "position_encoding": facts.encoding,
+        "context": facts.context,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+    model.eval()
+    return LoadedModel(HfCausalLM(model, facts), tokenizer, facts, record)

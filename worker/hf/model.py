@@ -1,0 +1,122 @@
+"""A HuggingFace causal LM as the evaluation sees a posbench model: ``model(tokens)``
+gives float32 logits, ``encoding`` says where its positions end, ``config`` sizes its
+batches (``worker.memory``) and ``scaled(...)`` applies a RoPE scaling for a while, by
+setting the model's rope parameters (HF transformers' ``rope_parameters``, from the
+catalogue's ``hf_rope_parameters``) and rebuilding its rotary embedding.
+
+The model runs as HF transformers runs it (``attn_implementation="sdpa"``, no KV cache,
+positions 0..T-1); only the output layer is taken out of bf16 autocast, as posbench's
+own models do: bf16 logits bias the loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from worker.catalog.hf_models import HfModelError, ModelFacts
+from worker.catalog.params import is_positive_int
+from worker.catalog.scalings import SCALINGS, Rotary
+from worker.model import ModelConfig
+
+
+@dataclass(frozen=True)
+class HfPositions:
+    """The model's own position encoding, as the evaluation reads an encoding: its name
+    in a 'not applicable' reason and the last position + 1 it represents (a learned
+    table's length; None: no end)."""
+
+    name: str
+    max_length: int | None
+
+
+def _size(config) -> ModelConfig:
+    """The sizes ``worker.memory.eval_batch_size`` estimates a forward pass from."""
+    hidden = getattr(config, "hidden_size", None) or config.n_embd
+    heads = getattr(config, "num_attention_heads", None) or config.n_head
+    layers = getattr(config, "num_hidden_layers", None) or config.n_layer
+    return ModelConfig(d_model=hidden, n_layers=layers, n_heads=heads, vocab_size=config.vocab_size)
+
+
+class HfCausalLM(nn.Module):
+    """``model`` (an ``AutoModelForCausalLM``) with the facts its config gives."""
+
+    def __init__(self, model: nn.Module, facts: ModelFacts) -> None:
+        super().__init__()
+        self.hf = model
+        self.facts = facts
+        self.encoding = HfPositions(f"{facts.model_type} {facts.encoding}", facts.max_positions)
+        self.config = _size(model.config)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        limit = self.facts.max_positions
+        if limit is not None and tokens.shape[-1] > limit:
+            raise HfModelError(
+                f"{self.facts.model_type}'s learned positions end at {limit} "
+                f"({self.facts.context_key}); a window of {tokens.shape[-1]} tokens does not "
+                "fit (recorded as not applicable by the evaluation)"
+            )
+        outputs = self.hf.base_model(input_ids=tokens, use_cache=False)
+        hidden = outputs.last_hidden_state
+        head = self.hf.get_output_embeddings()
+        with torch.autocast(hidden.device.type, enabled=False):
+            bias = None if head.bias is None else head.bias.float()
+            return F.linear(hidden.float(), head.weight.float(), bias)
+
+    def _rotary_modules(self) -> list[tuple[str, nn.Module]]:
+        return [
+            (name, module)
+            for name, module in self.hf.named_modules()
+            if hasattr(module, "rope_type") and hasattr(module, "inv_freq")
+        ]
+
+    def scaled_config(self, method: str, factor: float | None, original_length: int, **params):
+        """A copy of the model's config with the rope parameters of ``method`` at
+        ``factor``: the catalogue's for this model's base and rotary width, plus its
+        partial_rotary_factor; ``max_position_embeddings`` is the original length, which
+        HF's ``dynamic`` measures lengths from."""
+        rotary = self.facts.rotary
+        if rotary is None:
+            raise HfModelError(
+                f"RoPE scalings apply to RoPE models; {self.facts.described} has none"
+            )
+        scaling = SCALINGS[method]
+        rope = scaling.hf_rope_parameters(
+            factor, params, Rotary(rotary.base, rotary.rotary_dim, original_length)
+        )
+        rope["partial_rotary_factor"] = self.facts.partial_rotary_factor
+        config = copy.deepcopy(self.hf.config)
+        config.rope_parameters = rope
+        config.max_position_embeddings = scaling.original_length(params, original_length)
+        return config
+
+    @contextlib.contextmanager
+    def scaled(
+        self,
+        method: str,
+        factor: float | None = None,
+        original_length: int | None = None,
+        **params: object,
+    ) -> Iterator[HfCausalLM]:
+        """Evaluate with a RoPE scaling for the duration: each rotary embedding of the
+        model is rebuilt from the scaled config, and put back afterwards."""
+        if original_length is None or not is_positive_int(original_length):
+            raise ValueError(f"original_length must be a positive integer, got {original_length}")
+        config = self.scaled_config(method, factor, original_length, **params)
+        modules = self._rotary_modules()
+        if not modules:
+            raise HfModelError(f"{self.facts.described}: no rotary embedding module found")
+        for name, module in modules:
+            device = module.inv_freq.device
+            self.hf.set_submodule(name, type(module)(config).to(device))
+        try:
+            yield self
+        finally:
+            for name, module in modules:
+                self.hf.set_submodule(name, module)
