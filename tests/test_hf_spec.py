@@ -268,7 +268,7 @@ def test_posbench_run_evaluates_the_model_and_import_stores_it(home: Path, tmp_p
     from db.migrate import upgrade
 
     upgrade(settings.database)
-    imported = import_results(out / "results.json", settings=settings)
+    imported = import_results(out / "results.json", settings=settings, actor="tester")
     assert imported.runs == 1 and imported.evaluations == 12
 
 
