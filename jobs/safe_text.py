@@ -28,6 +28,13 @@ _USERINFO = re.compile(
     r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)(?P<user>[^\s:/@]*):(?P<password>\S*)@"
 )
 
+# A password in the query string: libpq takes ?password= (and ?sslpassword=, the TLS key's),
+# redis-py ?password= (and ?ssl_password=). Hidden up to the next parameter or fragment
+# (in text also up to a quote or a space), whatever it holds; ?passfile= names a file.
+_QUERY_KEY = r"(?P<key>[?&][A-Za-z0-9_.\-]*pass(?:word|wd)?=)"
+_QUERY_PASSWORD = re.compile(_QUERY_KEY + r"[^&#]*", re.IGNORECASE)
+_QUERY_PASSWORD_IN_TEXT = re.compile(_QUERY_KEY + r"[^&#\s'\"]*", re.IGNORECASE)
+
 
 def markup(value: object) -> str:
     """``value`` as a string Rich prints literally inside markup (an f-string given to
@@ -55,8 +62,10 @@ def markdown(value: object) -> str:
 
 def redact_url(url: str) -> str:
     """``url`` with its password hidden: ``redis://:secret@host/0`` ->
-    ``redis://:***@host/0``, ``postgresql://me:secret@db/x`` -> ``postgresql://me:***@db/x``.
+    ``redis://:***@host/0``, ``postgresql://me:secret@db/x`` -> ``postgresql://me:***@db/x``,
+    ``postgresql://me@db/x?password=secret`` -> ``postgresql://me@db/x?password=***``.
     A URL without a password is returned as it is."""
+    url = _QUERY_PASSWORD.sub(rf"\g<key>{HIDDEN}", url)
     scheme, separator, rest = url.partition("://")
     userinfo, at, host = rest.rpartition("@")
     if not separator or not at or ":" not in userinfo:
@@ -67,6 +76,7 @@ def redact_url(url: str) -> str:
 
 def redact_urls(message: str) -> str:
     """``message`` (an error, a log line) with the password of every URL in it hidden."""
+    message = _QUERY_PASSWORD_IN_TEXT.sub(rf"\g<key>{HIDDEN}", message)
     return _USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}:{HIDDEN}@", message)
 
 

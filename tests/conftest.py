@@ -77,6 +77,46 @@ def dashboard_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Itera
     get_settings.cache_clear()
 
 
+OIDC_SECRETS = """\
+[auth]
+redirect_uri = "https://dashboard.example.org/oauth2callback"
+cookie_secret = "not-a-real-cookie-secret"
+client_id = "posbench"
+client_secret = "not-a-real-client-secret"
+server_metadata_url = "https://login.example.org/.well-known/openid-configuration"
+"""
+
+
+def oidc_secrets(folder: Path) -> Path:
+    """An OIDC login (an ``[auth]`` section) in ``folder``/.streamlit/secrets.toml: where
+    Streamlit and `posbench dashboard` look when ``folder`` is the working directory."""
+    path = folder / ".streamlit" / "secrets.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(OIDC_SECRETS)
+    return path
+
+
+def oidc_login(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, operators: str = "", viewers: str = ""
+) -> Iterator[Path]:
+    """For a dashboard fixture (after ``dashboard_settings``): an OIDC login configured in
+    the working directory ``tmp_path``, with these allow-lists. Streamlit's own parse of
+    the secrets is emptied before and after: it keeps the first one it reads."""
+    from streamlit.runtime.secrets import secrets_singleton
+
+    from jobs.settings import get_settings
+
+    secrets = oidc_secrets(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("POSBENCH_DASHBOARD_OPERATORS", operators)
+    monkeypatch.setenv("POSBENCH_DASHBOARD_VIEWERS", viewers)
+    get_settings.cache_clear()
+    secrets_singleton._reset()
+    yield secrets
+    secrets_singleton._reset()
+    get_settings.cache_clear()
+
+
 def isolated_env(home: Path, **extra: str) -> dict[str, str]:
     """This process' environment with no posbench setting but ``home`` (and ``extra``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("POSBENCH_")}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, dashboard_settings, isolated_env, posbench_cli
+from conftest import ROOT, dashboard_settings, isolated_env, oidc_login, posbench_cli
 from dashboard_seed import SEEDED_SPEC, seed_study
 from sqlalchemy import select, text, update
 from streamlit.testing.v1 import AppTest
@@ -451,3 +451,57 @@ def test_the_queue_page_records_its_operator_and_shows_the_events(dashboard) -> 
     assert trail(dashboard)[-1] == ("dashboard operator (no login)", "restore", study, None)
     assert list(queries.studies(dashboard.database)["id"]) == [study]
     assert list(frame_with(app, "actor")["action"]) == ["restore", "delete", "submit"]
+
+
+def gated_queue_page() -> AppTest:
+    """The Queue page behind the dashboard's login, as app.py puts it there."""
+
+    def script() -> None:
+        from dashboard import auth, queue_page
+
+        if auth.gate():
+            queue_page.render()
+
+    return AppTest.from_function(script, default_timeout=60)
+
+
+def delete_on_the_page(app: AppTest, study: int) -> AppTest:
+    app.query_params["study"] = str(study)
+    app.run()
+    assert not app.exception, app.exception
+    app.checkbox(key="delete-sure").check().run()
+    app.button(key="delete").click().run()
+    assert not app.exception, app.exception
+    return app
+
+
+@pytest.fixture
+def oidc_dashboard(dashboard, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The dashboard behind an OIDC login whose operators are @lab.example."""
+    yield from oidc_login(tmp_path, monkeypatch, operators="@lab.example")
+
+
+def test_an_oidc_operator_is_recorded_by_e_mail(oidc_dashboard, dashboard) -> None:
+    study = seed_study(dashboard)
+    finish_every_run(dashboard)
+    app = gated_queue_page()
+    app.user = {"is_logged_in": True, "email": "alice@lab.example", "email_verified": True}
+    delete_on_the_page(app, study)
+    assert trail(dashboard)[-1] == ("alice@lab.example", "delete", study, None)
+    assert list(frame_with(app, "deleted_by")["deleted_by"]) == ["alice@lab.example"]
+    assert list(frame_with(app, "actor")["actor"]) == ["alice@lab.example", "tester"]
+
+
+def test_a_password_operator_is_recorded_with_the_client_address(
+    dashboard, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("POSBENCH_DASHBOARD_PASSWORD", "s3cret")
+    get_settings.cache_clear()
+    study = seed_study(get_settings())
+    finish_every_run(dashboard)
+    app = gated_queue_page().run()
+    app.text_input[0].set_value("s3cret")
+    app.button[0].click().run()  # AppTest has no client connection: its address is "local"
+    delete_on_the_page(app, study)
+    assert trail(dashboard)[-1] == ("dashboard operator from local", "delete", study, None)
+    assert list(frame_with(app, "deleted_by")["deleted_by"]) == ["dashboard operator from local"]

@@ -7,13 +7,14 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, dashboard_settings, isolated_env
+from conftest import ROOT, dashboard_settings, isolated_env, oidc_login, oidc_secrets
 from dashboard_seed import seed_study
 from pydantic import SecretStr
 from streamlit.testing.v1 import AppTest
@@ -38,6 +39,7 @@ from jobs.access import (
     session_expired,
 )
 from jobs.embedded import dashboard_command
+from jobs.safe_text import markdown
 from jobs.settings import Settings, get_settings
 
 APP = str(ROOT / "dashboard" / "app.py")
@@ -235,6 +237,37 @@ def test_a_malformed_secrets_file_refuses_to_serve(tmp_path: Path) -> None:
         assert f"the secrets file {secrets} cannot be parsed" in done.stderr
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "0.0.0.0"])
+def test_oidc_with_nobody_allowed_in_refuses_to_serve(tmp_path: Path, address: str) -> None:
+    oidc_secrets(tmp_path)
+    port = free_port()
+    # Empty allow-lists count as none (the environment has no other POSBENCH_ setting).
+    done = dashboard_cli(
+        tmp_path,
+        "--address",
+        address,
+        "--port",
+        str(port),
+        POSBENCH_DASHBOARD_OPERATORS="",
+        POSBENCH_DASHBOARD_VIEWERS=" , ",
+    )
+    # Streamlit would still be serving (exec'd in its place): the run would time out.
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "error: OIDC is configured ([auth] in secrets.toml) but nobody is allowed in: set "
+        "POSBENCH_DASHBOARD_OPERATORS and/or POSBENCH_DASHBOARD_VIEWERS (e-mails or @domains)"
+    ]
+    assert "Streamlit" not in done.stdout and "URL" not in done.stdout
+    with socket.socket() as probe, pytest.raises(ConnectionRefusedError):
+        probe.connect(("127.0.0.1", port))  # nothing was left listening either
+
+
 def test_read_secrets_tells_oidc_absent_and_broken_apart(tmp_path: Path) -> None:
     good, broken = tmp_path / "good.toml", tmp_path / "broken.toml"
     good.write_text('[auth]\nclient_id = "posbench"\n')
@@ -285,6 +318,115 @@ def test_allow_lists_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) 
     config = Settings()
     assert config.dashboard_operators == ["alice@lab.example", "@ops.example"]
     assert config.dashboard_viewers == ["@example.org"]
+
+
+# --- finding 5: the OIDC gate (st.user as the provider's callback leaves it) ---
+
+OPERATORS = "alice@lab.example, @ops.example"
+VIEWERS = "@example.org"
+REFUSED = (
+    "This account is not allowed here: an administrator adds it (or its domain) to "
+    "POSBENCH_DASHBOARD_OPERATORS or POSBENCH_DASHBOARD_VIEWERS."
+)
+
+
+@pytest.fixture
+def oidc(settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The dashboard behind an OIDC login: alice and @ops.example operate, @example.org
+    reads. ``signed_in(email, ...)`` is the full dashboard for that account."""
+    yield from oidc_login(tmp_path, monkeypatch, operators=OPERATORS, viewers=VIEWERS)
+
+
+def signed_in(email: str, **claims: object) -> AppTest:
+    app = AppTest.from_file(APP, default_timeout=60)
+    app.user = {
+        "is_logged_in": True,
+        "email": email,
+        "email_verified": True,
+        "iat": int(time.time()),
+        **claims,
+    }
+    return app.run()
+
+
+def page_paths(app: AppTest) -> set[str]:
+    """The url paths of the pages the dashboard registered (st.navigation) for this run."""
+    return {info.get("url_pathname") for info in app._registered_pages.values()}
+
+
+def test_oidc_asks_a_visitor_to_log_in_first(oidc) -> None:
+    app = AppTest.from_file(APP, default_timeout=60)
+    app.user = {"is_logged_in": False}
+    app.run()
+    assert not app.exception
+    assert [t.value for t in app.title] == ["posbench"]
+    assert [b.label for b in app.button] == ["Log in"]
+    assert not app.error and not app.text_input  # no password form in OIDC mode
+
+
+@pytest.mark.parametrize(
+    ("claims", "logged"),
+    [
+        ({"email": "mallory@gmail.com"}, "'mallory@gmail.com' is on no allow-list"),
+        # On the operators' list, but the provider has not verified that it is hers.
+        ({"email": "alice@lab.example", "email_verified": False}, "'alice@lab.example'"),
+        ({"email": "eve@sub.example.org"}, "'eve@sub.example.org' is on no allow-list"),
+    ],
+    ids=["no-allow-list", "unverified", "subdomain"],
+)
+def test_oidc_refuses_an_account_the_allow_lists_do_not_vouch_for(
+    oidc, claims: dict[str, object], logged: str, caplog
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="posbench.dashboard.auth"):
+        app = signed_in(**claims)
+    assert not app.exception
+    assert [t.value for t in app.title] == ["posbench"]
+    assert [e.value for e in app.error] == [REFUSED]
+    assert [b.label for b in app.button] == ["Log out"]  # and nothing else
+    refused = [r.getMessage() for r in caplog.records if "login refused" in r.getMessage()]
+    assert len(refused) == 1 and logged in refused[0], caplog.text
+    assert "posbench_role" not in app.session_state and "posbench_actor" not in app.session_state
+
+
+@pytest.mark.parametrize("email", ["alice@lab.example", "Bob@Ops.Example"])
+def test_oidc_operators_by_e_mail_or_domain_get_every_page(oidc, email: str) -> None:
+    app = signed_in(email)
+    assert not app.exception and not app.error
+    assert "Submit a study" in [t.value for t in app.title]
+    assert {"submit", "queue", "compare", "explore"} <= page_paths(app)
+    assert app.session_state["posbench_role"] == OPERATOR
+    assert app.session_state["posbench_actor"] == email  # as the provider gave it
+    assert [c.value for c in app.sidebar.caption] == [
+        f"signed in as {markdown(f'{email} (operator)')}"
+    ]
+
+
+def test_an_oidc_viewer_reads_but_cannot_submit_cancel_retry_or_delete(oidc) -> None:
+    seed_study(get_settings())
+    app = signed_in("bob@example.org")
+    assert not app.exception
+    # The one error shown is the seeded run's failure, not a refusal.
+    assert [e.value.split(" failed:")[0] for e in app.error] == ["run 6 (t5, seed 1)"]
+    assert "Queue" in [t.value for t in app.title]  # a viewer lands on the Queue
+    assert "submit" not in page_paths(app) and "queue" in page_paths(app)
+    assert app.session_state["posbench_role"] == VIEWER
+    assert [b.label for b in app.button] == ["Log out"]  # no cancel, retry or delete
+    assert not {b.key for b in app.button} & {"cancel", "retry", "delete", "cancel-run"}
+
+
+def test_an_expired_oidc_login_is_logged_out(oidc, monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    monkeypatch.setenv("POSBENCH_DASHBOARD_SESSION_HOURS", "2")
+    get_settings.cache_clear()
+    fresh = signed_in("alice@lab.example", iat=int(time.time()) - 2 * 3600 + 60)
+    assert "Submit a study" in [t.value for t in fresh.title]
+    assert fresh.user["is_logged_in"] is True
+    with caplog.at_level(logging.INFO, logger="posbench.dashboard.auth"):
+        stale = signed_in("alice@lab.example", iat=int(time.time()) - 2 * 3600 - 1)
+    assert not stale.exception
+    assert stale.user == {"is_logged_in": False}  # st.logout() emptied st.user
+    assert not stale.title and not stale.button  # nothing of the dashboard showed
+    assert "posbench_role" not in stale.session_state
+    assert "dashboard session of 'alice@lab.example' expired" in caplog.text
 
 
 # --- finding 5: back-off, logging, logout, expiry ---

@@ -6,13 +6,15 @@ every ``yaml`` block loads, and a study spec in one validates; every ``posbench`
 options, targets and services that exist; every ``sql`` block runs against a database
 built by the migrations and returns rows. The spec reference lists every field of the
 spec models with its default and bounds, and the schema, settings, registries and CLI
-commands are all documented. The README stays a short front door.
+commands are all documented. The README stays a short front door. No page publishes
+Redis or PostgreSQL beyond a private address or connects to them elsewhere in clear.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib.util
+import ipaddress
 import re
 import shlex
 import sqlite3
@@ -20,6 +22,7 @@ import types
 import typing
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 import sqlalchemy as sa
@@ -574,3 +577,195 @@ def test_the_settings_table_states_the_defaults_the_settings_have() -> None:
         if not ok:
             wrong.append(f"{name}: table says {stated}, the setting is {default}")
     assert wrong == []
+
+
+# -- (8) the cluster recipe never exposes Redis or PostgreSQL in clear ----------------------
+
+CLEAR_PORTS = {"6379": "Redis", "5432": "PostgreSQL"}
+# Where publishing them is a choice docs/cluster.md allows ("a private network of yours"):
+# RFC 1918, the carrier-grade NAT range Tailscale uses, IPv6 unique local, and loopback.
+PRIVATE_NETWORKS = [
+    ipaddress.ip_network(n)
+    for n in (
+        "10.0.0.0/8",
+        "172.16.0.0/12",
+        "192.168.0.0/16",
+        "100.64.0.0/10",
+        "fc00::/7",
+        "127.0.0.0/8",
+        "::1/128",
+    )
+]
+# "[IP:]HOST:CONTAINER" for the container's Redis or PostgreSQL port, wherever it is
+# written (a compose snippet, `docker run -p`, prose); a URL's host:port is not one.
+PORT_MAPPING = re.compile(
+    r"(?<![0-9.:\]@/])"
+    r"(?:(?P<ip>\[[0-9A-Fa-f:.]*\]|[^\s\"'`,()\[\]]+?):)?"
+    r"(?P<host>\d{1,5}(?:-\d{1,5})?):(?P<container>6379|5432)(?![\w.:])"
+)
+SERVER_URL = re.compile(r"\b(?:redis|rediss|postgres|postgresql)(?:\+\w+)?://[^\s`\"'<>()]+", re.I)
+SAFE_SSLMODES = {"require", "verify-ca", "verify-full"}
+
+
+def private_address(host: str | None) -> bool:
+    try:
+        address = ipaddress.ip_address((host or "").strip("[]"))
+    except ValueError:
+        return False  # a name, a variable, nothing: not a specific private address
+    return any(address in network for network in PRIVATE_NETWORKS)
+
+
+def compose_services() -> set[str]:
+    """Host names that stay on the head node: the compose file's services."""
+    return set(yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"])
+
+
+def url_problem(url: str, local: set[str]) -> str | None:
+    """Why ``url`` sends a password or results across a network in clear, or None."""
+    url = url.rstrip(".,;:")
+    try:
+        parts = urlsplit(url)
+        query = parse_qs(parts.query)
+        host = parts.hostname or query.get("host", [""])[0]
+    except ValueError:
+        return f"{url} cannot be parsed"
+    if not host or host.startswith("/") or host in local or private_address(host):
+        return None  # a socket, a compose service, loopback, a private network
+    scheme = parts.scheme.lower().split("+")[0]
+    if scheme == "rediss":
+        return None
+    if scheme.startswith("postgres") and query.get("sslmode", [""])[-1] in SAFE_SSLMODES:
+        return None
+    fix = "rediss://" if scheme.startswith("redis") else "?sslmode=require (or verify-full)"
+    return f"{url} reaches {host} in clear: use {fix}"
+
+
+def compose_port_problems(snippet: str) -> list[str]:
+    """The long and single-port forms of a compose snippet's ``ports`` that publish Redis
+    or PostgreSQL beyond a private address (the short "a:b:c" form is a PORT_MAPPING)."""
+    try:
+        documents = list(yaml.safe_load_all(snippet))
+    except yaml.YAMLError:
+        return []  # test_yaml_examples_load_and_study_specs_validate says why
+
+    def walk(node: Any) -> list[str]:
+        found: list[str] = []
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "ports" and isinstance(value, list):
+                    found += [p for entry in value if (p := published(entry))]
+                else:
+                    found += walk(value)
+        elif isinstance(node, list):
+            for item in node:
+                found += walk(item)
+        return found
+
+    def published(entry: Any) -> str | None:
+        if isinstance(entry, dict):
+            target, host_ip = str(entry.get("target", "")), entry.get("host_ip")
+        elif re.fullmatch(r"\d+(/\w+)?", str(entry)):  # "6379": any host port, every address
+            target, host_ip = str(entry).split("/")[0], None
+        else:
+            return None
+        if target in CLEAR_PORTS and not private_address(host_ip):
+            return (
+                f"ports: {entry} publishes {CLEAR_PORTS[target]} on {host_ip or 'all interfaces'}"
+            )
+        return None
+
+    return [problem for document in documents for problem in walk(document)]
+
+
+def exposure_problems(text: str, local: set[str], where: str = "") -> list[str]:
+    """Every line of ``text`` (a page, code blocks and prose alike) that publishes Redis or
+    PostgreSQL beyond a specific private address, or connects to them on another host
+    without TLS; and every ``ports`` entry of its compose snippets that does."""
+    problems = []
+    for number, line in enumerate(text.splitlines(), 1):
+        for mapping in PORT_MAPPING.finditer(line):
+            ip = mapping["ip"]
+            if ip and ("/" in ip or "@" in ip):
+                continue  # scheme://user@host:port/..., not a mapping
+            if not private_address(ip):
+                service = CLEAR_PORTS[mapping["container"]]
+                problems.append(
+                    f"{where}{number}: publishes {service} on {ip or 'all interfaces'}: "
+                    f"{line.strip()}"
+                )
+        for url in SERVER_URL.finditer(line):
+            if problem := url_problem(url[0], local):
+                problems.append(f"{where}{number}: {problem}: {line.strip()}")
+    fences = re.finditer(r"^```ya?ml[^\n]*\n(.*?)^```", text, re.M | re.S)
+    for fence in fences:
+        start = text.count("\n", 0, fence.start()) + 1
+        problems += [f"{where}{start}: {p}" for p in compose_port_problems(fence[1])]
+    return problems
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_page_exposes_redis_or_postgres_in_clear(page: Path) -> None:
+    where = f"{page.relative_to(ROOT)}:"
+    problems = exposure_problems(page.read_text(), compose_services(), where)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_cluster_recipe_is_checked_where_it_publishes_and_connects() -> None:
+    # Not trivially satisfied: the page that tells operators how does name both.
+    cluster = (DOCS / "cluster.md").read_text()
+    assert any(m["ip"] == "10.0.0.1" for m in PORT_MAPPING.finditer(cluster))
+    assert {u[0].split("://")[0] for u in SERVER_URL.finditer(cluster)} >= {
+        "redis",
+        "rediss",
+        "postgresql",
+    }
+
+
+@pytest.mark.parametrize(
+    "sample",
+    [
+        'ports: ["6379:6379"]',
+        '    ports: ["5432:5432"]',
+        '      - "6379:6379"',
+        "      - 5432:5432/tcp",
+        "docker run -d -p 6379:6379 redis:7",
+        "docker run --publish=5432:5432 postgres",
+        "docker run -p6379:6379 redis",
+        'ports: ["16379:6379"]',
+        'ports: ["0.0.0.0:6379:6379"]',
+        'ports: ["[::]:5432:5432"]',
+        'ports: ["${HEAD_IP}:5432:5432"]',
+        'ports: ["203.0.113.7:6379:6379"]',  # a public (documentation) address
+        "publish `6379:6379` in an override",
+        "POSBENCH_BROKER_URL=redis://:REDIS_PASSWORD@head.example:6379/0",
+        "POSBENCH_DATABASE_URL=postgresql://posbench:PW@HEAD:5432/posbench",
+        "postgresql+psycopg://posbench:PW@db.example/posbench?sslmode=prefer",
+        "postgresql:///posbench?host=db.example&password=PW",
+        "```yaml\nservices:\n  redis:\n    ports:\n      - target: 6379\n"
+        "        published: 6379\n```",
+        "```yaml\nservices:\n  postgres:\n    ports:\n      - 5432\n```",
+    ],
+)
+def test_the_exposure_check_catches_a_port_or_url_in_clear(sample: str) -> None:
+    assert exposure_problems(sample, {"redis", "postgres"}), sample
+
+
+@pytest.mark.parametrize(
+    "sample",
+    [
+        'ports: ["10.0.0.1:6379:6379"]',
+        '      - "192.168.1.20:5432:5432"',
+        'ports: ["100.101.102.103:5432:5432"]',  # a Tailscale address
+        'ports: ["[fd12:3456::1]:6379:6379"]',
+        'ports: ["127.0.0.1:8501:8501", "8501:8501"]',  # not Redis or PostgreSQL
+        "redis://:PASSWORD@redis:6379/0 and postgresql://posbench:PW@postgres:5432/posbench",
+        "redis://:REDIS_PASSWORD@10.0.0.1:6379/0",
+        "POSBENCH_BROKER_URL=rediss://:REDIS_PASSWORD@HEAD:6380/0?ssl_cert_reqs=required",
+        "postgresql://posbench:PW@HEAD:5432/posbench?sslmode=verify-full",
+        "redis+socket:///tmp/redis.sock and postgresql:///posbench?host=/run/postgresql",
+        "```yaml\nservices:\n  redis:\n    ports:\n      - target: 6379\n"
+        "        host_ip: 10.0.0.1\n        published: 6379\n```",
+    ],
+)
+def test_the_exposure_check_passes_private_binds_and_tls(sample: str) -> None:
+    assert exposure_problems(sample, {"redis", "postgres"}) == [], sample

@@ -52,12 +52,44 @@ def test_markdown_renders_as_the_literal_text(value: str) -> None:
         ("postgresql://me:p@ss@db/x", "postgresql://me:***@db/x"),
         ("sqlite:////tmp/posbench.db", "sqlite:////tmp/posbench.db"),
         ("redis+socket:///tmp/redis.sock", "redis+socket:///tmp/redis.sock"),
+        # libpq and redis-py also take the password (and the TLS key's) as a parameter.
+        ("postgresql://me@db/posbench?password=s3cret", "postgresql://me@db/posbench?password=***"),
+        (
+            "postgresql://me@db/x?sslmode=require&Password=p@ss;w&connect_timeout=5",
+            "postgresql://me@db/x?sslmode=require&Password=***&connect_timeout=5",
+        ),
+        ("postgresql://me:s3cret@db/x?password=s3cret", "postgresql://me:***@db/x?password=***"),
+        (
+            "postgresql:///x?host=/run/pg&sslpassword=k3y",
+            "postgresql:///x?host=/run/pg&sslpassword=***",
+        ),
+        ("redis://broker:6379/0?password=s3cret#f", "redis://broker:6379/0?password=***#f"),
+        (
+            "rediss://:s3cret@broker:6380/0?ssl_cert_reqs=required&ssl_password=k3y",
+            "rediss://:***@broker:6380/0?ssl_cert_reqs=required&ssl_password=***",
+        ),
+        # A file's name is no secret.
+        (
+            "postgresql://me@db/x?passfile=/home/me/.pgpass",
+            "postgresql://me@db/x?passfile=/home/me/.pgpass",
+        ),
     ],
 )
 def test_urls_are_shown_without_their_password(url: str, shown: str) -> None:
     assert redact_url(url) == shown
     assert redact_urls(f"Error connecting to '{url}': refused") == (
         f"Error connecting to '{shown}': refused"
+    )
+
+
+def test_every_url_in_a_message_loses_its_query_password() -> None:
+    message = (
+        "cannot reach postgresql://me@db/x?password=one or "
+        '"redis://broker/0?password=two", giving up'
+    )
+    assert redact_urls(message) == (
+        "cannot reach postgresql://me@db/x?password=*** or "
+        '"redis://broker/0?password=***", giving up'
     )
 
 
