@@ -10,6 +10,7 @@ import streamlit as st
 from dashboard.common import database, imported_captions, query_ints, schema_ready, set_query
 from dashboard.curves import (
     curve_figure,
+    length_unit,
     line_colors,
     normalize,
     position_figure,
@@ -21,8 +22,15 @@ from jobs import analysis
 from jobs.metrics import Kind, headline, kind_of, metric_named, shown_with
 from jobs.render.tables import seed_summary_table
 from jobs.safe_text import markdown
+from worker.catalog.hf_models import HF_ENCODING
 
 MAX_LENGTHS = 48
+TOKENIZERS_NOTE = (
+    "An hf: model's lengths count its own tokens (posbench's models read bytes): one "
+    "length is a different amount of text for models with different tokenizers. Bits per "
+    "byte divides by the bytes of text scored, so it compares across tokenizers; loss and "
+    "perplexity are per token of each model's tokenizer."
+)
 
 
 def render() -> None:
@@ -80,6 +88,8 @@ def render() -> None:
         summary = normalize(summary, train_lengths)
     log_y = metric_named(metric).log_scale and not normalise
     label = f"{metric} / value at the training length" if normalise else metric
+    hf_models = bool((view["encoding"] == HF_ENCODING).any())
+    own_models = bool((view["encoding"] != HF_ENCODING).any())
     st.plotly_chart(
         curve_figure(
             summary,
@@ -87,25 +97,17 @@ def render() -> None:
             list(train_lengths.values()),
             log_y,
             title=f"{label} against evaluation length",
+            unit=length_unit(hf_models, own_models),
         ),
         key="curves",
         width="stretch",
     )
-    not_applicable = view[view["not_applicable"].notna()]
-    if not not_applicable.empty:
-        st.caption(
-            "Not applicable: "
-            + "; ".join(
-                sorted(
-                    {
-                        markdown(f"{r.label} at {r.eval_length}: {r.not_applicable}")
-                        for r in not_applicable.itertuples()
-                    }
-                )[:6]
-            )
-        )
+    if hf_models:
+        st.caption(TOKENIZERS_NOTE)
+    _not_applicable(view)
     if any(kind_of(name) is Kind.LANGUAGE_MODELLING for name in scored_by):
-        _positions(view, line_colors(summary))
+        per = "token of each model" if own_models else "token"
+        _positions(view, line_colors(summary), per if hf_models else "byte")
     _training(view, line_colors(summary))
     st.subheader("Results")
     table = seed_summary_table(summary, metric).frame()
@@ -123,9 +125,20 @@ def render() -> None:
     )
 
 
-def _positions(view, colors: dict[str, str]) -> None:
-    """The loss by position in the window at one length (language modelling: every
-    byte is scored)."""
+def _not_applicable(view) -> None:
+    """The points a model could not be scored at, and why (a few of them)."""
+    not_applicable = view[view["not_applicable"].notna()]
+    if not not_applicable.empty:
+        reasons = {
+            markdown(f"{r.label} at {r.eval_length}: {r.not_applicable}")
+            for r in not_applicable.itertuples()
+        }
+        st.caption("Not applicable: " + "; ".join(sorted(reasons)[:6]))
+
+
+def _positions(view, colors: dict[str, str], per: str) -> None:
+    """The loss (nats per ``per``) by position in the window at one length (language
+    modelling: every byte, or every token of an hf: model, is scored)."""
     lengths = sorted(view["eval_length"].unique())
     length = st.select_slider(
         "Loss by position at length", lengths, value=lengths[-1], key="position_length"
@@ -137,7 +150,7 @@ def _positions(view, colors: dict[str, str]) -> None:
         merged = bins.merge(lines, on="evaluation_id")
         averaged = merged.groupby(["line", "start", "end"], sort=False)["loss"].mean()
         st.plotly_chart(
-            position_figure(averaged.reset_index(), colors),
+            position_figure(averaged.reset_index(), colors, per),
             key="positions",
             width="stretch",
         )

@@ -49,8 +49,21 @@ def _band(figure: go.Figure, x, low, high, color: str, line: str) -> None:
     )
 
 
+def length_unit(hf_models: bool, own_models: bool) -> str:
+    """What the evaluation lengths count: bytes for posbench's models (byte-level), an hf:
+    model's own tokens for it; both, when a view shows both."""
+    if hf_models and own_models:
+        return "tokens of each model: bytes for posbench's, its tokenizer's for an hf: model"
+    return "the model's tokens" if hf_models else "bytes"
+
+
 def curve_figure(
-    summary: pd.DataFrame, metric: str, train_lengths: list[int], log_y: bool, title: str
+    summary: pd.DataFrame,
+    metric: str,
+    train_lengths: list[int],
+    log_y: bool,
+    title: str,
+    unit: str = "bytes",
 ) -> go.Figure:
     figure = go.Figure()
     colors = line_colors(summary)
@@ -75,7 +88,10 @@ def curve_figure(
         )
     lengths = sorted(summary["eval_length"].unique())
     figure.update_xaxes(
-        type="log", title="evaluation length", tickvals=lengths, ticktext=[str(n) for n in lengths]
+        type="log",
+        title=f"evaluation length ({unit})",
+        tickvals=lengths,
+        ticktext=[str(n) for n in lengths],
     )
     figure.update_yaxes(type="log" if log_y else "linear", title=metric)
     # A trace, not a layout shape: shapes on a log axis take log10 coordinates.
@@ -100,7 +116,7 @@ def curve_figure(
     return figure
 
 
-def position_figure(bins: pd.DataFrame, colors: dict[str, str]) -> go.Figure:
+def position_figure(bins: pd.DataFrame, colors: dict[str, str], per: str = "byte") -> go.Figure:
     figure = go.Figure()
     for index, (line, group) in enumerate(bins.groupby("line", sort=False)):
         group = group.sort_values("start")
@@ -115,7 +131,7 @@ def position_figure(bins: pd.DataFrame, colors: dict[str, str]) -> go.Figure:
             )
         )
     figure.update_xaxes(type="log", title="position in the window (1-based, log bins)")
-    figure.update_yaxes(title="loss (nats / byte)")
+    figure.update_yaxes(title=f"loss (nats / {per})")
     figure.update_layout(height=420, margin={"l": 60, "r": 20, "t": 30, "b": 50})
     return figure
 

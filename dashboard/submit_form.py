@@ -103,7 +103,7 @@ def spec_bounds(model: type[BaseModel], name: str) -> dict[str, Any]:
     return bounds
 
 
-def _header(base: dict[str, Any], key: Keys) -> dict[str, Any]:
+def header(base: dict[str, Any], key: Keys) -> dict[str, Any]:
     name_column, queue_column = st.columns([3, 1])
     return {
         "name": name_column.text_input("Study name", base.get("name", "study"), key=key("name")),
@@ -117,9 +117,12 @@ def _header(base: dict[str, Any], key: Keys) -> dict[str, Any]:
     }
 
 
-def _task_inputs(base: dict[str, Any], key: Keys) -> dict[str, Any]:
-    """The task and its parameters (only those that differ from the defaults)."""
-    task_names = list(TASKS)
+def task_inputs(
+    base: dict[str, Any], key: Keys, task_names: list[str] | None = None
+) -> dict[str, Any]:
+    """The task (one of ``task_names``, default: every task) and its parameters (only
+    those that differ from the defaults)."""
+    task_names = task_names or list(TASKS)
     task_default = base.get("task", DEFAULT_TASK)
     task_default = task_default if isinstance(task_default, str) else task_default["name"]
     task = st.selectbox(
@@ -296,15 +299,20 @@ def _encoding_inputs(base: dict[str, Any], key: Keys) -> list[Any]:
     return encodings
 
 
-def _variant_inputs(evaluation: dict[str, Any], key: Keys) -> list[str]:
-    """RoPE inference variants: the training-free ones, then fine-tuned ones as text."""
+def _variant_inputs(
+    evaluation: dict[str, Any], key: Keys, offered: list[str], finetuned: bool
+) -> list[str]:
+    """RoPE inference variants: the training-free ones ``offered``, then (``finetuned``)
+    fine-tuned ones as text."""
     variants = st.multiselect(
         "RoPE inference variants (rotary encodings)",
-        VARIANTS,
-        default=[v for v in evaluation.get("variants", []) if v in VARIANTS],
+        offered,
+        default=[v for v in evaluation.get("variants", []) if v in offered],
         key=key("variants"),
         help=" · ".join(f"{n}: {s.summary}" for n, s in SCALINGS.items()),
     )
+    if not finetuned:
+        return variants
     listed = [v for v in evaluation.get("variants", []) if isinstance(v, str) and "+" in v]
     tuned = st.text_input(
         "Fine-tuned RoPE variants",
@@ -319,12 +327,20 @@ def _variant_inputs(evaluation: dict[str, Any], key: Keys) -> list[str]:
     return variants + [v.strip() for v in tuned.split(",") if v.strip()]
 
 
-def _evaluation_inputs(evaluation: dict[str, Any], key: Keys) -> dict[str, Any]:
-    """Lengths, protocols, how much is scored, the order probe and RoPE variants."""
+def evaluation_inputs(
+    evaluation: dict[str, Any],
+    key: Keys,
+    lengths: list[int] = LENGTHS,
+    variants: list[str] = VARIANTS,
+    finetuned: bool = True,
+) -> dict[str, Any]:
+    """Lengths (among ``lengths``), protocols, how much is scored, the order probe and
+    RoPE variants (among ``variants``: none offered when empty; fine-tuned ones as text
+    with ``finetuned``)."""
     chosen: dict[str, Any] = {
         "lengths": st.multiselect(
             "Evaluation lengths",
-            LENGTHS,
+            lengths,
             default=evaluation.get("lengths", [128, 256, 512]),
             key=key("lengths"),
         ),
@@ -356,9 +372,9 @@ def _evaluation_inputs(evaluation: dict[str, Any], key: Keys) -> dict[str, Any]:
         help="Also score each window's second half with its first half shuffled: "
         "how much each model relies on word order.",
     )
-    variants = _variant_inputs(evaluation, key)
-    if variants:
-        chosen["variants"] = variants
+    chosen_variants = _variant_inputs(evaluation, key, variants, finetuned) if variants else []
+    if chosen_variants:
+        chosen["variants"] = chosen_variants
     return chosen
 
 
@@ -368,11 +384,11 @@ def form(base: dict[str, Any], prefix: str) -> tuple[dict[str, Any], list[str]]:
     def key(name: str) -> str:
         return f"{prefix}:{name}"
 
-    spec = _header(base, key)
+    spec = header(base, key)
     left, right = st.columns(2)
     with left:
         st.subheader("Task and model")
-        spec["task"] = _task_inputs(base, key)
+        spec["task"] = task_inputs(base, key)
         spec["model"] = _model_input(base, key)
         st.subheader("Training")
         spec["train"] = _training_inputs(base.get("train", {}), key)
@@ -383,5 +399,5 @@ def form(base: dict[str, Any], prefix: str) -> tuple[dict[str, Any], list[str]]:
         st.subheader("Encodings")
         spec["encodings"] = _encoding_inputs(base, key)
         st.subheader("Evaluation")
-        spec["eval"] = _evaluation_inputs(base.get("eval", {}), key)
+        spec["eval"] = evaluation_inputs(base.get("eval", {}), key)
     return spec, problems

@@ -13,9 +13,13 @@ import yaml
 from dashboard.auth import actor, can_operate
 from dashboard.common import schema_ready
 from dashboard.submit_form import form
+from dashboard.submit_hf import hf_form
 from jobs.safe_text import markdown
+from jobs.settings import get_settings
 from jobs.spec import PRESET_SPECS, SpecError, StudySpec, parse_spec
 
+OWN_SOURCE, HF_SOURCE = "posbench", "hf"
+SOURCES = {OWN_SOURCE: "posbench's own model", HF_SOURCE: "a HuggingFace model folder"}
 CUSTOM = {
     "name": "my-study",
     "model": "small",
@@ -26,6 +30,11 @@ CUSTOM = {
 
 
 def estimate(spec: StudySpec) -> str:
+    if spec.model.hf is not None:
+        return (
+            f"1 run: {spec.runs()[0].encoding.label} evaluated as it is (no training) at "
+            f"{len(spec.eval.lengths)} lengths, up to {spec.eval_tokens():,} of its tokens"
+        )
     runs = len(spec.runs())
     batch = spec.train.batch_size * spec.train.grad_accum
     tokens = spec.train.steps * spec.train.tokens_per_step
@@ -45,18 +54,31 @@ def render() -> None:
     if not can_operate():  # the navigation has no Submit page for viewers; belt and braces
         st.info("Submitting needs the operator role.")
         return
-    presets = ["custom", *PRESET_SPECS]
-    preset = st.selectbox(
-        "Start from",
-        presets,
-        key="preset",
-        help="smoke: seconds (tiny model); quick: minutes on a CPU; "
-        "paper: the ALiBi paper's setting on WikiText-103 (downloaded), for GPUs",
+    source = st.radio(
+        "Model source",
+        list(SOURCES),
+        format_func=SOURCES.get,
+        key="source",
+        horizontal=True,
+        help="a HuggingFace model folder is evaluated as it is, next to posbench's models",
     )
-    base = PRESET_SPECS.get(preset, CUSTOM)
-    data, problems = form(base, prefix=preset)
+    if source == HF_SOURCE:
+        data, problems = hf_form(get_settings().models)
+        if data is None and not problems:
+            return  # no folder to choose: where to put one is said
+    else:
+        presets = ["custom", *PRESET_SPECS]
+        preset = st.selectbox(
+            "Start from",
+            presets,
+            key="preset",
+            help="smoke: seconds (tiny model); quick: minutes on a CPU; "
+            "paper: the ALiBi paper's setting on WikiText-103 (downloaded), for GPUs",
+        )
+        base = PRESET_SPECS.get(preset, CUSTOM)
+        data, problems = form(base, prefix=preset)
     spec = None
-    if not problems:
+    if not problems and data is not None:
         try:
             spec = parse_spec(data)
         except SpecError as err:
@@ -68,8 +90,9 @@ def render() -> None:
         st.info(estimate(spec))
         for note in spec.notes():  # runs as written, but worth knowing first
             st.warning(markdown("Note: " + note[0].upper() + note[1:]))
-    with st.expander("YAML (for `posbench submit`)", expanded=False):
-        st.code(yaml.safe_dump(data, sort_keys=False), language="yaml")
+    if data is not None:
+        with st.expander("YAML (for `posbench submit`)", expanded=False):
+            st.code(yaml.safe_dump(data, sort_keys=False), language="yaml")
     clicked = st.button("Submit", type="primary", disabled=spec is None, key="submit")
     if clicked and spec is not None and schema_ready():
         from jobs.service import Refused, submit

@@ -96,6 +96,7 @@ class Cluster:
     settings: Settings
     home: Path
     workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    extra_env: dict[str, str] = field(default_factory=dict)  # more settings for processes
 
     @property
     def env(self) -> dict[str, str]:
@@ -114,6 +115,7 @@ class Cluster:
                 "POSBENCH_MIN_CHECKPOINT_SECONDS": "0",
                 "OMP_NUM_THREADS": "1",
                 "PYTHONUNBUFFERED": "1",
+                **self.extra_env,
             }
         )
         return env

@@ -293,3 +293,80 @@ def local_facts(name: str, policy: ModelPolicy) -> tuple[Located, ModelFacts | N
         return located, model_facts(read_config(located.folder))
     except HfModelError as err:
         raise HfModelError(f"model.hf {located.folder}: {err}") from None
+
+
+# -- the model folders a root holds (the Submit page's list) --------------------------------
+
+MAX_LISTED = 200  # model folders listed, at most
+MAX_SCANNED = 10_000  # entries of one root looked at, at most
+
+
+@dataclass(frozen=True)
+class ModelFolder:
+    """A folder directly under a models root with a config.json: ``name`` is its name
+    there, ``spec_name`` what ``model.hf`` says to mean it (its name, or its path when an
+    earlier root holds a folder of that name)."""
+
+    name: str
+    spec_name: str
+    root: Path
+    folder: Path  # resolved
+
+
+def _entries(root: Path) -> tuple[list[str], bool]:
+    """The names in ``root`` (at most MAX_SCANNED, sorted) and whether more were left."""
+    names: list[str] = []
+    try:
+        with os.scandir(root) as entries:
+            for entry in entries:
+                if len(names) == MAX_SCANNED:
+                    return sorted(names), True
+                names.append(entry.name)
+    except OSError:  # a root that does not exist (yet) or cannot be read
+        return [], False
+    return sorted(names), False
+
+
+def _listed(root: Path, name: str, policy: ModelPolicy) -> ModelFolder | None:
+    """The model folder ``root``/``name``, or None: a hidden or unprintable name, one
+    model.hf cannot hold, a link out of the roots, no config.json (inside the roots)."""
+    if name.startswith(".") or len(name) > MAX_NAME or not name.isprintable():
+        return None
+    folder = _resolved(root / name)
+    if folder is None or forbidden(folder) or folder in policy.roots:
+        return None
+    if not any(inside(folder, r) for r in policy.roots) or not folder.is_dir():
+        return None
+    config = _resolved(folder / CONFIG_FILE)
+    if config is None or not any(inside(config, r) for r in policy.roots):
+        return None
+    if not config.is_file():
+        return None
+    try:
+        by_name = locate_model(name, policy).folder
+    except HfModelError:
+        by_name = None
+    spec_name = name if by_name == folder else str(root / name)
+    return ModelFolder(name, spec_name, root, folder)
+
+
+def model_folders(policy: ModelPolicy, limit: int = MAX_LISTED) -> tuple[list[ModelFolder], bool]:
+    """The model folders directly under each models root (a folder with a config.json;
+    never through a link out of the roots), root by root and by name, at most ``limit``
+    of them; and whether some were left out. Each is checked in full (its files, its
+    config) only once chosen (``local_facts``)."""
+    found: list[ModelFolder] = []
+    seen: set[Path] = set()
+    left_out = False
+    for root in policy.roots:
+        names, more = _entries(root)
+        left_out = left_out or more
+        for name in names:
+            listed = _listed(root, name, policy)
+            if listed is None or listed.folder in seen:
+                continue
+            if len(found) == limit:
+                return found, True
+            seen.add(listed.folder)
+            found.append(listed)
+    return found, left_out
