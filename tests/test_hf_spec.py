@@ -293,7 +293,33 @@ def worker_settings(home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     settings_module.get_settings.cache_clear()
 
 
-def test_a_study_goes_through_the_queue_a_worker_and_the_database(worker_settings) -> None:
+def export_to_mlflow(url: str, study_id: int, model: dict, folder: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from jobs.transfer.mlflow_export import to_mlflow
+
+    tracking = (folder / "mlruns").as_uri()
+    to_mlflow(url, study_id, tracking_uri=tracking, experiment="hf")
+    client = MlflowClient(tracking_uri=tracking)
+    (exported,) = [
+        r
+        for r in client.search_runs([client.get_experiment_by_name("hf").experiment_id])
+        if "posbench.variant" not in r.data.tags
+    ]
+    tags = exported.data.tags
+    assert tags["posbench.model.hf"] == "llama"
+    assert tags["posbench.model.weights_sha256"] == model["weights_sha256"]
+    assert exported.data.params["model.hf"] == "llama"
+    history = client.get_metric_history(
+        exported.info.run_id, "eval/bits_per_byte/none/nonoverlapping"
+    )
+    assert sorted(m.step for m in history) == [16, 32, 64]
+
+
+def test_a_study_goes_through_the_queue_a_worker_and_the_database(
+    worker_settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     from db import queries
     from jobs import lifecycle
     from jobs.service import Refused, submit
@@ -315,6 +341,8 @@ def test_a_study_goes_through_the_queue_a_worker_and_the_database(worker_setting
     curve = queries.curves(url, [submitted.study_id])
     assert sorted(curve["eval_length"]) == [16, 32, 64]
     assert curve["bits_per_byte"].notna().all() and (curve["bits_per_byte"] > 0).all()
+    # Exported to MLflow like any other run: its curves, and which model it was.
+    export_to_mlflow(url, submitted.study_id, run["provenance"]["model"], tmp_path)
     # The same model and evaluation again: the result cache serves it.
     again = submit(parse_spec(spec()), actor="tester", settings=worker_settings, send=sent.append)
     assert again.reused and not again.queued

@@ -122,6 +122,18 @@ def run_tags(study: Study, run: Run, variants: Iterable[str]) -> dict[str, str]:
     for name in ("git_commit", "posbench_version", "torch_version", "device_name", "data"):
         if provenance.get(name) is not None:
             tags[f"posbench.{name}"] = str(provenance[name])
+    model = provenance.get("model")
+    if isinstance(model, dict):  # a HuggingFace model evaluated as it is (model: {hf: ...})
+        for name in (
+            "hf",
+            "hub_id",
+            "model_type",
+            "config_sha256",
+            "weights_sha256",
+            "transformers_version",
+        ):
+            if model.get(name) is not None:
+                tags[f"posbench.model.{name}"] = str(model[name])[:5000]
     if "trained_by_run" in provenance:
         tags["posbench.trained_by_run"] = str(provenance["trained_by_run"])
     # Imported with posbench import (or reused from such a run): not trained here.
