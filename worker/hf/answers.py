@@ -11,12 +11,13 @@ definition stays in one place:
   tokenizer, no special token added: the model reads the tokens the text has, never a
   prompt and an answer tokenized apart (a tokenizer's prefix space or a merge across
   them would change the input);
-- **the length**: B is searched for (a deterministic search from the task's shortest
-  example, each try drawn from the same generator state) so that the text is exactly
-  ``length + 1`` tokens; where no budget gives exactly that, the largest that fits
-  below, and the tokens missing are the tokenizer's end-of-text token (the separator
-  of the lm task's documents) put before the text, as a byte-level example is padded
-  with spaces before its text;
+- **the length**: B is searched for (deterministically, from the budget the example
+  before took, each try drawn from the same generator state) so that the text is
+  exactly ``length + 1`` tokens; where no budget near the bracket gives exactly that
+  (a count of tokens is not monotone in bytes), the largest that fits below, and the
+  tokens missing are the tokenizer's end-of-text token (the separator of the lm task's
+  documents) put before the text, as a byte-level example is padded with spaces
+  before its text;
 - **the answer**: the last tokens that carry a character of the answer (from the
   tokenizer's offsets), so a leading space a token takes with the answer's first
   characters is scored with them and a token of whitespace alone before it is not;
