@@ -44,19 +44,20 @@ def build_tokenizer():
     )
 
 
-def model_config(family: str, vocab_size: int, eos: int, **extra: Any):
-    """The config of a tiny model of ``family``: 2 layers, 2 heads of 16 dimensions."""
+def model_config(family: str, vocab_size: int, eos: int, context: int = CONTEXT, **extra: Any):
+    """The config of a tiny model of ``family``: 2 layers, 2 heads of 16 dimensions, an
+    original context of ``context`` positions."""
     from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig, MistralConfig, Qwen2Config
 
     ids = {"bos_token_id": eos, "eos_token_id": eos, "vocab_size": vocab_size}
     if family == "gpt2":
-        return GPT2Config(n_positions=CONTEXT, n_embd=32, n_layer=2, n_head=2, **ids, **extra)
+        return GPT2Config(n_positions=context, n_embd=32, n_layer=2, n_head=2, **ids, **extra)
     sizes = {
         "hidden_size": 32,
         "num_hidden_layers": 2,
         "num_attention_heads": 2,
         "intermediate_size": 64,
-        "max_position_embeddings": CONTEXT,
+        "max_position_embeddings": context,
     }
     if family == "gpt_neox":
         return GPTNeoXConfig(rotary_pct=0.25, **sizes, **ids, **extra)
@@ -69,13 +70,13 @@ def model_config(family: str, vocab_size: int, eos: int, **extra: Any):
     raise ValueError(family)
 
 
-def save_model(folder: Path, family: str, seed: int = SEED) -> Path:
+def save_model(folder: Path, family: str, seed: int = SEED, context: int = CONTEXT) -> Path:
     """A tiny ``family`` model with random weights from ``seed`` and the tokenizer, saved
     into ``folder`` (config.json, model.safetensors, tokenizer files)."""
     from transformers import AutoModelForCausalLM
 
     tokenizer = build_tokenizer()
-    config = model_config(family, len(tokenizer), tokenizer.eos_token_id)
+    config = model_config(family, len(tokenizer), tokenizer.eos_token_id, context)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config)
@@ -92,3 +93,69 @@ def corpus_text(repeats: int = 6) -> str:
     for k in range(repeats):
         lines.append(" ".join(words[k % len(words) :] + words[: k % len(words)]))
     return "\n".join(lines)
+
+
+def task_text() -> list[str]:
+    """Text like the synthetic tasks' (each task's examples at a fixed seed) and TEXT, for
+    tokenizers with merges that span their words, as a real model's tokenizer has."""
+    from worker.data import TASKS, build_task
+
+    texts = [TEXT]
+    for name, entry in TASKS.items():
+        if entry.kind.name != "ANSWER":
+            continue
+        task = build_task(name)
+        generator = torch.Generator().manual_seed(SEED)
+        texts += [task.example(600, generator, None)[0].decode() for _ in range(4)]
+    return texts
+
+
+def family_tokenizer(family: str):
+    """A tokenizer trained here in the manner of ``family``'s, on task_text():
+
+    - gpt2: byte-level BPE (GPT-2's pre-tokenizer), offsets trimmed of the space a word
+      token starts with;
+    - gpt_neox: byte-level BPE as Pythia's, offsets that keep that space;
+    - llama: SentencePiece-style BPE (Llama 2): ``▁`` for spaces and one before the
+      text, digits one by one, bytes of an unknown character as <0xNN> tokens.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if family == "llama":
+        bytes_ = [f"<0x{i:02X}>" for i in range(256)]
+        backend = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first"),
+                pre_tokenizers.Digits(individual_digits=True),
+            ]
+        )
+        backend.decoder = decoders.Sequence(
+            [
+                decoders.Replace("\u2581", " "),
+                decoders.ByteFallback(),
+                decoders.Fuse(),
+                decoders.Strip(" ", 1, 0),
+            ]
+        )
+        trainer = trainers.BpeTrainer(
+            vocab_size=900, special_tokens=["<unk>", "<s>", "</s>", *bytes_], show_progress=False
+        )
+        backend.train_from_iterator(task_text(), trainer)
+        return PreTrainedTokenizerFast(
+            tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+        )
+    trim = family == "gpt2"
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=trim)
+    backend.post_processor = processors.ByteLevel(trim_offsets=trim)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=700 if trim else 800,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(task_text(), trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>")

@@ -81,7 +81,10 @@ def test_an_hf_study_is_one_run_of_the_model_evaluated_as_it_is() -> None:
         ({"train": {"length": 32, "steps": 10}}, "train.steps: model.hf is evaluated as it is"),
         ({"train": {"length": 32, "lr": 0.1}}, "train.lr: model.hf is evaluated as it is"),
         ({"seeds": [0, 1]}, "model.hf is evaluated once"),
-        ({"task": "passkey"}, "model.hf is evaluated on language modelling (lm) for now"),
+        (
+            {"task": "passkey", "eval": {"lengths": [64]}},
+            "task 'passkey' needs sequences of at least 128 tokens; eval.lengths is 64",
+        ),
         ({"eval": {"variants": ["yarn:2+ft10"]}}, "'yarn:2+ft10' fine-tunes"),
     ],
 )

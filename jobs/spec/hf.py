@@ -3,10 +3,11 @@ one that trains (every other study).
 
 An hf: model is evaluated as it is: no training (``train.steps`` 0, the default then,
 and no other training setting), no encodings (the model brings its own), one seed
-(evaluation draws nothing at random but the order probe's shuffles), language
-modelling only (synthetic tasks are byte-level: their examples are bytes scored byte by
-byte), and no fine-tuned variant. ``train.length`` is required: the model's original
-context, which an 'auto' factor and the "beyond training" marks measure from.
+(evaluation draws nothing at random but the order probe's shuffles), a task whose
+examples are text (the catalogue entry's ``text``: the model reads them in its own
+tokens, ``worker.hf.answers`` for the synthetic tasks), and no fine-tuned variant.
+``train.length`` is required: the model's original context, which an 'auto' factor and
+the "beyond training" marks measure from.
 
 What only the model's config can say (RoPE or not, how much of a head it rotates, its
 context) is checked against the config where it can be read: at submit for a local
@@ -18,11 +19,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from jobs.metrics import Kind
 from jobs.spec.base import MAX_TRAIN_LENGTH
 from worker.catalog.encodings import NO_SCALING, SCALINGS
 from worker.catalog.hf_models import HfModelError, ModelFacts, ModelPolicy, local_facts
 from worker.catalog.params import short_repr
+from worker.catalog.tasks import TASKS
 
 if TYPE_CHECKING:
     from jobs.spec.study import StudySpec
@@ -94,10 +95,11 @@ def hf_problems(spec: StudySpec) -> list[str]:
         problems.append(
             "seeds: model.hf is evaluated once (its numbers do not depend on a seed); give one seed"
         )
-    if spec.task.kind is not Kind.LANGUAGE_MODELLING:
+    if not TASKS[spec.task.name].text:
+        readable = ", ".join(name for name, entry in TASKS.items() if entry.text)
         problems.append(
-            f"task {short_repr(spec.task.name)}: model.hf is evaluated on language modelling "
-            "(lm) for now; the synthetic tasks are scored byte by byte, for byte-level models"
+            f"task {short_repr(spec.task.name)}: its examples are not text, and model.hf "
+            f"reads a task's text in its own tokens (tasks for model.hf: {readable})"
         )
     tuned = [v.label for v in spec.eval.variants if v.finetune is not None]
     if tuned:

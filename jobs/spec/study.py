@@ -185,20 +185,27 @@ class StudySpec(_Strict):
         return problems
 
     def _length_problems(self) -> list[str]:
-        """The task's own rules at the longest length read, and its shortest sequence."""
+        """The task's own rules at the longest length read, and its shortest sequence. An
+        hf: model reads only the evaluation's lengths, in its tokens: at least the task's
+        shortest in bytes, which holds an example where each token is a byte of text or
+        more (the tokenizer's own bound is checked where it is loaded)."""
         task = TASKS[self.task.name]
         tuned = [tuning for _, tuning in self.finetunings()]
-        longest_read = max(self.train.length, *self.eval.lengths, *(t.length for t in tuned))
+        trained = [] if self.model.hf is not None else [("train.length", self.train.length)]
+        longest_read = max(
+            [*self.eval.lengths, *(n for _, n in trained), *(t.length for t in tuned)]
+        )
         problems = task.length_problems(self.task.params, longest_read)
-        lengths = [("train.length", self.train.length), ("eval.lengths", min(self.eval.lengths))]
+        lengths = [*trained, ("eval.lengths", min(self.eval.lengths))]
         if self.train.min_length is not None:
             lengths.append(("train.min_length", self.train.min_length))
         lengths += [("finetune.length", t.length) for t in tuned]
         field, shortest = min(lengths, key=lambda pair: pair[1])
         if shortest < task.min_length:
+            unit = "tokens" if self.model.hf is not None else "bytes"
             problems.append(
                 f"task {short_repr(task.name)} needs sequences of at least "
-                f"{task.min_length} bytes; "
+                f"{task.min_length} {unit}; "
                 f"{field} is {shortest}"
             )
         return problems

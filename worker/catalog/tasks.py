@@ -38,6 +38,9 @@ class TaskInfo:
     # (corpus roots, HuggingFace on or off): a problem, or None. Settings are the
     # caller's: the service and ``posbench run`` at submit, the reader on the worker.
     sources: Callable[[Mapping[str, Any], SourcePolicy], str | None] | None = None
+    # Its examples (or corpus) are UTF-8 text, so a model with a tokenizer of its own
+    # (model.hf) can read them in its tokens; a task of other bytes is refused for one.
+    text: bool = False
 
     @property
     def metric(self) -> str:
@@ -145,6 +148,7 @@ TASKS: dict[str, TaskInfo] = {
             ),
             check=lambda params: corpus_problem(params["corpus"]),
             sources=lambda params, policy: corpus_access_problem(params["corpus"], policy),
+            text=True,
         ),
         TaskInfo(
             name="passkey",
@@ -154,6 +158,7 @@ TASKS: dict[str, TaskInfo] = {
             implementation="worker.data.synthetic:Passkey",
             min_length=128,
             params=(Param("digits", int, 5, "digits in the pass key", low=1, high=12),),
+            text=True,
         ),
         TaskInfo(
             name="copy",
@@ -163,7 +168,9 @@ TASKS: dict[str, TaskInfo] = {
             "Hierarchy (arXiv:2207.02098)",
             implementation="worker.data.synthetic:Copy",
             min_length=8,
+            # Letters, digits, '+' and '/': the symbols are text.
             params=(Param("alphabet", int, 26, "distinct symbols in the string", low=2, high=64),),
+            text=True,
         ),
         TaskInfo(
             name="assoc_recall",
@@ -175,6 +182,7 @@ TASKS: dict[str, TaskInfo] = {
             min_length=32,
             params=(Param("key_length", int, 3, "letters per key", low=1, high=8),),
             fits=_distinct_keys,
+            text=True,
         ),
         TaskInfo(
             name="sov_tr",
@@ -196,6 +204,7 @@ TASKS: dict[str, TaskInfo] = {
                     choices=("marked", "bare", "both"),
                 ),
             ),
+            text=True,
         ),
     )
 }

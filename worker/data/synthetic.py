@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import string
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
+from torch import Tensor
 
 from jobs.metrics import Kind, headline
 from worker.catalog.tasks import assoc_recall_pairs
@@ -33,7 +35,28 @@ def _digits(count: int, generator: torch.Generator) -> str:
     return "".join(str(int(d)) for d in torch.randint(0, 10, (count,), generator=generator))
 
 
-class _Synthetic(Task):
+# One example: its sequence (bytes, or an hf: model's token ids), how many of its last
+# tokens are the answer, and its group label.
+Example = tuple[Any, int, str]
+# What draws one example: (length, generator, group) -> Example.
+ExampleMaker = Callable[[int, torch.Generator, Any], Example]
+
+
+def answer_batch(sequences: Tensor, answers: list[int], labels: list[str]) -> Batch:
+    """``[B, T+1]`` sequences whose last ``answers[i]`` tokens are row i's answer: inputs,
+    targets, and only the answer's targets scored."""
+    inputs, targets = from_sequences(sequences)
+    scored = torch.zeros_like(targets, dtype=torch.bool)
+    for row, answer in enumerate(answers):
+        scored[row, -answer:] = True
+    return Batch(inputs, targets, scored, labels)
+
+
+class SyntheticTask(Task):
+    """A task of examples that end in an answer scored by exact match. Its examples are
+    drawn by ``example`` alone, so a model that reads tokens instead of bytes (an hf:
+    model: ``worker.hf.answers``) is scored on the same examples, rendered in its tokens."""
+
     metric = headline(Kind.ANSWER).name
 
     def example(
@@ -45,13 +68,9 @@ class _Synthetic(Task):
     def groups(self) -> tuple[int | None, ...]:
         return (None,)
 
-    def _batch(self, rows: list[tuple[bytes, int, str]]) -> Batch:
+    def _batch(self, rows: list[Example]) -> Batch:
         sequences = torch.tensor([list(seq) for seq, _, _ in rows], dtype=torch.uint8)
-        inputs, targets = from_sequences(sequences)
-        scored = torch.zeros_like(targets, dtype=torch.bool)
-        for row, (_, answer, _) in enumerate(rows):
-            scored[row, -answer:] = True
-        return Batch(inputs, targets, scored, [label for _, _, label in rows])
+        return answer_batch(sequences, [answer for _, answer, _ in rows], [g for _, _, g in rows])
 
     def train_batch(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
         # Training draws every free choice (a pass key's depth too) at random.
@@ -68,18 +87,26 @@ class _Synthetic(Task):
         stride: int | None = None,
         longest: int | None = None,
     ) -> Iterator[Batch]:
-        rows = self.eval_examples(length, max(1, examples // len(self.groups())))
+        rows = self.eval_examples(length, self.per_group(examples))
         for start in range(0, len(rows), batch_size):
             yield self._batch(rows[start : start + batch_size])
 
-    def eval_examples(self, length: int, per_group: int) -> list[tuple[bytes, int, str]]:
+    def per_group(self, examples: int) -> int:
+        """Examples of each group an evaluation of ``examples`` examples scores."""
+        return max(1, examples // len(self.groups()))
+
+    def eval_examples(
+        self, length: int, per_group: int, make: ExampleMaker | None = None
+    ) -> list[Example]:
         """``per_group`` examples of every group, in group order: by default drawn one
-        after another from one generator seeded by the task and the length."""
+        after another from one generator seeded by the task and the length, each by
+        ``make`` (by default ``example``; an hf: model's renders it in its tokens)."""
+        make = make or self.example
         generator = _eval_generator(self.name, length)
-        return [self.example(length, generator, g) for g in self.groups() for _ in range(per_group)]
+        return [make(length, generator, g) for g in self.groups() for _ in range(per_group)]
 
 
-class Passkey(_Synthetic):
+class Passkey(SyntheticTask):
     """Filler sentences, "The pass key is NNNNN. Remember it. NNNNN is the pass key.",
     more filler, then "What is the pass key? The pass key is " and the digits."""
 
@@ -110,7 +137,7 @@ class Passkey(_Synthetic):
         return text.encode(), self.digits, f"depth={depth:g}" if group is not None else ""
 
 
-class Copy(_Synthetic):
+class Copy(SyntheticTask):
     """A random string, a separator, then the same string again."""
 
     name = "copy"
@@ -147,7 +174,7 @@ def distinct_codes(space: int, count: int, generator: torch.Generator) -> list[i
     return list(codes)
 
 
-class AssociativeRecall(_Synthetic):
+class AssociativeRecall(SyntheticTask):
     """``key=vv;`` pairs with distinct keys, then ``?key=`` and the key's two-digit value."""
 
     name = "assoc_recall"

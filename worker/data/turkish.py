@@ -48,7 +48,7 @@ from typing import NamedTuple
 import torch
 
 from worker.catalog.tasks import TaskConfigError
-from worker.data.synthetic import PASSKEY_DEPTHS, _Synthetic
+from worker.data.synthetic import PASSKEY_DEPTHS, Example, ExampleMaker, SyntheticTask
 
 VARIANTS = ("marked", "bare")
 QUESTION = "kim kime neyi? "
@@ -216,7 +216,7 @@ def _draw(row: list[float]) -> tuple[Roles, int]:
     return Roles(agent, recipient, theme, verb), int(row[4] * len(ORDERS))
 
 
-class TurkishWordOrder(_Synthetic):
+class TurkishWordOrder(SyntheticTask):
     """Who gave what to whom, in a Turkish sentence marked ``* `` among distractors."""
 
     name = "sov_tr"
@@ -276,13 +276,16 @@ class TurkishWordOrder(_Synthetic):
         label = f"variant={variant} depth={depth:g}" if group is not None else ""
         return text.encode(), _size(answer), label
 
-    def eval_examples(self, length: int, per_group: int) -> list[tuple[bytes, int, str]]:
+    def eval_examples(
+        self, length: int, per_group: int, make: ExampleMaker | None = None
+    ) -> list[Example]:
         # Each example has its own generator, seeded by the task, length, depth and
         # index but not the variant: example i is the same scene said both ways, so
         # the variants are compared on the same roles (and "bare" alone scores the
         # same examples as the bare half of "both").
+        make = make or self.example
         return [
-            self.example(length, _example_generator(self.name, length, depth, i), (variant, depth))
+            make(length, _example_generator(self.name, length, depth, i), (variant, depth))
             for variant, depth in self.groups()
             for i in range(per_group)
         ]

@@ -4,15 +4,19 @@ and record what was loaded. Nothing is trained: the run's training record is emp
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from jobs.spec import RunSpec, StudySpec
 from jobs.spec.hf import model_problems
 from worker.catalog.hf_models import NO_MODELS, HfModelError, ModelPolicy
 from worker.data.base import Task
+from worker.data.synthetic import SyntheticTask
 from worker.evaluate import evaluate
+from worker.hf.answers import TokenizedSynthetic
 from worker.hf.loader import LoadedModel, load_model
-from worker.hf.tokens import tokenized
+from worker.hf.tokens import TokenizedLanguageModelling, tokenized
 from worker.training import NO_HOOKS, RunCancelled, RunHooks, TrainResult
 
 
@@ -26,6 +30,14 @@ def checked_model(spec: StudySpec, models: ModelPolicy) -> LoadedModel:
     if problems:
         raise HfModelError("; ".join(problems))
     return loaded
+
+
+def in_tokens(task: Task, tokenizer: Any) -> TokenizedSynthetic | TokenizedLanguageModelling:
+    """The study's prepared task in the model's tokens: a synthetic task's examples
+    rendered in them, or the corpus tokenized."""
+    if isinstance(task, SyntheticTask):
+        return TokenizedSynthetic(task, tokenizer)
+    return tokenized(task, tokenizer)
 
 
 def run_hf(
@@ -43,7 +55,7 @@ def run_hf(
     from worker.run import RunResult, probe_order, provenance
 
     loaded = checked_model(spec, models)
-    text = tokenized(task, loaded.tokenizer)
+    text = in_tokens(task, loaded.tokenizer)
     text.check_plan(spec.eval, spec.train.length if spec.eval.order_probe else None)
     rows = evaluate(
         loaded.model,

@@ -154,8 +154,8 @@ class TokenizedLanguageModelling(Task):
 
 
 def tokenized(task: Task, tokenizer: Any) -> TokenizedLanguageModelling:
-    """The study's prepared task in the model's tokens (language modelling only: the spec
-    refuses the others for an hf: model)."""
+    """The study's language-modelling task, prepared, in the model's tokens (a synthetic
+    task's are ``worker.hf.answers``)."""
     if not isinstance(task, LanguageModelling):
-        raise CorpusError(f"an hf: model is evaluated on language modelling, not {task.name}")
+        raise CorpusError(f"task {task.name!r} is not language modelling")
     return TokenizedLanguageModelling(task, tokenizer)
