@@ -178,7 +178,7 @@ def probe_in_subprocess(module: str, *args: str) -> float | str:
     return json.loads(done.stdout.strip().splitlines()[-1])["peak_bytes"] / 2**20
 
 
-def _quartiles(values: list[float]) -> tuple[float, float]:
+def quartiles(values: list[float]) -> tuple[float, float]:
     if len(values) < 2:
         return values[0], values[0]
     low, _, high = statistics.quantiles(values, n=4, method="inclusive")
@@ -208,7 +208,7 @@ def report(
             # Paired: each round's two samples ran back to back.
             ratios = [a / b for a, b in zip(ours.samples, theirs.samples, strict=True)]
             row["ratio"] = statistics.median(ratios)
-            row["ratio_q1"], row["ratio_q3"] = _quartiles(ratios)
+            row["ratio_q1"], row["ratio_q3"] = quartiles(ratios)
         row.update((extra or {}).get(encoding, {}))
         rows.append(row)
     print(f"\n### {title}\n\nmatmul reference: {reference / 1e9:.1f} GFLOP/s (median of rounds)\n")

@@ -5,14 +5,16 @@ setting the model's rope parameters (HF transformers' ``rope_parameters``, from 
 catalogue's ``hf_rope_parameters``) and rebuilding its rotary embedding.
 
 The model runs as HF transformers runs it (``attn_implementation="sdpa"``, no KV cache,
-positions 0..T-1); only the output layer is taken out of bf16 autocast, as posbench's
-own models do: bf16 logits bias the loss.
+positions 0..T-1); only the output layer's logits are float32 under bf16 autocast, as
+posbench's own models' are (bf16 logits bias the loss), from bf16 operands accumulated in
+float32 where PyTorch can (``float32_logits``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -44,6 +46,39 @@ def _size(config) -> ModelConfig:
     return ModelConfig(d_model=hidden, n_layers=layers, n_heads=heads, vocab_size=config.vocab_size)
 
 
+@functools.cache
+def _products_into_float32(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether this PyTorch multiplies ``dtype`` matrices into float32 on ``device_type``
+    (``torch.mm(out_dtype=)``: CUDA, recent PyTorch)."""
+    if device_type != "cuda":
+        return False
+    probe = torch.ones(2, 2, dtype=dtype, device=device_type)
+    try:
+        return torch.mm(probe, probe, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def float32_logits(hidden: Tensor, head: nn.Linear) -> Tensor:
+    """The output layer's logits, in float32. Under CUDA autocast its operands are in the
+    autocast dtype like every other product of the model, accumulated and returned in
+    float32 (``torch.mm(out_dtype=)``): logits rounded to bf16 would bias the loss, and a
+    float32 product over a vocabulary of 32k and more runs off the tensor cores (a 134M
+    Llama on an H200: posbench's evaluation at 0.63-0.67x a plain transformers loop's
+    speed, 1.00-1.02x this way; ``benchmarks/hf_eval.py``). Elsewhere in float32."""
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    bias = None if head.bias is None else head.bias.float()
+    with torch.autocast(device, enabled=False):
+        if dtype is not None and _products_into_float32(device, dtype):
+            flat = hidden.flatten(0, -2).to(dtype)
+            logits = torch.mm(flat, head.weight.to(dtype).t(), out_dtype=torch.float32)
+            if bias is not None:
+                logits += bias
+            return logits.view(*hidden.shape[:-1], logits.shape[-1])
+        return F.linear(hidden.float(), head.weight.float(), bias)
+
+
 class HfCausalLM(nn.Module):
     """``model`` (an ``AutoModelForCausalLM``) with the facts its config gives."""
 
@@ -63,11 +98,7 @@ class HfCausalLM(nn.Module):
                 "fit (recorded as not applicable by the evaluation)"
             )
         outputs = self.hf.base_model(input_ids=tokens, use_cache=False)
-        hidden = outputs.last_hidden_state
-        head = self.hf.get_output_embeddings()
-        with torch.autocast(hidden.device.type, enabled=False):
-            bias = None if head.bias is None else head.bias.float()
-            return F.linear(hidden.float(), head.weight.float(), bias)
+        return float32_logits(outputs.last_hidden_state, self.hf.get_output_embeddings())
 
     def _rotary_modules(self) -> list[tuple[str, nn.Module]]:
         return [
