@@ -1,19 +1,20 @@
 """The `posbench` command line.
 
 Exit codes: 0 success, 2 bad input (one-line reason on stderr), 1 failure. The commands
-live in ``studies``, ``audit``, ``results``, ``serving`` and ``backups``; importing them
-registers them on the one Typer ``app`` of ``common``.
+live in ``studies``, ``audit``, ``results``, ``tasks``, ``serving`` and ``backups``;
+importing them registers them on the one Typer ``app`` of ``common``.
 """
 
 # The order of these imports is the order of the commands in `posbench --help`.
 from jobs.cli import studies  # isort: skip
 from jobs.cli import audit  # isort: skip
 from jobs.cli import results  # isort: skip
+from jobs.cli import tasks  # isort: skip
 from jobs.cli import serving  # isort: skip
 from jobs.cli import backups  # isort: skip
 from jobs.cli.common import app  # isort: skip
 
-__all__ = ["app", "audit", "backups", "main", "results", "serving", "studies"]
+__all__ = ["app", "audit", "backups", "main", "results", "serving", "studies", "tasks"]
 
 
 def main() -> None:
