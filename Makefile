@@ -26,9 +26,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports --no-cache
 
-# The generated parts of the docs (the catalogue table of docs/encodings.md).
+# The generated parts of the docs (the catalogue tables of docs/encodings.md and
+# docs/tasks.md).
 docs: $(STAMP)
 	$(PY) -m jobs.render.catalog docs/encodings.md
+	$(PY) -m jobs.render.tasks docs/tasks.md
 
 test: $(STAMP) lint
 	$(PY) -m pytest -n 2 -q

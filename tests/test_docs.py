@@ -480,6 +480,17 @@ def test_the_catalogue_table_is_generated_from_the_registry() -> None:
     assert block == catalog_markdown(), "docs/encodings.md: run `make docs`"
 
 
+def test_the_tasks_page_is_generated_from_the_catalogue() -> None:
+    """Every task's parameters, scoring and example (drawn by `posbench tasks sample`)."""
+    from jobs.render.tasks import BEGIN, END, tasks_markdown
+    from worker.catalog.tasks import TASKS
+
+    page = (DOCS / "tasks.md").read_text()
+    block = page.partition(BEGIN)[2].partition(END)[0].strip()
+    assert block == tasks_markdown(), "docs/tasks.md: run `make docs`"
+    assert all(f"### `{name}`: parameters" in block for name in TASKS)
+
+
 def test_the_details_tables_name_registered_encodings_and_parameters() -> None:
     from worker.encodings import REGISTRY, SCALINGS
 

@@ -55,19 +55,30 @@ def _example(entry: TaskInfo) -> str:
     return f"```sh\n{shlex.join([*command, '--json'])}\n```\n\n```json\n{lines}\n```"
 
 
+def _prose(value: str) -> str:
+    """A catalogue string in Markdown prose: ``text:<path>`` is not an HTML tag."""
+    return value.replace("<", "&lt;")
+
+
 def _section(entry: TaskInfo) -> str:
-    params = [f"- `{p.name}`: {p.help}; default `{p.default}`, {p.allowed()}" for p in entry.params]
-    scoring = ", ".join(f"`{m.name}` ({m.description})" for m in measured(entry.kind))
+    params = [
+        f"- `{p.name}`: {_prose(p.help)}; default `{p.default}`, {p.allowed()}"
+        for p in entry.params
+    ]
+    headline = next(m for m in measured(entry.kind) if m.name == entry.metric)
+    others = ", ".join(f"`{m.name}`" for m in measured(entry.kind) if m is not headline)
     return "\n".join(
         [
             f"### `{entry.name}`: parameters, scoring and an example",
             "",
-            f"{entry.summary} ({entry.reference}.) Shortest length: {entry.min_length} bytes.",
+            f"{_prose(entry.summary)} Reference: {_prose(entry.reference)}. "
+            f"Shortest length: {entry.min_length} bytes.",
             "",
             "Parameters:" if params else "Parameters: none.",
             *(["", *params] if params else []),
             "",
-            f"Scored by `{entry.metric}` (its curves' headline); an evaluation reports {scoring}.",
+            f"Scored by `{headline.name}`: {_prose(headline.description)}. "
+            f"An evaluation also reports {others}.",
             "",
             _example(entry),
         ]
