@@ -46,8 +46,8 @@ def tasks(
         typer.echo(json.dumps(payload, indent=2))
         return
     table = Table(title="tasks")
-    for column in TASK_COLUMNS:
-        table.add_column(column)
+    for column in TASK_COLUMNS:  # folded, never cut short; a name stays on one line
+        table.add_column(column, overflow="fold", no_wrap=column == TASK_COLUMNS[0])
     for row in task_rows():
         table.add_row(*(text(cell) for cell in row))
     console.print(table)
