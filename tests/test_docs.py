@@ -149,6 +149,8 @@ def parse_cli(args: list[str]) -> str | None:
         while hasattr(command, "resolve_command"):  # a group: on to its subcommand
             state = vars(context)  # click 8.2 renamed protected_args
             rest = [*state.get("_protected_args", state.get("protected_args", [])), *context.args]
+            if not rest:  # a group run without a subcommand (`posbench tasks`)
+                break
             name, command, rest = command.resolve_command(context, rest)
             context = command.make_context(name, rest, parent=context)
     except Exception as err:
@@ -250,6 +252,8 @@ def test_the_shell_checks_catch_mistakes() -> None:
     assert shell_problems(["posbench", "submit", "--no-such-option"])
     assert shell_problems(["posbench", "no-such-command"])
     assert shell_problems(["posbench", "db", "upgrade"]) == []
+    assert shell_problems(["posbench", "tasks", "--json"]) == []
+    assert shell_problems(["posbench", "tasks", "sample", "x", "--no-such-option"])
     assert shell_problems(["make", "no-such-target"])
     assert shell_problems(["python", "-m", "benchmarks.train_step", "--no-such-flag"])
     assert shell_problems(["docker", "compose", "--profile", "nope", "up", "-d"])
