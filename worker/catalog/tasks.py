@@ -13,6 +13,14 @@ from typing import Any
 from jobs.metrics import Kind, headline
 from worker.catalog.corpora import SourcePolicy, corpus_access_problem
 from worker.catalog.params import EncodingConfigError, Param
+from worker.catalog.ruler import (
+    HAYSTACKS,
+    SYMBOL_SIZES,
+    common_fits,
+    frequent_fits,
+    niah_fits,
+    tracking_fits,
+)
 
 
 class TaskConfigError(EncodingConfigError):
@@ -205,6 +213,103 @@ TASKS: dict[str, TaskInfo] = {
                 ),
             ),
             text=True,
+        ),
+        TaskInfo(
+            name="niah",
+            kind=Kind.ANSWER,
+            summary="Needles 'key is value.' in a haystack, then a key is asked: its values. "
+            "Distractor keys, several values and several keys asked as in RULER.",
+            reference="Hsieh et al. 2024, RULER (arXiv:2404.06654); Kamradt 2023, "
+            "needle in a haystack",
+            implementation="worker.data.ruler:NeedleInAHaystack",
+            # The defaults' needle, question and answer (worker.catalog.ruler.niah_bytes).
+            min_length=64,
+            params=(
+                Param(
+                    "haystack",
+                    str,
+                    "repeat",
+                    "repeat (the pass key's filler sentences) or needles (needles of other "
+                    "keys, the distractors)",
+                    choices=HAYSTACKS,
+                ),
+                Param("keys", str, "words", "what keys are", choices=tuple(SYMBOL_SIZES)),
+                Param("values", str, "numbers", "what values are", choices=tuple(SYMBOL_SIZES)),
+                Param(
+                    "num_keys",
+                    int,
+                    1,
+                    "keys with needles (one asked, the rest distract)",
+                    low=1,
+                    high=16,
+                ),
+                Param("num_values", int, 1, "needles (values) of each key", low=1, high=8),
+                Param("num_queries", int, 1, "keys asked (at most num_keys)", low=1, high=8),
+            ),
+            check=lambda params: (
+                f"num_queries = {params['num_queries']} exceeds num_keys = {params['num_keys']}"
+                if params["num_queries"] > params["num_keys"]
+                else None
+            ),
+            fits=niah_fits,
+            text=True,
+        ),
+        TaskInfo(
+            name="variable_tracking",
+            kind=Kind.ANSWER,
+            summary="Chains VAR B = VAR A through filler; which variables hold a value?",
+            reference="Hsieh et al. 2024, RULER (arXiv:2404.06654)",
+            implementation="worker.data.ruler:VariableTracking",
+            min_length=256,
+            params=(
+                Param(
+                    "num_chains", int, 1, "chains (one asked, the rest distract)", low=1, high=16
+                ),
+                Param("num_hops", int, 4, "copies along each chain", low=1, high=16),
+            ),
+            fits=tracking_fits,
+            text=True,
+        ),
+        TaskInfo(
+            name="common_words",
+            kind=Kind.ANSWER,
+            summary="A shuffled list of words: which occur most often? Aggregation over the "
+            "whole context.",
+            reference="Hsieh et al. 2024, RULER (arXiv:2404.06654)",
+            implementation="worker.data.aggregation:CommonWords",
+            # The defaults' common words, question and answer (common_bytes).
+            min_length=300,
+            params=(
+                Param("num_common", int, 4, "common words (the answer)", low=1, high=32),
+                Param("freq_common", int, 8, "occurrences of each common word", low=2, high=100),
+                Param("freq_rare", int, 2, "most occurrences of any other word", low=1, high=99),
+            ),
+            check=lambda params: (
+                f"freq_rare = {params['freq_rare']} must be below freq_common = "
+                f"{params['freq_common']}"
+                if params["freq_rare"] >= params["freq_common"]
+                else None
+            ),
+            fits=common_fits,
+            text=True,
+        ),
+        TaskInfo(
+            name="frequent_words",
+            kind=Kind.ANSWER,
+            summary="Words drawn by Zipf's law: which are the most frequent? Aggregation over "
+            "the whole context.",
+            reference="Hsieh et al. 2024, RULER (arXiv:2404.06654)",
+            implementation="worker.data.aggregation:FrequentWords",
+            # Where the defaults' top words first each outnumber the next (frequent_fits).
+            min_length=256,
+            params=(
+                Param("alpha", float, 2.0, "Zipf exponent of the words' counts", low=1.0, high=3.0),
+                Param("num_top", int, 3, "most frequent words (the answer)", low=1, high=8),
+            ),
+            fits=frequent_fits,
+            # Its counts (so its words) change with the length: no byte budget comes near a
+            # count of an hf: model's tokens, so it is offered to byte-level models only.
+            text=False,
         ),
     )
 }

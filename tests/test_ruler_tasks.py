@@ -1,0 +1,273 @@
+"""The RULER-style tasks: a program reading the prompt answers every example, the answer
+is unique, long context is needed, and the examples are exact, text and deterministic."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from worker.catalog.tasks import TASKS
+from worker.data import build_task
+from worker.data.synthetic import PASSKEY_DEPTHS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# (task, params): RULER's settings of each task.
+SETTINGS: list[tuple[str, dict[str, Any]]] = [
+    ("niah", {}),
+    ("niah", {"haystack": "needles", "num_keys": 4}),
+    ("niah", {"keys": "numbers", "values": "uuids", "num_values": 3}),
+    ("niah", {"keys": "uuids", "values": "words", "num_keys": 4, "num_queries": 2}),
+    ("variable_tracking", {}),
+    ("variable_tracking", {"num_chains": 3, "num_hops": 2}),
+    ("common_words", {}),
+    ("common_words", {"num_common": 2, "freq_common": 5, "freq_rare": 4}),
+    ("frequent_words", {}),
+    ("frequent_words", {"alpha": 1.5, "num_top": 2}),
+]
+
+
+def split(sequence: bytes, answer: int) -> tuple[str, str]:
+    text = sequence.decode("utf-8")  # valid UTF-8, or this raises
+    return text[: len(text) - answer], text[len(text) - answer :]
+
+
+def read_niah(prompt: str) -> str | None:
+    """The answer a program reads from a niah prompt: the asked keys' values, in the
+    order of the keys asked and, for each, as they appear; None if one is not there."""
+    question = re.search(r"What is ([^?]+)\? $", prompt)
+    if question is None:
+        return None
+    values = []
+    for key in question.group(1).split(", "):
+        found = re.findall(rf"(?<![0-9a-z]){key} is ([0-9a-z]+)\. ", prompt[: question.start()])
+        if not found:
+            return None
+        values += found
+    return ", ".join(values)
+
+
+def chains_of(prompt: str) -> dict[str, str]:
+    """Each variable's value, followed through the copies."""
+    held: dict[str, str] = {}
+    for name, source in re.findall(r"VAR ([A-Z]{5}) = (VAR [A-Z]{5}|\d{5})\. ", prompt):
+        held[name] = held.get(source[4:], "?") if source.startswith("VAR ") else source
+    return held
+
+
+def read_tracking(prompt: str) -> str | None:
+    question = re.search(r"Which variables hold (\d{5})\? $", prompt)
+    if question is None:
+        return None
+    held = chains_of(prompt[: question.start()])
+    names = [name for name, value in held.items() if value == question.group(1)]
+    return ", ".join(names) or None
+
+
+def counted(prompt: str, what: str) -> tuple[list[tuple[str, int]], int] | None:
+    """The list's words with their counts, most frequent first (ties in order of first
+    appearance), and how many are asked; None when the top is not unique."""
+    question = re.search(rf"Which (\d+) words are the most {what}\? $", prompt)
+    if question is None:
+        return None
+    top = int(question.group(1))
+    ranked = Counter(prompt[: question.start()].split()).most_common()
+    if len(ranked) > top and ranked[top - 1][1] == ranked[top][1]:
+        return None
+    return ranked, top
+
+
+def read_common(prompt: str) -> str | None:
+    found = counted(prompt, "common")
+    if found is None:
+        return None
+    ranked, top = found
+    words = prompt.split()
+    return ", ".join(sorted((w for w, _ in ranked[:top]), key=words.index))
+
+
+def read_frequent(prompt: str) -> str | None:
+    found = counted(prompt, "frequent")
+    if found is None:
+        return None
+    ranked, top = found
+    counts = [count for _, count in ranked[: top + 1]]
+    if any(a <= b for a, b in itertools.pairwise(counts)):
+        return None  # not one order
+    return ", ".join(word for word, _ in ranked[:top])
+
+
+ORACLES = {
+    "niah": read_niah,
+    "variable_tracking": read_tracking,
+    "common_words": read_common,
+    "frequent_words": read_frequent,
+}
+
+
+def examples(name: str, params: dict[str, Any], length: int, count: int) -> list[Any]:
+    return build_task(name, **params).eval_examples(length, count)
+
+
+@pytest.mark.parametrize(("name", "params"), SETTINGS)
+@pytest.mark.parametrize("length", [320, 1024])
+def test_a_program_reading_the_prompt_scores_one(
+    name: str, params: dict[str, Any], length: int
+) -> None:
+    task = build_task(name, **params)
+    drawn = task.eval_examples(length, 8)
+    assert len(drawn) == 8 * len(task.groups())
+    for sequence, answer, _ in drawn:
+        assert len(sequence) == length + 1
+        prompt, expected = split(sequence, answer)
+        assert ORACLES[name](prompt) == expected
+    # Training draws the same kind of example, every answer byte scored and no other.
+    batch = task.train_batch(3, length, torch.Generator().manual_seed(0))
+    assert batch.inputs.shape == (3, length)
+    for row in range(3):
+        sequence = bytes([int(batch.inputs[row, 0]), *batch.targets[row].tolist()])
+        scored = int(batch.scored[row].sum())
+        assert bool(batch.scored[row, -scored:].all())
+        prompt, expected = split(sequence, scored)
+        assert ORACLES[name](prompt) == expected
+
+
+@pytest.mark.parametrize(("name", "params"), SETTINGS[:4])
+def test_niah_answers_are_unique_and_the_grid_is_covered(name: str, params: dict[str, Any]) -> None:
+    task = build_task(name, **params)
+    resolved = TASKS[name].resolve(params)
+    drawn = task.eval_examples(512, 4)
+    assert {label for _, _, label in drawn} == {f"depth={d:g}" for d in PASSKEY_DEPTHS}
+    for sequence, answer, label in drawn:
+        prompt, expected = split(sequence, answer)
+        keys = re.search(r"What is ([^?]+)\? $", prompt).group(1).split(", ")
+        assert len(keys) == resolved["num_queries"]
+        for key in keys:  # each asked key has exactly its needles
+            assert len(re.findall(rf"(?<![0-9a-z]){key} is ", prompt)) == resolved["num_values"]
+        values = expected.split(", ")
+        assert len(set(values)) == len(values) == resolved["num_values"] * len(keys)
+        if label == "depth=0":  # the first asked key's first needle opens the text
+            assert prompt.startswith(f"{keys[0]} is ")
+
+
+def test_niah_haystacks_hold_the_filler_or_other_keys() -> None:
+    repeat = examples("niah", {}, 512, 2)
+    needles = examples("niah", {"haystack": "needles", "num_keys": 4}, 512, 2)
+    for sequence, answer, _ in repeat:
+        assert len(re.findall(r"[a-z]{6} is \d{7}\. ", split(sequence, answer)[0])) == 1
+    for sequence, answer, _ in needles:
+        prompt = split(sequence, answer)[0]
+        keys = re.findall(r"([a-z]{6}) is \d{7}\. ", prompt)
+        assert len(keys) == len(set(keys)) > 20  # distinct keys fill it
+
+
+def test_variable_tracking_chains_are_unique() -> None:
+    hops = 3
+    for sequence, answer, _ in examples(
+        "variable_tracking", {"num_chains": 4, "num_hops": 3}, 800, 12
+    ):
+        prompt, expected = split(sequence, answer)
+        value = re.search(r"Which variables hold (\d{5})\? $", prompt).group(1)
+        chain = expected.split(", ")
+        assert len(chain) == hops + 1 and prompt.count(f"VAR {chain[0]} = {value}. ") == 1
+        copies = re.findall(r"VAR ([A-Z]{5}) = VAR ([A-Z]{5})\. ", prompt)
+        # Exactly num_hops copies along the asked chain, in order, and nothing else holds it.
+        assert [(b, a) for b, a in copies if a in chain] == list(
+            zip(chain[1:], chain[:-1], strict=True)
+        )
+        assert prompt.count(value) == 2  # its line and the question
+        assert [n for n, v in chains_of(prompt).items() if v == value] == chain
+
+
+def windowed(name: str, sequence: bytes, answer: int, window: int) -> bool:
+    """Whether the oracle that sees only the last ``window`` bytes answers right."""
+    prompt, expected = split(sequence, answer)
+    return ORACLES[name](prompt[-(window - answer) :]) == expected
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "low", "high"),
+    [
+        ("niah", {}, 0.20, 0.30),
+        ("niah", {"haystack": "needles", "num_keys": 4}, 0.20, 0.30),
+        ("variable_tracking", {}, 0.0, 0.02),
+    ],
+)
+def test_long_context_is_needed(name: str, params: dict[str, Any], low: float, high: float) -> None:
+    """Needles at uniform depths: an oracle that sees the last quarter finds about a
+    quarter of them (a chain of five lines is all there about 0.25^5 of the time)."""
+    length = 4096
+    task = build_task(name, **params)
+    generator = torch.Generator().manual_seed(7)
+    drawn = [task.example(length, generator, None) for _ in range(400)]
+    score = sum(windowed(name, s, a, length // 4) for s, a, _ in drawn) / len(drawn)
+    assert low <= score <= high
+    assert all(windowed(name, s, a, length + 1) for s, a, _ in drawn)
+
+
+def digest(settings: list[tuple[str, dict[str, Any]]]) -> str:
+    hashed = hashlib.sha256()
+    for name, params in settings:
+        for sequence, answer, label in examples(name, params, 300, 2):
+            hashed.update(sequence + f"{answer}{label}".encode())
+    return hashed.hexdigest()
+
+
+def test_examples_are_the_same_in_another_process() -> None:
+    code = (
+        "import json, sys\n"
+        "from tests.test_ruler_tasks import digest\n"
+        "print(digest(json.loads(sys.argv[1])))\n"
+    )
+    other = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(SETTINGS)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert other.stdout.strip() == digest(SETTINGS)
+
+
+def test_entries_refuse_what_cannot_be_built() -> None:
+    niah = TASKS["niah"]
+    with pytest.raises(ValueError, match="num_queries = 3 exceeds num_keys = 2"):
+        niah.resolve({"num_keys": 2, "num_queries": 3})
+    big = niah.resolve({"keys": "uuids", "values": "uuids", "num_keys": 16, "num_values": 8})
+    assert niah.length_problems(big, 4096) and not niah.length_problems(big, 16384)
+    with pytest.raises(ValueError, match="needs sequences of at least"):
+        build_task("niah", **big).example(4096, torch.Generator(), None)
+    for name in ("niah", "variable_tracking"):
+        entry = TASKS[name]
+        defaults = entry.resolve({})
+        assert not entry.length_problems(defaults, entry.min_length)
+        build_task(name).example(entry.min_length, torch.Generator(), None)
+
+
+def test_common_words_counts() -> None:
+    for sequence, answer, _ in examples("common_words", {"freq_rare": 3}, 2000, 6):
+        prompt, expected = split(sequence, answer)
+        counts = Counter(prompt[: prompt.index("Which")].split())
+        common = expected.split(", ")
+        assert len(common) == 4 and all(counts[word] == 8 for word in common)
+        assert max(n for w, n in counts.items() if w not in common) <= 3
+        assert sum(counts.values()) * 7 > 2000 - 7 - 70  # the list fills the length
+
+
+def test_frequent_words_follow_zipf() -> None:
+    for sequence, answer, _ in examples("frequent_words", {}, 4096, 4):
+        prompt, expected = split(sequence, answer)
+        counts = sorted(Counter(prompt[: prompt.index("Which")].split()).values(), reverse=True)
+        assert counts[:4] == [367, 91, 40, 22]  # floor(367 / r^2)
+        ranked = Counter(prompt[: prompt.index("Which")].split()).most_common(3)
+        assert expected == ", ".join(word for word, _ in ranked)
