@@ -226,19 +226,25 @@ def test_a_study_submitted_while_its_twin_trains_waits_and_trains_nothing(
     cluster = cluster_factory(sqlite_url)
     cluster.start_worker("w1")
     cluster.start_worker("w2")  # idle while the first trains: free to train the second
-    first = spec(["rope"], steps=600, checkpoint_every=20)
+    # Long enough that the twin is submitted while the first still trains, on a loaded
+    # machine too (600 steps were sometimes done before the twin was submitted).
+    first = spec(["rope"], steps=3000, checkpoint_every=20)
     submit(first, settings=cluster.settings, send=cluster.send, actor="tester")
-    cluster.wait_for(lambda runs: runs and runs[0].step >= 20, what="first trained 20 steps")
+    cluster.wait_for(
+        lambda runs: runs and runs[0].step >= 20 and runs[0].status == "running",
+        what="first trained 20 steps",
+    )
     longer = first.model_dump(mode="json")
     longer["eval"]["lengths"] = [32, 64, 128]
-    submit(parse_spec(longer), settings=cluster.settings, send=cluster.send, actor="tester")
+    twin = submit(parse_spec(longer), settings=cluster.settings, send=cluster.send, actor="tester")
+    assert twin.queued and not twin.reused, "the first finished before its twin was submitted"
     runs = cluster.wait_for(
         lambda runs: len(runs) == 2 and all_done(runs), timeout=300, what="both done"
     )
     trained, waited = runs
     assert "trains the same model" in cluster.logs()
     assert waited.provenance["trained_by_run"] == trained.id
-    assert waited.provenance["resumed_from_step"] == 600  # no step trained again
+    assert waited.provenance["resumed_from_step"] == 3000  # no step trained again
     assert waited.attempts == 1  # waiting spends no attempt
     # The note while it waited, gone at the end; never in its provenance.
     assert waited.waiting_for is None and "waiting_for" not in waited.provenance
