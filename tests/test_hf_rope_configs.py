@@ -11,6 +11,8 @@ positions move the loss by tenths of a nat, not millionths).
 - posbench's variants with non-default parameters (YaRN's betas, mscales and truncate,
   Llama 3's band, LongRoPE's per-pair lists), sliding and at a length within L, equal
   the model with those rope parameters written into its config.
+- The order probe on such a model is HF's loss on the second half of each window of L
+  tokens, with the first half in order, and more with it shuffled.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from worker.data.lm import Corpus, LanguageModelling
 from worker.evaluate import evaluate, evaluate_length
 from worker.hf.loader import load_model
 from worker.hf.tokens import TokenizedLanguageModelling, tokenized
+from worker.probes import order_probe
 
 CPU = torch.device("cpu")
 WIDE = 0.3  # initializer_range: attention that depends on positions
@@ -248,3 +251,29 @@ def test_scaling_parameters_off_their_defaults_are_the_models_with_them_in_confi
     assert row.loss == pytest.approx(loss, abs=1e-5)
     plain, _ = their_loss(loaded.model.hf, task, spec, length, "sliding")
     assert abs(row.loss - plain) > 1e-3  # the scaling changes the model, within L too
+
+
+def test_the_order_probe_of_an_hf_model_is_its_loss_with_the_distant_half_shuffled(
+    plain_llama: Path,
+) -> None:
+    """The order probe (on by default) on an hf: model: windows of L of the model's
+    tokens, the second half scored, with the first half in order and shuffled."""
+    loaded = load_model("llama", ModelPolicy(roots=(plain_llama.parent.resolve(),)))
+    task = text_task(loaded.tokenizer)
+    tokens = 4 * CONTEXT
+    probe = order_probe(loaded.model, task, CONTEXT, tokens=tokens, batch_size=8, device=CPU)
+    half = CONTEXT // 2
+    nats, count = 0.0, 0
+    windows = task.eval_batches(
+        CONTEXT, protocol="nonoverlapping", batch_size=8, tokens=tokens, examples=1
+    )
+    with torch.no_grad():
+        for batch in windows:
+            logits = loaded.model.hf(input_ids=batch.inputs).logits.float()[:, half:]
+            targets = batch.targets[:, half:]
+            nats += float(F.cross_entropy(logits.transpose(1, 2), targets, reduction="sum"))
+            count += targets.numel()
+    assert probe.tokens == count == tokens // 2
+    assert probe.ordered_loss == pytest.approx(nats / count, abs=1e-5)
+    assert probe.sensitivity > 1e-3  # this model reads order: shuffling costs it
+    assert probe.as_summaries()["order_sensitivity"] == probe.sensitivity
