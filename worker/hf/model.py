@@ -97,14 +97,15 @@ class HfCausalLM(nn.Module):
         self._rotary_names = [name for name, _ in self._rotary_modules()]
 
     def _fresh_rotary(self) -> None:
-        """Each rotary embedding whose forward pass updates its frequencies from the
-        lengths it has seen (HF's ``dynamic_rope_update``: a rope_type with "dynamic")
-        rebuilt from its own config, as a freshly loaded model has it. The others (and
-        longrope, which picks its short or long factors from each input alone) keep no
-        state between passes."""
+        """Each rotary embedding that holds the frequencies of a longer sequence than its
+        original length (HF's ``dynamic_rope_update`` records the longest it has seen in
+        ``max_seq_len_cached``) rebuilt from its own config, as a freshly loaded model
+        has it. The others keep no state between passes (longrope picks its short or
+        long factors from each input alone)."""
         for name in self._rotary_names:
             module = self.hf.get_submodule(name)
-            if "dynamic" in str(module.rope_type):
+            cached = getattr(module, "max_seq_len_cached", None)
+            if cached is not None and bool(cached != module.original_max_seq_len):
                 fresh = type(module)(module.config).to(module.inv_freq.device)
                 self.hf.set_submodule(name, fresh)
 
