@@ -5,8 +5,9 @@ What the model is (its family, RoPE or not, its original context) is read from t
 chosen folder's config.json as JSON, within a bound, under the same containment rules as
 submit and the worker (``worker.catalog.hf_models``): no transformers here. The study it
 makes trains nothing: ``train.length`` is the config's original context, the task is
-language modelling, there are no encodings, and RoPE scalings are offered only for a
-RoPE model, only those its rotary width allows.
+one whose examples are text (the catalogue's ``text`` flag: the model reads them in its
+own tokens), there are no encodings, and RoPE scalings are offered only for a RoPE
+model, only those its rotary width allows.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from typing import Any
 import streamlit as st
 
 from dashboard.submit_form import LENGTHS, VARIANTS, evaluation_inputs, header, task_inputs
-from jobs.metrics import Kind
 from jobs.safe_text import markdown
 from worker.catalog.encodings import SCALINGS
 from worker.catalog.hf_models import (
@@ -28,10 +28,11 @@ from worker.catalog.hf_models import (
     local_facts,
     model_folders,
 )
-from worker.catalog.tasks import TASKS
+from worker.catalog.tasks import DEFAULT_TASK, TASKS
 
-# The tasks an hf: model is evaluated on (jobs.spec.hf: language modelling, for now).
-HF_TASKS = [name for name, task in TASKS.items() if task.kind is Kind.LANGUAGE_MODELLING]
+# The tasks an hf: model is evaluated on (jobs.spec.hf): those whose examples are text.
+HF_TASKS = [name for name, task in TASKS.items() if task.text]
+HF_DEFAULT_TASK = DEFAULT_TASK if DEFAULT_TASK in HF_TASKS else HF_TASKS[0]
 DEFAULT_TOKENS = 65536
 
 
@@ -107,12 +108,13 @@ def hf_form(policy: ModelPolicy) -> tuple[dict[str, Any] | None, list[str]]:
     left, right = st.columns(2)
     with left:
         st.subheader("Task and model")
-        spec["task"] = task_inputs({}, key, HF_TASKS)
+        spec["task"] = task_inputs({"task": HF_DEFAULT_TASK}, key, HF_TASKS)
         spec["model"] = {"hf": folder.spec_name}
         spec["train"] = {"length": context}
         st.caption(
             "Evaluated as it is: no training, no encodings (the model brings its own), "
-            "one run. Lengths, the stride and the scored tokens count the model's tokens."
+            "one run. Lengths, the stride and the scored tokens count the model's tokens; "
+            "a synthetic task's examples are rendered in them."
         )
     with right:
         st.subheader("Evaluation")

@@ -26,8 +26,10 @@ from jobs.settings import get_settings
 from jobs.spec import parse_spec
 from worker.catalog import hf_models
 from worker.catalog.hf_models import ModelPolicy, locate_model, model_folders
+from worker.catalog.tasks import TASKS
 
 APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
+TEXT_TASKS = [name for name, task in TASKS.items() if task.text]
 
 
 @pytest.fixture(scope="module")
@@ -136,8 +138,9 @@ def test_submit_lists_the_model_folders_and_submits_an_hf_study(
     variants = app.multiselect(key="hf:tiny-llama:variants")
     assert "yarn:auto" in variants.options and "ntk:auto" in variants.options
     assert app.text_input(key="hf:tiny-llama:lm.corpus").value == "pystdlib"
-    (task,) = app.selectbox(key="hf:tiny-llama:task").options  # language modelling only
-    assert task.startswith("lm: ")
+    # Every task whose examples are text, language modelling first (the default).
+    tasks = app.selectbox(key="hf:tiny-llama:task")
+    assert [o.partition(":")[0] for o in tasks.options] == TEXT_TASKS and tasks.value == "lm"
     variants.set_value(["yarn:auto"]).run()
     app.multiselect(key="hf:tiny-llama:lengths").set_value([CONTEXT, 2 * CONTEXT]).run()
     app.number_input(key="hf:tiny-llama:tokens").set_value(256).run()
@@ -157,6 +160,34 @@ def test_submit_lists_the_model_folders_and_submits_an_hf_study(
     study = parse_spec(stored)
     assert study.train.steps == 0 and study.encodings == [] and study.eval.lengths == [32, 64]
     assert [v.label for v in study.eval.variants] == ["none", "yarn:auto"]
+
+
+def test_a_synthetic_task_is_submitted_for_an_hf_model(
+    settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sent: list[int] = []
+    monkeypatch.setattr(
+        "jobs.service.celery_send", lambda run_id, settings=None: sent.append(run_id)
+    )
+    app = hf_submit_page()
+    app.selectbox(key="hf:folder").set_value(1).run()
+    app.selectbox(key="hf:tiny-llama:task").set_value("passkey").run()
+    assert "hf:tiny-llama:lm.corpus" not in [t.key for t in app.text_input]
+    # The spec's own rules on the form: a pass key needs room (the tiny model's L is 32).
+    (error,) = app.error
+    assert "passkey' needs sequences of at least 128 tokens" in plain(error.value)
+    app.multiselect(key="hf:tiny-llama:lengths").set_value([4 * CONTEXT, 8 * CONTEXT]).run()
+    assert not app.error and not app.exception
+    assert "task:\n  name: passkey\n" in app.code[0].value
+    app.button(key="submit").click().run()
+    assert not app.exception and not app.error
+    assert app.success[0].value == "Study 1 submitted: 1 runs queued."
+    (run,) = queries.runs(settings.database, study_id=1).to_dict("records")
+    assert (run["label"], run["status"]) == ("hf:tiny-llama", "queued") and sent == [run["id"]]
+    with transaction(settings.database) as session:
+        study = parse_spec(session.scalars(select(Study)).one().spec)
+    assert (study.task.name, study.model.hf, study.train.length) == ("passkey", "tiny-llama", 32)
+    assert study.eval.lengths == [4 * CONTEXT, 8 * CONTEXT] and study.train.steps == 0
 
 
 def test_a_model_without_rope_is_offered_no_scalings(settings) -> None:

@@ -272,6 +272,12 @@ def test_weights_come_from_safetensors_only(models_root: Path) -> None:
         load_model(str(models_root), ModelPolicy(roots=(models_root.resolve() / "llama",)))
 
 
+def test_the_model_attends_by_pytorchs_sdpa(loaded: dict[str, LoadedModel]) -> None:
+    for family, model in loaded.items():
+        assert model.model.hf.config._attn_implementation == "sdpa", family
+        assert model.model.hf.training is False  # evaluation mode: no dropout
+
+
 @pytest.mark.parametrize("family", MORE_ROPE)
 @pytest.mark.parametrize("variant", ["none", "yarn:4"])
 def test_mistral_and_qwen2_are_evaluated_like_llama(

@@ -215,12 +215,18 @@ def env(home: Path, **extra: str) -> dict[str, str]:
     )
 
 
+# LongRoPE's per-pair lists must have one value per pair the model rotates (Llama: 8).
+SHORT_LONGROPE = {"method": "longrope", "factor": 2, "short_factor": [1.0, 1.5, 2.0]}
+WRONG_PAIRS = "short_factor has 3 values; a model rotating 16 dimensions has 8 pairs and needs 8"
+
+
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
         ({"model": {"hf": "gpt2"}, "eval": {"lengths": [32], "variants": ["pi:2"]}}, "RoPE"),
         ({"model": {"hf": "/etc"}}, "not inside the models roots"),
         ({"model": {"hf": "gpt2-xl"}, "train": {"length": 1024}}, "hub models are off here"),
+        ({"eval": {"lengths": [64], "variants": [SHORT_LONGROPE]}}, WRONG_PAIRS),
     ],
 )
 def test_posbench_run_refuses_with_exit_2_and_writes_nothing(
@@ -245,6 +251,7 @@ def test_posbench_run_evaluates_the_model_and_import_stores_it(home: Path, tmp_p
             "variants": ["yarn:auto"],
         }
     )
+    assert parse_spec(study).eval.order_probe  # on by default, as the dashboard submits it
     spec_file.write_text(json.dumps(study))
     out = tmp_path / "out"
     done = posbench_cli(
@@ -261,8 +268,15 @@ def test_posbench_run_evaluates_the_model_and_import_stores_it(home: Path, tmp_p
     model = run["provenance"]["model"]
     assert model["model_type"] == "llama" and len(model["weights_sha256"]) == 64
     assert model["transformers_version"] and model["validation_bytes"] > 0
-    summaries = {(s["variant"], s["name"]) for s in run["summaries"]}
+    summaries = {(s["variant"], s["name"]): s["value"] for s in run["summaries"]}
     assert ("none", "ratio_2x") in summaries
+    # The order probe ran on the model's windows of train.length tokens.
+    ordered, shuffled = (
+        summaries["none", "order_ordered_loss"],
+        summaries["none", "order_shuffled_loss"],
+    )
+    assert ordered > 0 and shuffled > 0  # what it measures: tests/test_hf_rope_configs.py
+    assert summaries["none", "order_sensitivity"] == pytest.approx(shuffled - ordered)
     # The results file is imported like any other.
     from jobs.settings import Settings
     from jobs.transfer.importer import import_results
@@ -273,6 +287,13 @@ def test_posbench_run_evaluates_the_model_and_import_stores_it(home: Path, tmp_p
     upgrade(settings.database)
     imported = import_results(out / "results.json", settings=settings, actor="tester")
     assert imported.runs == 1 and imported.evaluations == 12
+    from db import queries
+
+    stored = queries.run_summaries(settings.database, [imported.study_id])
+    probe = stored[stored["summary"].str.startswith("order_")]
+    assert dict(zip(probe["summary"], probe["value"], strict=True)) == pytest.approx(
+        {name: value for (_, name), value in summaries.items() if name.startswith("order_")}
+    )
 
 
 # -- the service: submit, the queue, a worker, the database --------------------------------
@@ -352,4 +373,7 @@ def test_a_study_goes_through_the_queue_a_worker_and_the_database(
     # Refused before anything is stored: a model outside the roots.
     with pytest.raises(Refused, match="not inside the models roots"):
         submit(parse_spec(spec("/etc")), actor="tester", settings=worker_settings, send=sent.append)
+    wrong = parse_spec(spec(eval={"lengths": [64], "variants": [SHORT_LONGROPE]}))
+    with pytest.raises(Refused, match=WRONG_PAIRS):
+        submit(wrong, actor="tester", settings=worker_settings, send=sent.append)
     assert len(queries.runs(url)) == 2

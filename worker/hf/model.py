@@ -4,6 +4,12 @@ batches (``worker.memory``) and ``scaled(...)`` applies a RoPE scaling for a whi
 setting the model's rope parameters (HF transformers' ``rope_parameters``, from the
 catalogue's ``hf_rope_parameters``) and rebuilding its rotary embedding.
 
+Every forward pass is the one a freshly loaded model makes on its input: HF's ``dynamic``
+rope keeps the frequencies of the longest sequence it has seen (while shorter ones stay
+past the original length), so a rotary embedding with state is rebuilt from its config
+before each pass, and a window's loss does not depend on the windows, lengths or
+protocols evaluated before it.
+
 The model runs as HF transformers runs it (``attn_implementation="sdpa"``, no KV cache,
 positions 0..T-1); only the output layer's logits are float32 under bf16 autocast, as
 posbench's own models' are (bf16 logits bias the loss), from bf16 operands accumulated in
@@ -88,6 +94,20 @@ class HfCausalLM(nn.Module):
         self.facts = facts
         self.encoding = HfPositions(f"{facts.model_type} {facts.encoding}", facts.max_positions)
         self.config = _size(model.config)
+        self._rotary_names = [name for name, _ in self._rotary_modules()]
+
+    def _fresh_rotary(self) -> None:
+        """Each rotary embedding that holds the frequencies of a longer sequence than its
+        original length (HF's ``dynamic_rope_update`` records the longest it has seen in
+        ``max_seq_len_cached``) rebuilt from its own config, as a freshly loaded model
+        has it. The others keep no state between passes (longrope picks its short or
+        long factors from each input alone)."""
+        for name in self._rotary_names:
+            module = self.hf.get_submodule(name)
+            cached = getattr(module, "max_seq_len_cached", None)
+            if cached is not None and bool(cached != module.original_max_seq_len):
+                fresh = type(module)(module.config).to(module.inv_freq.device)
+                self.hf.set_submodule(name, fresh)
 
     def forward(self, tokens: Tensor) -> Tensor:
         limit = self.facts.max_positions
@@ -97,6 +117,7 @@ class HfCausalLM(nn.Module):
                 f"({self.facts.context_key}); a window of {tokens.shape[-1]} tokens does not "
                 "fit (recorded as not applicable by the evaluation)"
             )
+        self._fresh_rotary()
         outputs = self.hf.base_model(input_ids=tokens, use_cache=False)
         return float32_logits(outputs.last_hidden_state, self.hf.get_output_embeddings())
 
