@@ -271,3 +271,23 @@ def test_frequent_words_follow_zipf() -> None:
         assert counts[:4] == [367, 91, 40, 22]  # floor(367 / r^2)
         ranked = Counter(prompt[: prompt.index("Which")].split()).most_common(3)
         assert expected == ", ".join(word for word, _ in ranked)
+
+
+def test_a_length_too_short_for_the_ranking_is_refused_though_the_longest_fits() -> None:
+    # frequent_words' room is not monotone in the length: alpha 1 with 5 top words fits
+    # at 640 and 1024 bytes but not at 672; the spec must refuse before training, not
+    # fail at 672 after it.
+    from jobs.spec import SpecError, parse_spec
+
+    def study(lengths: list[int]) -> dict:
+        return {
+            "name": "ranking",
+            "encodings": ["rope"],
+            "task": {"name": "frequent_words", "params": {"alpha": 1.0, "num_top": 5}},
+            "train": {"length": 640, "steps": 1},
+            "eval": {"lengths": lengths},
+        }
+
+    parse_spec(study([640, 1024]))
+    with pytest.raises(SpecError, match="at length 672 has no 5 words"):
+        parse_spec(study([640, 672, 1024]))

@@ -196,6 +196,13 @@ class StudySpec(_Strict):
             [*self.eval.lengths, *(n for _, n in trained), *(t.length for t in tuned)]
         )
         problems = task.length_problems(self.task.params, longest_read)
+        # Each length an example is built at, not only the longest: a task whose room is
+        # not monotone in the length (frequent_words' strict ranking) must not fail at a
+        # shorter evaluation length after training.
+        for length in sorted({*self.eval.lengths, *(t.length for t in tuned)}, reverse=True):
+            if problems:
+                break
+            problems = task.length_problems(self.task.params, length)
         lengths = [*trained, ("eval.lengths", min(self.eval.lengths))]
         if self.train.min_length is not None:
             lengths.append(("train.min_length", self.train.min_length))

@@ -99,7 +99,7 @@ def _too_short(name: str, needed: int, longest: int) -> list[str]:
     if needed > longest + 1:
         return [
             f"task {name!r} with these parameters needs sequences of at least "
-            f"{needed - 1} bytes; the longest is {longest}"
+            f"{needed - 1} bytes; {longest} is too short"
         ]
     return []
 
