@@ -136,7 +136,9 @@ class RunResult:
     provenance: dict[str, Any]
     order: OrderProbe | None = None
 
-    def summarize(self, train_length: int, metric: str) -> list[analysis.Summary]:
+    def summarize(
+        self, train_length: int, metric: str, effective: dict | None = None
+    ) -> list[analysis.Summary]:
         """This run's summaries from the evaluations it made and its order probe (a
         worker that resumed a run summarises every stored point instead)."""
         points = (
@@ -145,10 +147,12 @@ class RunResult:
         )
         extra = self.order.as_summaries() if self.order else None
         return analysis.summarize_points(
-            points, train_length=train_length, metric=metric, extra=extra
+            points, train_length=train_length, metric=metric, extra=extra, effective=effective
         )
 
-    def to_dict(self, train_length: int, metric: str) -> dict[str, Any]:
+    def to_dict(
+        self, train_length: int, metric: str, effective: dict | None = None
+    ) -> dict[str, Any]:
         return {
             "label": self.label,
             "encoding": self.encoding,
@@ -157,7 +161,7 @@ class RunResult:
             "config_hash": self.config_hash,
             "train": self.train.to_dict(),
             "evaluations": [e.to_dict() for e in self.evaluations],
-            "summaries": [s._asdict() for s in self.summarize(train_length, metric)],
+            "summaries": [s._asdict() for s in self.summarize(train_length, metric, effective)],
             "provenance": self.provenance,
         }
 
@@ -358,7 +362,12 @@ class StudyResult:
         return {
             "spec": self.spec.model_dump(mode="json"),
             "metric": self.metric,
-            "runs": [run.to_dict(self.spec.train.length, self.metric) for run in self.runs],
+            "runs": [
+                run.to_dict(
+                    self.spec.train.length, self.metric, analysis.effective_setting(self.spec)
+                )
+                for run in self.runs
+            ],
         }
 
 

@@ -56,6 +56,9 @@ def effective_context_length(
     metric: str,
     tolerance: float = 0.10,
     accuracy_threshold: float = 0.5,
+    *,
+    threshold: float | None = None,
+    relative: float | None = None,
 ) -> int | None:
     """The longest evaluated length the model holds up to, starting from the training length.
 
@@ -70,6 +73,9 @@ def effective_context_length(
     ignored. Other metrics raise ValueError: the definition is about perplexity.
     The answer is censored by the grid: a run that never fails gets its longest
     evaluated length, a lower bound on the true one.
+
+    ``threshold`` (absolute, in the metric's units) or ``relative`` (a fraction of the
+    training-length score) replaces the defaults; see ``effective_bound``.
     """
     values = points(curve)
     if train_length not in values:
@@ -78,17 +84,46 @@ def effective_context_length(
     if scored is None or not scored.headline:
         names = " or ".join(m.name for m in headlines())
         raise ValueError(f"effective context length is defined for {names}, not {metric!r}")
+    bound = effective_bound(
+        values[train_length],
+        scored.lower_is_better,
+        tolerance=tolerance,
+        accuracy_threshold=accuracy_threshold,
+        threshold=threshold,
+        relative=relative,
+    )
     if scored.lower_is_better:
-        bound = (1 + tolerance) * values[train_length]
         holds = {n: v <= bound for n, v in values.items()}
     else:
-        holds = {n: v >= accuracy_threshold for n, v in values.items()}
+        holds = {n: v >= bound for n, v in values.items()}
     longest = None
     for length in (n for n in holds if n >= train_length):
         if not holds[length]:
             break
         longest = length
     return longest
+
+
+def effective_bound(
+    base: float,
+    lower_is_better: bool,
+    *,
+    tolerance: float = 0.10,
+    accuracy_threshold: float = 0.5,
+    threshold: float | None = None,
+    relative: float | None = None,
+) -> float:
+    """The value a length must stay within for the effective length, ``base`` being the
+    value at the training length: ``threshold`` itself when given (an upper bound for
+    lower-is-better metrics, a lower bound otherwise); with ``relative`` r, ``r * base``
+    for higher-is-better metrics and ``base / r`` for lower-is-better ones (keep a
+    fraction r of the 1x score: r = 0.9 allows perplexity up to 1.11x its 1x value);
+    otherwise the defaults, ``(1 + tolerance) * base`` or ``accuracy_threshold``."""
+    if threshold is not None:
+        return float(threshold)
+    if relative is not None:
+        return base / relative if lower_is_better else relative * base
+    return (1 + tolerance) * base if lower_is_better else accuracy_threshold
 
 
 def _log_points(curve: Curve, start: int | None, end: int | None) -> tuple[np.ndarray, np.ndarray]:
@@ -142,7 +177,11 @@ def summary_keys(factors: Sequence[float] = FACTORS) -> list[str]:
 
 
 def summarize_run(
-    curve: Curve, train_length: int, metric: str, factors: Sequence[float] = FACTORS
+    curve: Curve,
+    train_length: int,
+    metric: str,
+    factors: Sequence[float] = FACTORS,
+    effective: Mapping[str, float | None] | None = None,
 ) -> dict[str, float | int | None]:
     """Every per-run summary as a flat dict with stable keys (a database row later).
 
@@ -158,6 +197,9 @@ def summarize_run(
     table past its end): the log-perplexity pair is then None too, since an average over
     only the lengths the encoding can read would not compare with curves that pay for
     the longer ones.
+
+    ``effective`` (a study's ``eval.effective_length``: ``threshold`` or ``relative``)
+    replaces the default bound of the effective length.
     """
     given = list(curve.items() if hasattr(curve, "items") else curve)
     censored = any(value is None or pd.isna(value) for _, value in given)
@@ -168,7 +210,10 @@ def summarize_run(
     }
     scored = METRICS.get(metric)
     applies = scored is not None and scored.headline
-    effective = effective_context_length(values, train_length, metric) if applies else None
+    chosen = {k: v for k, v in (effective or {}).items() if k in ("threshold", "relative")}
+    effective = (
+        effective_context_length(values, train_length, metric, **chosen) if applies else None
+    )
     out["effective_length"] = effective
     # 1: the run held up to its longest evaluated length (one without a value counts: a
     # learned table past its end did not hold there), so its effective length is a lower
@@ -208,20 +253,60 @@ def summarize_points(
     train_length: int,
     metric: str,
     extra: Mapping[str, float] | None = None,
+    effective: Mapping[str, float | None] | None = None,
 ) -> list[Summary]:
     """``summarize_run`` for every curve of one run, its points given as (variant,
     protocol, length, metric value or None), plus ``extra`` named values (the order
-    probe's) under the trained model's variant."""
+    probe's) under the trained model's variant.
+
+    With a non-default ``effective`` (the study's ``eval.effective_length``), each curve
+    also gets ``effective_length_bound``: the value its effective length was held to (the
+    absolute threshold, or the relative one applied to that curve's 1x score); the
+    default adds no row, so existing studies' summaries are unchanged."""
     curves: dict[tuple[str, str], dict[int, float | None]] = {}
     for variant, protocol, length, value in points:
         curves.setdefault((variant, protocol), {})[length] = value
     out = [
         Summary(variant, protocol, name, value)
         for (variant, protocol), curve in sorted(curves.items())
-        for name, value in summarize_run(curve, train_length, metric).items()
+        for name, value in summarize_run(curve, train_length, metric, effective=effective).items()
     ]
+    if effective and any(effective.get(k) is not None for k in ("threshold", "relative")):
+        out += [
+            Summary(variant, protocol, BOUND_SUMMARY, bound)
+            for (variant, protocol), curve in sorted(curves.items())
+            if (bound := _bound_of(curve, train_length, metric, effective)) is not None
+        ]
     out += [Summary(EXTRA_VARIANT, ANY_PROTOCOL, k, v) for k, v in (extra or {}).items()]
     return out
+
+
+BOUND_SUMMARY = "effective_length_bound"
+
+
+def effective_setting(spec) -> dict[str, float | None] | None:
+    """A study spec's ``eval.effective_length`` as ``summarize_points`` takes it."""
+    chosen = getattr(spec.eval, "effective_length", None)
+    return None if chosen is None else chosen.model_dump()
+
+
+def _bound_of(
+    curve: Mapping[int, float | None],
+    train_length: int,
+    metric: str,
+    effective: Mapping[str, float | None],
+) -> float | None:
+    """The bound ``effective`` sets for this curve: None where no effective length applies."""
+    scored = METRICS.get(metric)
+    base = curve.get(train_length)
+    if scored is None or not scored.headline or base is None or pd.isna(base):
+        return None
+    return effective_bound(
+        float(base),
+        scored.lower_is_better,
+        threshold=effective.get("threshold"),
+        relative=effective.get("relative"),
+    )
 
 
 # ---------------------------------------------------------------------------------------

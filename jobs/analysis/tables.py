@@ -221,6 +221,7 @@ def summary_statistics(
 SUMMARY_LABELS = {
     **{f"ratio_{f:g}x": f"ratio {f:g}x" for f in FACTORS},
     "effective_length": "effective length",
+    "effective_length_bound": "effective-length bound",
     "mean_log_ppl": "mean ln ppl",
     "log_ppl_area": "ln ppl area",
     "order_sensitivity": "order sensitivity",

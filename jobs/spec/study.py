@@ -14,7 +14,7 @@ from pydantic import (
     model_validator,
 )
 
-from jobs.metrics import Kind
+from jobs.metrics import METRICS, Kind
 from jobs.spec.base import (
     DEFAULT_NAME,
     MAX_EVAL_LENGTH,
@@ -115,6 +115,7 @@ class StudySpec(_Strict):
             + self._budget_problems()
             + self._length_problems()
             + self._protocol_problems()
+            + self._threshold_problems()
             + self._encoding_problems()
         )
         if problems:
@@ -216,6 +217,19 @@ class StudySpec(_Strict):
                 f"{field} is {shortest}"
             )
         return problems
+
+    def _threshold_problems(self) -> list[str]:
+        """An absolute effective-length threshold for an accuracy is at most 1."""
+        chosen = self.eval.effective_length
+        scored = METRICS.get(self.task.metric)
+        if chosen is None or chosen.threshold is None or scored is None:
+            return []
+        if not scored.lower_is_better and chosen.threshold > 1:
+            return [
+                f"eval.effective_length.threshold is an {scored.name} here (task "
+                f"{short_repr(self.task.name)}): at most 1, not {chosen.threshold:g}"
+            ]
+        return []
 
     def _protocol_problems(self) -> list[str]:
         """The sliding protocol: language modelling only, with a stride that fits."""
@@ -438,6 +452,8 @@ class StudySpec(_Strict):
                 del variant["params"]
             if variant["finetune"] is None:  # added later: absent, so old hashes hold
                 del variant["finetune"]
+        if evaluation["effective_length"] is None:  # added later: absent, so old hashes hold
+            del evaluation["effective_length"]
         # The order probe adds summaries but changes no point of the curve.
         return self._digest({**self._training_payload(encoding, seed), "eval": evaluation})
 

@@ -189,6 +189,27 @@ def _shown(value: Any) -> str:
     return exact(value)
 
 
+class EffectiveLength(_Strict):
+    """How the effective context length is bounded (jobs.analysis.effective_bound): an
+    absolute ``threshold`` in the task metric's units (accuracy: the lowest that holds;
+    perplexity: the highest), or ``relative`` r of the score at the training length
+    (accuracy: r x the 1x accuracy; perplexity: the 1x perplexity / r). Neither: the
+    default (accuracy 0.5; perplexity within 10% of its 1x value)."""
+
+    threshold: float | None = Field(None, gt=0, le=1e6, allow_inf_nan=False)
+    relative: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _one(self) -> EffectiveLength:
+        if (self.threshold is None) == (self.relative is None):
+            raise ValueError(
+                "eval.effective_length takes exactly one of 'threshold' (an absolute "
+                "value in the metric's units) or 'relative' (a fraction of the 1x score, "
+                "in (0, 1])"
+            )
+        return self
+
+
 class EvalSpec(_Strict):
     lengths: Annotated[
         list[Annotated[int, Field(ge=2, le=MAX_EVAL_LENGTH)]], Field(min_length=1, max_length=32)
@@ -209,6 +230,11 @@ class EvalSpec(_Strict):
         True,
         description="language modelling: also score each window with its first half shuffled "
         "(how much the model relies on word order; worker.probes)",
+    )
+    effective_length: EffectiveLength | None = Field(
+        None,
+        description="the effective length's bound: {threshold: x} or {relative: r}; "
+        "absent: accuracy 0.5, perplexity within 10% of 1x",
     )
 
     @field_validator("lengths")

@@ -32,7 +32,7 @@ from db.models import (
     in_live_study,
     utcnow,
 )
-from jobs.analysis import ANY_PROTOCOL, summarize_points
+from jobs.analysis import ANY_PROTOCOL, effective_setting, summarize_points
 from jobs.audit import Action, record, run_count
 from jobs.files import FileRefused, read_bounded
 from jobs.lifecycle import import_run
@@ -251,7 +251,11 @@ def _summaries(spec, run: RunRecord) -> list:
     points = ((e.variant, e.protocol, e.length, getattr(e, column)) for e in run.evaluations)
     probe = {s.name: s.value for s in run.summaries if s.protocol == ANY_PROTOCOL}
     return summarize_points(
-        points, train_length=spec.train.length, metric=metric, extra=probe or None
+        points,
+        train_length=spec.train.length,
+        metric=metric,
+        extra=probe or None,
+        effective=effective_setting(spec),
     )
 
 

@@ -71,7 +71,7 @@ def execute(claimed: ClaimedRun, node: str) -> str:
 def _train_and_evaluate(claimed: ClaimedRun, spec, run, beat) -> str:
     import torch
 
-    from jobs.analysis import summarize_points
+    from jobs.analysis import effective_setting, summarize_points
     from worker.run import prepared_task, resolve_device, run_one
     from worker.training import RunCancelled
 
@@ -125,6 +125,7 @@ def _train_and_evaluate(claimed: ClaimedRun, spec, run, beat) -> str:
         train_length=spec.train.length,
         metric=metric,
         extra=result.order.as_summaries() if result.order else None,
+        effective=effective_setting(spec),
     )
     store.record_summaries(claimed, summaries)
     provenance = {**result.provenance, "resumed_from_step": result.train.resumed_from}
