@@ -6,6 +6,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 # Isolate every test process: its own posbench home (prepared corpora) and an
 # offline HuggingFace cache. Set before anything reads them.
@@ -16,6 +17,9 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from jobs.settings import Settings
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # One intra-op thread per test process: with several workers on few cores,
@@ -136,3 +140,35 @@ def posbench_cli(
         timeout=timeout,
         input=input,
     )
+
+
+def service_settings(tmp_path: Path, **values: Any) -> Settings:
+    """Settings on a fresh SQLite database under ``tmp_path``, migrated to the latest
+    schema (``values`` override any other setting)."""
+    from db.migrate import upgrade
+    from jobs.settings import Settings
+
+    config = Settings(home=tmp_path, database_url=f"sqlite:///{tmp_path}/test.db", **values)
+    upgrade(config.database)
+    return config
+
+
+def worker_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **env: str
+) -> Iterator[Settings]:
+    """For a fixture: the settings the worker runtime reads (get_settings) on a fresh
+    database, on the CPU with a one-hour deadline (``env``: more POSBENCH_* variables)."""
+    from jobs import settings as settings_module
+
+    values = {
+        "POSBENCH_HOME": str(tmp_path),
+        "POSBENCH_DATABASE_URL": f"sqlite:///{tmp_path}/test.db",
+        "POSBENCH_DEVICE": "cpu",
+        "POSBENCH_RUN_DEADLINE_HOURS": "1",
+        **env,
+    }
+    for name, value in values.items():
+        monkeypatch.setenv(name, value)
+    settings_module.get_settings.cache_clear()
+    yield service_settings(tmp_path, device="cpu", run_deadline_hours=1)
+    settings_module.get_settings.cache_clear()

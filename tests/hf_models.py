@@ -25,23 +25,11 @@ SEED = 1234
 
 
 def build_tokenizer():
-    """A byte-level BPE tokenizer of VOCAB entries with one special token, end of text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    """A byte-level BPE tokenizer of VOCAB entries with one special token, end of text
+    (the benchmark's builder, trained on TEXT)."""
+    from benchmarks.hf_build import build_tokenizer as trained_on
 
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    backend.train_from_iterator([TEXT] * 4, trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token="<|endoftext|>", bos_token="<|endoftext|>"
-    )
+    return trained_on([TEXT] * 4, VOCAB)
 
 
 def model_config(family: str, vocab_size: int, eos: int, context: int = CONTEXT, **extra: Any):

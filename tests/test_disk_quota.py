@@ -12,14 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import service_settings, worker_environment
 from pydantic import ValidationError
 from sqlalchemy import func, select, update
 
 from db.engine import transaction
-from db.migrate import upgrade
 from db.models import Evaluation, Run, Study, utcnow
 from jobs import lifecycle
-from jobs import settings as settings_module
 from jobs.files import folder_bytes, shown_bytes
 from jobs.service import Refused, retry, submit
 from jobs.settings import Settings
@@ -43,12 +42,6 @@ SPEC = {
 
 def send(run_id: int) -> None:
     """A broker that accepts every message."""
-
-
-def service_settings(tmp_path: Path, **values) -> Settings:
-    config = Settings(home=tmp_path, database_url=f"sqlite:///{tmp_path}/test.db", **values)
-    upgrade(config.database)
-    return config
 
 
 def stored(config: Settings, model: type) -> int:
@@ -234,18 +227,7 @@ FINE_TUNED = {
 @pytest.fixture
 def worker_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Settings:
     """The settings the worker runtime reads (get_settings), on a fresh database."""
-    values = {
-        "POSBENCH_HOME": str(tmp_path),
-        "POSBENCH_DATABASE_URL": f"sqlite:///{tmp_path}/test.db",
-        "POSBENCH_DEVICE": "cpu",
-        "POSBENCH_RUN_DEADLINE_HOURS": "1",
-        "POSBENCH_MIN_CHECKPOINT_SECONDS": "0",
-    }
-    for name, value in values.items():
-        monkeypatch.setenv(name, value)
-    settings_module.get_settings.cache_clear()
-    yield service_settings(tmp_path, device="cpu", run_deadline_hours=1)
-    settings_module.get_settings.cache_clear()
+    yield from worker_environment(tmp_path, monkeypatch, POSBENCH_MIN_CHECKPOINT_SECONDS="0")
 
 
 def claim(config: Settings, spec: dict) -> lifecycle.ClaimedRun:

@@ -10,15 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import isolated_env, posbench_cli
+from conftest import isolated_env, posbench_cli, service_settings, worker_environment
 from pydantic import ValidationError
 from sqlalchemy import func, select, update
 
 from db.engine import transaction
-from db.migrate import upgrade
 from db.models import Run, Study, utcnow
 from jobs import lifecycle
-from jobs import settings as settings_module
 from jobs.service import Refused, reconcile, submit
 from jobs.settings import Settings
 from jobs.spec import TrainSpec, parse_spec
@@ -42,12 +40,6 @@ class Recorder:
 
     def __call__(self, run_id: int) -> None:
         self.sent.append(run_id)
-
-
-def service_settings(tmp_path: Path, **values) -> Settings:
-    config = Settings(home=tmp_path, database_url=f"sqlite:///{tmp_path}/test.db", **values)
-    upgrade(config.database)
-    return config
 
 
 def stored(config: Settings, model: type) -> int:
@@ -200,17 +192,7 @@ def run_row(config: Settings, run_id: int) -> Run:
 @pytest.fixture
 def worker_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Settings:
     """The settings the worker runtime reads (get_settings), on a fresh database."""
-    values = {
-        "POSBENCH_HOME": str(tmp_path),
-        "POSBENCH_DATABASE_URL": f"sqlite:///{tmp_path}/test.db",
-        "POSBENCH_DEVICE": "cpu",
-        "POSBENCH_RUN_DEADLINE_HOURS": "1",
-    }
-    for name, value in values.items():
-        monkeypatch.setenv(name, value)
-    settings_module.get_settings.cache_clear()
-    yield service_settings(tmp_path, device="cpu", run_deadline_hours=1)
-    settings_module.get_settings.cache_clear()
+    yield from worker_environment(tmp_path, monkeypatch)
 
 
 def test_a_run_claimed_after_its_deadline_fails_at_once(worker_settings: Settings) -> None:

@@ -17,6 +17,7 @@ from test_private_home import PERMISSIVE, exposed, umask
 
 from jobs.broker import start_redis, stop
 
+from .browser import free_port, wait_http
 from .conftest import ROOT, missing
 
 
@@ -112,7 +113,7 @@ def test_nothing_under_the_home_is_open_to_group_or_others() -> None:
     checkpoints."""
     home = Path(tempfile.mkdtemp(prefix="pb-home-")).resolve()
     home.chmod(0o755)
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("POSBENCH_")}
     env.update(
         {
@@ -137,7 +138,7 @@ def test_nothing_under_the_home_is_open_to_group_or_others() -> None:
         while "Ctrl-C stops everything" not in banner and time.monotonic() < deadline:
             banner += up.stdout.readline()
         assert f"made {home} owner-only (it was 755)" in banner, banner
-        _wait_http(f"http://127.0.0.1:{port}/_stcore/health", timeout=90)
+        wait_http(f"http://127.0.0.1:{port}/_stcore/health", timeout=90)
         for command in (
             ["submit", "--preset", "smoke", "--wait"],
             ["db", "backup", "--out", str(home / "backup.db")],
@@ -161,25 +162,3 @@ def test_nothing_under_the_home_is_open_to_group_or_others() -> None:
         assert up.wait(timeout=60) == 0
     assert {"cache", "logs", "redis", "posbench.db", "backup.db"} <= written, written
     assert not offenders, "open to group or others:\n" + "\n".join(offenders)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _wait_http(url: str, timeout: float) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise TimeoutError(f"{url} did not answer")
