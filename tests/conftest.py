@@ -142,6 +142,16 @@ def posbench_cli(
     )
 
 
+# A study of four tiny runs (two encodings x two seeds), for the service's tests.
+FOUR_RUNS = {
+    "model": "tiny",
+    "train": {"length": 16, "steps": 4, "batch_size": 2},
+    "encodings": ["rope", "alibi"],
+    "seeds": [0, 1],
+    "eval": {"lengths": [16, 32]},
+}
+
+
 def service_settings(tmp_path: Path, **values: Any) -> Settings:
     """Settings on a fresh SQLite database under ``tmp_path``, migrated to the latest
     schema (``values`` override any other setting)."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, dashboard_settings, isolated_env, oidc_login, posbench_cli
+from conftest import FOUR_RUNS, ROOT, dashboard_settings, isolated_env, oidc_login, posbench_cli
 from dashboard_seed import SEEDED_SPEC, seed_study
 from sqlalchemy import select, text, update
 from streamlit.testing.v1 import AppTest
@@ -31,13 +31,7 @@ from jobs.spec import parse_spec
 from jobs.status import RunStatus
 from worker.runtime.cache import cached_models
 
-SPEC = {
-    "model": "tiny",
-    "train": {"length": 16, "steps": 4, "batch_size": 2},
-    "encodings": ["rope", "alibi"],
-    "seeds": [0, 1],
-    "eval": {"lengths": [16, 32]},
-}
+SPEC = FOUR_RUNS
 OSC8 = "\x1b]8;"  # a terminal hyperlink: what markup in a name must never become
 SGR = re.compile(r"\x1b\[[0-9;]*m")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import isolated_env, posbench_cli, service_settings, worker_environment
+from conftest import FOUR_RUNS, isolated_env, posbench_cli, service_settings, worker_environment
 from pydantic import ValidationError
 from sqlalchemy import func, select, update
 
@@ -25,13 +25,7 @@ from worker.data import build_task
 from worker.model import build_model
 from worker.training import Checkpointer, Trainer
 
-SPEC = {
-    "model": "tiny",
-    "train": {"length": 16, "steps": 4, "batch_size": 2},
-    "encodings": ["rope", "alibi"],
-    "seeds": [0, 1],
-    "eval": {"lengths": [16, 32]},
-}
+SPEC = FOUR_RUNS
 
 
 class Recorder:

@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from conftest import FOUR_RUNS
 from sqlalchemy import func, select, update
 
 from db.engine import transaction
@@ -31,13 +32,7 @@ from worker import liveness
 from worker.runtime import cache, store
 from worker.runtime.heartbeat import Heartbeat
 
-SPEC = {
-    "model": "tiny",
-    "train": {"length": 16, "steps": 4, "batch_size": 2},
-    "encodings": ["rope", "alibi"],
-    "seeds": [0, 1],
-    "eval": {"lengths": [16, 32]},
-}
+SPEC = FOUR_RUNS
 
 
 class Recorder:

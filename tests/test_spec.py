@@ -173,7 +173,8 @@ def test_cross_field_limits() -> None:
                 "model": {"d_model": 32, "n_heads": 16},
                 "eval": {"variants": ["none", "ntk:4"]},
             },
-            "'ntk:4' raises the base to the power r/(r-2) and needs a rotary width r >= 4",
+            "'ntk:4' with rope: raises the base to the power r/(r-2) and needs a rotary "
+            "width r >= 4; it rotates 2",
         ),
         (
             {

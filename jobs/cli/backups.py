@@ -2,14 +2,29 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import typer
 
 from jobs.cli.common import console, fail
 from jobs.cli.serving import db_app
 from jobs.safe_text import markup, redact_url
+
+T = TypeVar("T")
+
+
+def _carried_out(action: Callable[[], T]) -> T:
+    """``action``'s result; a refusal (the user's to fix) exits 2, a failure 1."""
+    from jobs.backup import BackupFailed, BackupRefused
+
+    try:
+        return action()
+    except BackupRefused as err:
+        fail(str(err), code=2)
+    except BackupFailed as err:
+        fail(str(err), code=1)
 
 
 @db_app.command("backup")
@@ -21,16 +36,11 @@ def db_backup(
 ) -> None:
     """Copy the results database to a file while workers keep writing: SQLite's online
     backup, or pg_dump --format=custom for PostgreSQL."""
-    from jobs.backup import BackupFailed, BackupRefused, backup
+    from jobs.backup import backup
     from jobs.settings import get_settings
 
     url = get_settings().database
-    try:
-        copied = backup(url, out, force=force)
-    except BackupRefused as err:
-        fail(str(err), code=2)
-    except BackupFailed as err:
-        fail(str(err), code=1)
+    copied = _carried_out(lambda: backup(url, out, force=force))
     revision = f" (schema {copied.revision})" if copied.revision else ""
     console.print(
         f"backed up {markup(redact_url(url))}{revision} to {markup(copied.path)}: "
@@ -50,16 +60,11 @@ def db_restore(
 ) -> None:
     """Put a backup back as the results database and migrate it to the latest schema;
     refuses while the database exists, unless --force."""
-    from jobs.backup import BackupFailed, BackupRefused, restore
+    from jobs.backup import restore
     from jobs.settings import get_settings
 
     url = get_settings().database
-    try:
-        restored, revision = restore(url, backup_file, force=force)
-    except BackupRefused as err:
-        fail(str(err), code=2)
-    except BackupFailed as err:
-        fail(str(err), code=1)
+    restored, revision = _carried_out(lambda: restore(url, backup_file, force=force))
     schema = f"schema {restored.revision}" if restored.revision else "its schema"
     console.print(
         f"restored {markup(backup_file)} into {markup(redact_url(url))} ({schema}, now at "

@@ -131,11 +131,6 @@ def model_problems(spec: StudySpec, facts: ModelFacts) -> list[str]:
     width = facts.rotary.rotary_dim if facts.rotary is not None else 0
     for variant in scalings:
         scaling = SCALINGS[variant.method]
-        if width < scaling.min_rotary_width:
-            problems.append(
-                f"eval.variants: {short_repr(variant.label)} needs a rotary width r >= "
-                f"{scaling.min_rotary_width}; the model rotates {width}"
-            )
         resolved = scaling.resolve(variant.params, variant.label)
         problems += [
             f"eval.variants: {short_repr(variant.label)}: {problem}"

@@ -277,17 +277,10 @@ class StudySpec(_Strict):
             width = entry.rotary_width(self.model.head_dim, encoding.resolved_params)
             for variant in scalings if entry.scalable else []:
                 scaling = SCALINGS[variant.method]
-                needed = scaling.min_rotary_width
-                if width < needed:
-                    problems.append(
-                        f"eval.variants: {short_repr(variant.label)} raises the base to the "
-                        f"power r/(r-2) and needs a rotary width r >= {needed}; "
-                        f"{encoding.label} rotates {width}"
-                    )
                 resolved = scaling.resolve(variant.params, variant.label)
                 problems += [
                     f"eval.variants: {short_repr(variant.label)} with {encoding.label}: {problem}"
-                    for problem in scaling.width_problems(resolved, width)
+                    for problem in scaling.width_problems(resolved, width, "it")
                 ]
         return problems
 

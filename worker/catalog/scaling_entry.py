@@ -99,10 +99,19 @@ class ScalingInfo:
         """The length the scaling measures from: the variant's own, or the training length."""
         return self.resolve(params, f"RoPE scaling {self.name!r}").get(ORIGINAL) or train_length
 
-    def width_problems(self, params: Mapping[str, Any], width: int) -> list[str]:
-        """What keeps this scaling with resolved ``params`` from a model rotating ``width``
-        dimensions (the narrowest width is the caller's to word)."""
-        return self.fits(params, width) if self.fits else []
+    def width_problems(
+        self, params: Mapping[str, Any], width: int, rotating: str = "the model"
+    ) -> list[str]:
+        """What keeps this scaling with resolved ``params`` from ``rotating`` (who rotates,
+        for the message) a rotary width of ``width`` dimensions: the narrowest width it
+        needs, then its own rule."""
+        problems = []
+        if width < self.min_rotary_width:
+            problems.append(
+                f"raises the base to the power r/(r-2) and needs a rotary width r >= "
+                f"{self.min_rotary_width}; {rotating} rotates {width}"
+            )
+        return problems + (self.fits(params, width) if self.fits else [])
 
     def hf_rope_parameters(
         self, factor: float | None, params: Mapping[str, Any], rotary: Rotary

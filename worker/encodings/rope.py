@@ -228,13 +228,7 @@ class Rope(PositionEncoding):
             factor = 1.0
         owner = f"RoPE scaling {method!r}"
         resolved = spec.resolve(params, owner)
-        problems = spec.width_problems(resolved, self.rotary_dim)
-        if self.rotary_dim < spec.min_rotary_width:
-            problems.insert(
-                0,
-                f"raises the base to the power r/(r-2) and needs a rotary width r >= "
-                f"{spec.min_rotary_width}; this model rotates {self.rotary_dim}",
-            )
+        problems = spec.width_problems(resolved, self.rotary_dim, "this model")
         if problems:
             raise EncodingConfigError(f"{owner}: {'; '.join(problems)}")
         original = resolved.get(ORIGINAL) or original_length or self.train_length
