@@ -234,7 +234,7 @@ def _groups(view, train_lengths: dict[int, int], order: list[str]) -> None:
     if analysis.DEPTH in keys:
         _depth_maps(data, train_lengths, order)
     if set(analysis.OPERANDS) <= keys:
-        _operand_grids(data, order)
+        _operand_grids(data, groups, order)
     with st.expander("Accuracy by group, as tables", expanded=False):
         for key, part in groups.groupby("key", sort=False):
             st.caption(f"by {markdown(key)} (mean over the other groups and over seeds)")
@@ -272,10 +272,11 @@ def _depth_maps(data, train_lengths: dict[int, int], order: list[str]) -> None:
     _draw(figures, order, "depth_map")
 
 
-def _operand_grids(data, order: list[str]) -> None:
-    """Per line, accuracy by the two operands' lengths at one evaluation length."""
+def _operand_grids(data, groups, order: list[str]) -> None:
+    """Per line, accuracy by the two operands' lengths at one evaluation length (of
+    those whose examples have operands: ``groups`` is ``group_accuracy``'s table)."""
     i, j = analysis.OPERANDS
-    lengths = sorted(data["eval_length"].unique())
+    lengths = sorted(groups.loc[groups["key"] == i, "eval_length"].unique())
     length = lengths[-1]
     if len(lengths) > 1:
         length = st.select_slider(

@@ -7,14 +7,19 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 from conftest import dashboard_settings
+from markdown_it import MarkdownIt
+from sqlalchemy import update
 from streamlit.testing.v1 import AppTest
 
+from db.engine import transaction
+from db.models import Run
 from jobs import lifecycle
 from jobs.analysis import EVAL_LENGTH, group_grid, group_keys
 from jobs.results_schema import Evaluation
@@ -203,7 +208,7 @@ def test_a_depth_heatmap_per_line(settings) -> None:
     for figure, lower in ((rope, 0.0), (alibi, 0.25)):
         expected = [[1.0 - d * n / 512 + 0.05 - lower for n in LENGTHS] for d in DEPTHS]
         assert np.array(figure["data"][0]["z"]) == pytest.approx(np.array(expected))
-    assert not heatmaps(app).get("accuracy by operand lengths")  # no i, j here
+    assert list(heatmaps(app)) == ["accuracy by depth and evaluation length"]  # no i, j
     # The tables stay, below the heatmaps.
     assert any(frame.value.index.names == ["line", "value"] for frame in app.dataframe)
 
@@ -212,12 +217,14 @@ def test_an_operand_grid_at_a_chosen_length(settings) -> None:
     study = seed_groups(settings, "addition", operand_groups)
     app = compare(study)
     assert not app.exception
-    assert "accuracy by depth and evaluation length" not in heatmaps(app)
+    assert list(heatmaps(app)) == ["accuracy by operand lengths at length 256"]  # no depth
     slider = app.select_slider(key="grid_length")
     assert slider.value == 256  # the longest length first
     grids = [f for f in app.get("plotly_chart") if "operand" in f.proto.spec]
+    assert len(grids) == 2  # alibi, rope
     rope = json.loads(grids[1].proto.spec)
     assert rope["layout"]["title"]["text"] == "accuracy by operand lengths at length 256"
+    assert "shapes" not in rope["layout"]  # no length axis: no training edge
     assert rope["data"][0]["x"] == ["1", "2", "10"] and rope["data"][0]["y"] == ["1", "2", "10"]
     z = rope["data"][0]["z"]
     assert z[0][2] == pytest.approx(1 / 11 + 0.256 + 0.05)  # i=1, j=10: mean of two seeds
@@ -229,3 +236,19 @@ def test_an_operand_grid_at_a_chosen_length(settings) -> None:
     assert rope["data"][0]["z"][0][2] == pytest.approx(1 / 11 + 0.128 + 0.05)
     alibi = json.loads(grids[0].proto.spec)
     assert alibi["data"][0]["z"][0][2] == pytest.approx(1 / 11 + 0.128 + 0.05 - 0.25)
+
+
+def test_a_line_named_with_markup_is_named_as_text_beside_its_heatmap(settings) -> None:
+    study = seed_groups(settings, "retrieval", depth_groups)
+    hostile = "![x](http://host/beacon.png) <b>%{z}</b>"
+    with transaction(settings.database) as session:
+        session.execute(update(Run).where(Run.label == "rope").values(label=hostile))
+    app = compare(study)
+    assert not app.exception
+    named = [c.value for c in app.caption if "beacon" in c.value]
+    assert named and all(re.sub(r"\\(.)", r"\1", value) == hostile for value in named)
+    parsed = MarkdownIt("commonmark").parse(named[0])
+    assert {t.type for token in parsed for t in token.children or []} == {"text"}
+    specs = [chart.proto.spec for chart in app.get("plotly_chart")]
+    maps = [spec for spec in specs if json.loads(spec)["data"][0]["type"] == "heatmap"]
+    assert len(maps) == 2 and not any("beacon" in spec for spec in maps)
