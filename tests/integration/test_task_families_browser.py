@@ -14,6 +14,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from jobs.service import submit
@@ -25,12 +27,14 @@ from .conftest import ROOT
 
 class Family(NamedTuple):
     """One study: its task and parameters, its training length (evaluated at 1x and 2x),
-    and the title of the heatmap Compare draws for it (None: no grouped examples)."""
+    the title of the heatmap Compare draws for it (None: no grouped examples), and more
+    training settings where the task needs them (``train.min_length``)."""
 
     task: str
     params: dict[str, Any]
     length: int
     heatmap: str | None = None
+    train: Mapping[str, Any] = MappingProxyType({})
 
 
 # One study per task (a study has one task). An algorithmic task with operand groups
@@ -53,7 +57,13 @@ def study(family: Family) -> dict[str, Any]:
         "model": "tiny",
         "task": {"name": family.task, "params": family.params},
         "encodings": ["rope"],
-        "train": {"length": family.length, "steps": 4, "batch_size": 2, "val_every": 4},
+        "train": {
+            "length": family.length,
+            "steps": 4,
+            "batch_size": 2,
+            "val_every": 4,
+            **family.train,
+        },
         "eval": {"lengths": [family.length, 2 * family.length], "examples": 8},
     }
 
