@@ -17,6 +17,7 @@ from dashboard.curves import (
     summarize,
     training_figure,
 )
+from dashboard.heatmaps import heatmap_figure
 from db import queries
 from jobs import analysis
 from jobs.metrics import Kind, headline, kind_of, metric_named, shown_with
@@ -115,7 +116,7 @@ def render() -> None:
     _summaries(selected, protocol, shown)
     _pairwise(view, metric, train_lengths)
     if kind_of(metric) is Kind.ANSWER:  # synthetic tasks report accuracy by group
-        _groups(view)
+        _groups(view, train_lengths, list(line_colors(summary)))
     st.download_button(
         "Download CSV",
         view.drop(columns=["groups"]).to_csv(index=False),
@@ -223,20 +224,86 @@ def _pairwise(view, metric: str, train_lengths: dict[int, int]) -> None:
     )
 
 
-def _groups(view) -> None:
-    groups = analysis.group_accuracy(analysis.with_lines(view))
+def _groups(view, train_lengths: dict[int, int], order: list[str]) -> None:
+    data = analysis.with_lines(view[view["not_applicable"].isna()])
+    groups = analysis.group_accuracy(data)
     if groups.empty:
         return
     st.subheader("Accuracy by group")
-    for key, part in groups.groupby("key", sort=False):
-        st.caption(f"by {markdown(key)} (mean over the other groups and over seeds)")
-        table = part.pivot_table(
-            index=["line", "value"],
-            columns="eval_length",
-            values=headline(Kind.ANSWER).name,
-            sort=False,
+    keys = analysis.group_keys(data)
+    if analysis.DEPTH in keys:
+        _depth_maps(data, train_lengths, order)
+    if set(analysis.OPERANDS) <= keys:
+        _operand_grids(data, groups, order)
+    with st.expander("Accuracy by group, as tables", expanded=False):
+        for key, part in groups.groupby("key", sort=False):
+            st.caption(f"by {markdown(key)} (mean over the other groups and over seeds)")
+            table = part.pivot_table(
+                index=["line", "value"],
+                columns="eval_length",
+                values=headline(Kind.ANSWER).name,
+                sort=False,
+            )
+            st.dataframe(table, width="stretch", key=f"groups_{key}")
+
+
+def _depth_maps(data, train_lengths: dict[int, int], order: list[str]) -> None:
+    """Per line, accuracy by needle depth (y, from the start of the context down) and
+    evaluation length (x), the training length marked."""
+    depth = analysis.DEPTH
+    grids = analysis.group_grid(data, rows=depth, columns=analysis.EVAL_LENGTH)
+    studies = dict(zip(data["line"], data["study_id"], strict=True))
+    accuracy = headline(Kind.ANSWER).name
+    st.caption(
+        f"{accuracy} by needle {depth} (0: the start of the context) and evaluation "
+        "length, mean over seeds; the dashed line is the training length's edge."
+    )
+    figures = {
+        line: heatmap_figure(
+            table,
+            f"{accuracy} by {depth} and evaluation length",
+            "evaluation length",
+            depth,
+            train_length=train_lengths.get(studies[line]),
+            reverse_y=True,
         )
-        st.dataframe(table, width="stretch", key=f"groups_{key}")
+        for line, table in grids.items()
+    }
+    _draw(figures, order, "depth_map")
+
+
+def _operand_grids(data, groups, order: list[str]) -> None:
+    """Per line, accuracy by the two operands' lengths at one evaluation length (of
+    those whose examples have operands: ``groups`` is ``group_accuracy``'s table)."""
+    i, j = analysis.OPERANDS
+    lengths = sorted(groups.loc[groups["key"] == i, "eval_length"].unique())
+    length = lengths[-1]
+    if len(lengths) > 1:
+        length = st.select_slider(
+            "Operand grid at evaluation length", lengths, value=length, key="grid_length"
+        )
+    grids = analysis.group_grid(data, rows=i, columns=j, eval_length=length)
+    accuracy = headline(Kind.ANSWER).name
+    st.caption(
+        f"{accuracy} by the first operand's length ({i}) and the second's ({j}) at "
+        f"length {length}, mean over seeds; an empty cell had no example."
+    )
+    figures = {
+        line: heatmap_figure(table, f"{accuracy} by operand lengths at length {length}", j, i)
+        for line, table in grids.items()
+    }
+    _draw(figures, order, "operand_grid")
+
+
+def _draw(figures: dict, order: list[str], key: str) -> None:
+    """One figure per line, two to a row, in the curves' order, each under its line's
+    name (as text)."""
+    lines = sorted(figures, key=lambda line: order.index(line) if line in order else len(order))
+    columns = st.columns(2)
+    for index, line in enumerate(lines):
+        with columns[index % 2]:
+            st.caption(markdown(line))
+            st.plotly_chart(figures[line], key=f"{key}_{index}", width="stretch")
 
 
 def _index(options: list[str], wanted: str | None) -> int:

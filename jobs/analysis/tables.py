@@ -135,6 +135,85 @@ def group_accuracy(frame: pd.DataFrame, line: str = "line") -> pd.DataFrame:
     return out.rename(columns={"mean": scored, "count": "seeds"})
 
 
+# Group keys the Compare page draws as heatmaps: a retrieval task's needle depth, and
+# the lengths of an addition's two operands. EVAL_LENGTH stands for the evaluation
+# length itself, which is a row's, not a group label's.
+DEPTH = "depth"
+OPERANDS = ("i", "j")
+EVAL_LENGTH = "eval_length"
+
+
+def group_keys(frame: pd.DataFrame) -> set[str]:
+    """Every key the group labels of ``frame``'s rows use (``depth``, ``variant``, ...)."""
+    return {
+        part.partition("=")[0]
+        for groups in frame.get("groups", [])
+        if isinstance(groups, Mapping)
+        for label in groups
+        for part in label.split()
+    }
+
+
+def group_grid(
+    frame: pd.DataFrame,
+    rows: str,
+    columns: str,
+    eval_length: int | None = None,
+    line: str = "line",
+) -> dict[str, pd.DataFrame]:
+    """Per line, a table of group accuracy: one row per value of the group key ``rows``,
+    one column per value of ``columns`` (a group key, or EVAL_LENGTH for the evaluation
+    length). A run's accuracy in a cell is the mean over the labels that fall in it (the
+    other keys, and the lengths unless ``columns`` or ``rows`` is EVAL_LENGTH or
+    ``eval_length`` picks one), then the cell is the mean over runs (seeds).
+
+    Values sort as numbers where they all are numbers (``depth=0.25`` before
+    ``depth=1``), as text otherwise; every line's table has every value of the frame,
+    NaN where the line has no label for it. Lines keep their first-seen order; a frame
+    without such labels gives an empty dict.
+    """
+    if rows == columns:
+        raise ValueError(f"rows and columns are both {rows!r}: a grid needs two keys")
+    if eval_length is not None:
+        frame = frame[frame[EVAL_LENGTH] == eval_length]
+    cells = []
+    for record in frame.itertuples(index=False):
+        groups = getattr(record, "groups", None)
+        if not isinstance(groups, Mapping):
+            continue
+        for label, accuracy in groups.items():
+            parts = dict(part.partition("=")[::2] for part in label.split())
+            parts[EVAL_LENGTH] = record.eval_length
+            if rows in parts and columns in parts:
+                cells.append(
+                    (getattr(record, line), record.run_id, parts[rows], parts[columns], accuracy)
+                )
+    if not cells:
+        return {}
+    data = pd.DataFrame(cells, columns=["line", "run_id", "row", "column", "value"])
+    data["row"] = _as_numbers(data["row"])
+    data["column"] = _as_numbers(data["column"])
+    per_run = data.groupby(["line", "run_id", "row", "column"], sort=False)["value"].mean()
+    means = per_run.groupby(level=["line", "row", "column"], sort=False).mean()
+    row_values, column_values = sorted(set(data["row"])), sorted(set(data["column"]))
+    grids = {}
+    for name in dict.fromkeys(data["line"]):
+        table = means.xs(name, level="line").unstack("column")
+        table = table.reindex(index=row_values, columns=column_values).astype(float)
+        table.index.name, table.columns.name = rows, columns
+        grids[name] = table
+    return grids
+
+
+def _as_numbers(values: pd.Series) -> pd.Series:
+    """``values`` as numbers (whole numbers as int) when every one reads as a number."""
+    numbers = pd.to_numeric(values, errors="coerce")
+    if numbers.isna().any():
+        return values.astype(str)
+    integral = (numbers == numbers.round()).all()
+    return numbers.astype(int) if integral else numbers.astype(float)
+
+
 def run_summaries(
     frame: pd.DataFrame,
     metric: str,
