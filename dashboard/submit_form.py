@@ -15,7 +15,7 @@ from typing import Any, get_args
 import streamlit as st
 from pydantic import BaseModel
 
-from jobs.spec import QUEUES, EvalSpec, ModelSpec, TrainSpec
+from jobs.spec import PROTOCOLS, QUEUES, EvalSpec, ModelSpec, TrainSpec
 from worker.catalog.encodings import REGISTRY, SCALINGS
 from worker.catalog.models import MODEL_PRESETS
 from worker.catalog.params import Param
@@ -346,7 +346,7 @@ def evaluation_inputs(
         ),
         "protocols": st.multiselect(
             "Protocols",
-            ["nonoverlapping", "sliding"],
+            list(PROTOCOLS),
             default=evaluation.get("protocols", ["nonoverlapping"]),
             key=key("protocols"),
         ),

@@ -234,11 +234,16 @@ def test_gpt2_past_n_positions_is_not_applicable_named_by_its_limit(
 def test_each_token_carries_the_bytes_it_covers() -> None:
     tokenizer = build_tokenizer()
     documents = ["Hello wörld 😀 and more", "def f(x):\n    return x\n", ""]
-    ids, sizes = tokenize_documents(tokenizer, documents)
+    ids, sizes, spans = tokenize_documents(tokenizer, documents)
     # Every byte once, and the end-of-text token between documents covers their NUL.
     assert int(sizes.sum()) == sum(len(d.encode()) for d in documents) + 2
     separators = np.flatnonzero(ids == tokenizer.eos_token_id)
     assert len(separators) == 2 and (sizes[separators] == 1).all()
+    # Each document's span holds exactly its own tokens (the document protocol's unit).
+    for (start, end), document in zip(spans.tolist(), documents, strict=True):
+        own = tokenizer.backend_tokenizer.encode(document, add_special_tokens=False).ids
+        assert ids[start:end].tolist() == own
+    assert spans[1:, 0].tolist() == (separators + 1).tolist()
     # A character split over byte tokens: the first token ending it covers its bytes.
     text = "😀"
     encoding = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False)

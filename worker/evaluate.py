@@ -232,6 +232,12 @@ def evaluate_length(
     _reset_peak_memory(device)
     started = time.perf_counter()
 
+    # Only language modelling reads documents (the spec refuses the protocol elsewhere).
+    document = {"min_document_bytes": spec.min_document_bytes} if protocol == "document" else {}
+
+    # Only language modelling reads documents (the spec refuses the protocol elsewhere).
+    document = {"min_document_bytes": spec.min_document_bytes} if protocol == "document" else {}
+
     def run(batch_size: int) -> _Accumulator:
         batches = task.eval_batches(
             length,
@@ -241,6 +247,7 @@ def evaluate_length(
             examples=spec.examples,
             stride=spec.stride,
             longest=max(spec.lengths),
+            **document,
         )
         with _seeded(f"{seed}/{variant.label}/{protocol}/{length}", device):
             if variant.method == "none":

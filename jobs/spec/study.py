@@ -232,16 +232,22 @@ class StudySpec(_Strict):
         return []
 
     def _protocol_problems(self) -> list[str]:
-        """The sliding protocol: language modelling only, with a stride that fits."""
-        if "sliding" not in self.eval.protocols:
-            return []
-        problems = []
+        """The sliding and document protocols: language modelling only; sliding with a
+        stride that fits."""
         task = TASKS[self.task.name]
-        if task.kind is not Kind.LANGUAGE_MODELLING:
+        problems = [
+            f"eval.protocols: {short_repr(protocol)} applies to language modelling, not "
+            f"{short_repr(task.name)}"
+            for protocol in self.eval.protocols
+            if protocol != "nonoverlapping" and task.kind is not Kind.LANGUAGE_MODELLING
+        ]
+        if self.eval.bos and self.model.hf is None:
             problems.append(
-                "eval.protocols: 'sliding' applies to language modelling, not "
-                f"{short_repr(task.name)}"
+                "eval.bos applies to hf: models (a tokenizer's beginning-of-sequence token); "
+                "a posbench model's document windows start with the document separator"
             )
+        if "sliding" not in self.eval.protocols:
+            return problems
         if self.eval.stride is None:
             problems.append("eval.stride is required with the 'sliding' protocol")
         elif self.eval.stride > min(self.eval.lengths):
@@ -445,8 +451,13 @@ class StudySpec(_Strict):
                 del variant["params"]
             if variant["finetune"] is None:  # added later: absent, so old hashes hold
                 del variant["finetune"]
-        if evaluation["effective_length"] is None:  # added later: absent, so old hashes hold
+        # Added later: absent at their defaults, so old hashes hold.
+        if evaluation["effective_length"] is None:
             del evaluation["effective_length"]
+        if evaluation["min_document_bytes"] is None:
+            del evaluation["min_document_bytes"]
+        if not evaluation["bos"]:
+            del evaluation["bos"]
         # The order probe adds summaries but changes no point of the curve.
         return self._digest({**self._training_payload(encoding, seed), "eval": evaluation})
 

@@ -214,10 +214,23 @@ class EvalSpec(_Strict):
     lengths: Annotated[
         list[Annotated[int, Field(ge=2, le=MAX_EVAL_LENGTH)]], Field(min_length=1, max_length=32)
     ] = Field(default_factory=lambda: [128, 256, 512, 1024])
-    protocols: Annotated[list[Protocol], Field(min_length=1, max_length=2)] = Field(
+    protocols: Annotated[list[Protocol], Field(min_length=1, max_length=3)] = Field(
         default_factory=lambda: ["nonoverlapping"]
     )
     stride: int | None = Field(None, ge=1, le=MAX_EVAL_LENGTH, description="sliding stride")
+    min_document_bytes: int | None = Field(
+        None,
+        ge=2,
+        le=1 << 30,
+        description="document protocol: score only documents of at least this many bytes "
+        "(absent: every document holding the longest length)",
+    )
+    bos: bool = Field(
+        False,
+        description="document protocol, hf: models: start each document's window with the "
+        "tokenizer's beginning-of-sequence token (without it the first token is context "
+        "only); a posbench model's window starts with the document separator it trained on",
+    )
     tokens: int = Field(65_536, ge=64, le=1 << 24, description="scored tokens per length (lm)")
     examples: int = Field(100, ge=1, le=10_000, description="examples per length (synthetic)")
     variants: Annotated[list[VariantSpec], Field(min_length=1, max_length=16)] = Field(
@@ -265,6 +278,12 @@ class EvalSpec(_Strict):
                 "eval.stride applies to the 'sliding' protocol only; add 'sliding' to "
                 "eval.protocols or remove the stride"
             )
+        for name, given in (("min_document_bytes", self.min_document_bytes), ("bos", self.bos)):
+            if given and "document" not in self.protocols:
+                raise ValueError(
+                    f"eval.{name} applies to the 'document' protocol only; add 'document' "
+                    f"to eval.protocols or remove eval.{name}"
+                )
         return self
 
     def plan(self, scalable: bool) -> list[tuple[VariantSpec, str, int]]:

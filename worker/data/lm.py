@@ -249,10 +249,58 @@ def window_plan(
     return WindowPlan(np.concatenate(starts), first_scored, np.concatenate(scored))
 
 
+def document_spans(stream: np.ndarray, separator: int) -> np.ndarray:
+    """``[n, 2]`` (start, end) of each document of ``stream``, split at ``separator``."""
+    cuts = np.flatnonzero(np.asarray(stream) == separator)
+    starts = np.concatenate([[0], cuts + 1]).astype(np.int64)
+    ends = np.concatenate([cuts, [len(stream)]]).astype(np.int64)
+    return np.stack([starts, ends], 1)
+
+
+def scored_documents(
+    spans: np.ndarray,
+    sizes: np.ndarray,
+    *,
+    longest: int,
+    tokens: int,
+    prefixed: bool,
+    min_bytes: int | None = None,
+) -> np.ndarray:
+    """Where the documents the ``document`` protocol scores start: documents that hold a
+    window of the longest length (``longest`` targets after a prefix token, else
+    ``longest + 1`` tokens) and are at least ``min_bytes`` bytes of text (``sizes``),
+    ``tokens // longest`` of them (at least one), spread evenly over the split in its
+    order - the same documents at every length."""
+    need = longest + (0 if prefixed else 1)
+    fits = (spans[:, 1] - spans[:, 0] >= need) & (sizes >= (min_bytes or 0))
+    eligible = spans[fits, 0]
+    if not len(eligible):
+        bound = f" and {min_bytes} bytes" if min_bytes else ""
+        raise CorpusError(
+            f"the 'document' protocol scores documents of at least {need} tokens{bound}; "
+            f"the validation split has none (its longest is "
+            f"{int((spans[:, 1] - spans[:, 0]).max(initial=0))}): evaluate shorter lengths "
+            "or use a corpus of longer documents"
+        )
+    count = min(len(eligible), max(1, tokens // longest))
+    return eligible[(np.arange(count) * len(eligible)) // count]
+
+
+def document_windows(stream: np.ndarray, starts: np.ndarray, length: int, prefix: int | None):
+    """``[len(starts), length + 1]`` windows from each document's start: after the
+    ``prefix`` token (the separator, or a model's BOS), so every one of the ``length``
+    targets is the document's own, from its first token; without one, the first token
+    is context only."""
+    if prefix is None:
+        return _windows(stream, starts, length + 1)
+    body = _windows(stream, starts, length)
+    return torch.cat([torch.full((len(starts), 1), prefix, dtype=body.dtype), body], 1)
+
+
 class LanguageModelling(Task):
     name = "lm"
     metric = headline(Kind.LANGUAGE_MODELLING).name
-    protocols = ("nonoverlapping", "sliding")
+    protocols = ("nonoverlapping", "sliding", "document")
 
     def __init__(self, corpus: str = "pystdlib") -> None:
         self.corpus_name = corpus
@@ -293,7 +341,15 @@ class LanguageModelling(Task):
         examples: int,
         stride: int | None = None,
         longest: int | None = None,
+        min_document_bytes: int | None = None,
     ) -> Iterator[Batch]:
+        if protocol == "document":
+            starts = self._documents(longest or length, tokens, min_document_bytes)
+            for first in range(0, len(starts), batch_size):
+                chunk = starts[first : first + batch_size]
+                windows = document_windows(self.data.valid, chunk, length, DOC_SEPARATOR[0])
+                yield Batch(*from_sequences(windows))
+            return
         plan = window_plan(len(self.data.valid), length, protocol, tokens, stride, longest)
         position = torch.arange(length)
         for first in range(0, len(plan.starts), batch_size):
@@ -304,6 +360,15 @@ class LanguageModelling(Task):
             scored = (position >= begin) & (position < begin + counts)
             yield Batch(inputs, targets, None if bool(scored.all()) else scored)
 
+    def _documents(self, longest: int, tokens: int, min_bytes: int | None) -> np.ndarray:
+        spans = document_spans(self.data.valid, DOC_SEPARATOR[0])
+        sizes = spans[:, 1] - spans[:, 0]
+        return scored_documents(
+            spans, sizes, longest=longest, tokens=tokens, prefixed=True, min_bytes=min_bytes
+        )
+
     def check_plan(self, spec: EvalSpec) -> None:
         # Before training: the longest length must fit the validation split.
         window_plan(len(self.data.valid), max(spec.lengths), "nonoverlapping", spec.tokens, None)
+        if "document" in spec.protocols:
+            self._documents(max(spec.lengths), spec.tokens, spec.min_document_bytes)

@@ -32,12 +32,15 @@ def checked_model(spec: StudySpec, models: ModelPolicy) -> LoadedModel:
     return loaded
 
 
-def in_tokens(task: Task, tokenizer: Any) -> TokenizedSynthetic | TokenizedLanguageModelling:
+def in_tokens(
+    task: Task, tokenizer: Any, bos: bool = False
+) -> TokenizedSynthetic | TokenizedLanguageModelling:
     """The study's prepared task in the model's tokens: a synthetic task's examples
-    rendered in them, or the corpus tokenized."""
+    rendered in them, or the corpus tokenized (``bos``: the document protocol's windows
+    start with the tokenizer's BOS)."""
     if isinstance(task, SyntheticTask):
         return TokenizedSynthetic(task, tokenizer)
-    return tokenized(task, tokenizer)
+    return tokenized(task, tokenizer, bos)
 
 
 def run_hf(
@@ -55,7 +58,7 @@ def run_hf(
     from worker.run import RunResult, probe_order, provenance
 
     loaded = checked_model(spec, models)
-    text = in_tokens(task, loaded.tokenizer)
+    text = in_tokens(task, loaded.tokenizer, spec.eval.bos)
     text.check_plan(spec.eval, spec.train.length if spec.eval.order_probe else None)
     rows = evaluate(
         loaded.model,

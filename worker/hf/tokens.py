@@ -24,7 +24,14 @@ import numpy as np
 import torch
 
 from worker.data.base import Batch, Task, from_sequences
-from worker.data.lm import DOC_SEPARATOR, LanguageModelling, _windows, window_plan
+from worker.data.lm import (
+    DOC_SEPARATOR,
+    LanguageModelling,
+    _windows,
+    document_windows,
+    scored_documents,
+    window_plan,
+)
 from worker.data.sources import CorpusError
 
 if TYPE_CHECKING:
@@ -54,9 +61,12 @@ def token_bytes(text: str, offsets: list[tuple[int, int]]) -> np.ndarray:
     return np.diff(ends, prepend=0).astype(np.int64)
 
 
-def tokenize_documents(tokenizer: Any, documents: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """(token ids, bytes per token) of ``documents`` joined by the tokenizer's end-of-text
-    token (its beginning-of-text where it has no end; nothing where it has neither)."""
+def tokenize_documents(
+    tokenizer: Any, documents: list[str]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(token ids, bytes per token, each document's (start, end) in the ids) of
+    ``documents`` joined by the tokenizer's end-of-text token (its beginning-of-text where
+    it has no end; nothing where it has neither)."""
     backend = tokenizer.backend_tokenizer
     encodings = backend.encode_batch(documents, add_special_tokens=False)
     separator = tokenizer.eos_token_id
@@ -64,15 +74,21 @@ def tokenize_documents(tokenizer: Any, documents: list[str]) -> tuple[np.ndarray
         separator = tokenizer.bos_token_id
     ids: list[np.ndarray] = []
     sizes: list[np.ndarray] = []
+    spans: list[tuple[int, int]] = []
+    at = 0
     for index, (text, encoding) in enumerate(zip(documents, encodings, strict=True)):
         if index and separator is not None:
             ids.append(np.array([separator], dtype=np.int64))
             sizes.append(np.array([len(DOC_SEPARATOR)], dtype=np.int64))
+            at += 1
         ids.append(np.asarray(encoding.ids, dtype=np.int64))
         sizes.append(token_bytes(text, encoding.offsets))
+        spans.append((at, at + len(encoding.ids)))
+        at += len(encoding.ids)
     if not ids:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    return np.concatenate(ids), np.concatenate(sizes)
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, np.zeros((0, 2), dtype=np.int64)
+    return np.concatenate(ids), np.concatenate(sizes), np.array(spans, dtype=np.int64)
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -88,12 +104,21 @@ class TokenizedLanguageModelling(Task):
     metric = LanguageModelling.metric
     protocols = LanguageModelling.protocols
 
-    def __init__(self, task: LanguageModelling, tokenizer: Any) -> None:
+    def __init__(self, task: LanguageModelling, tokenizer: Any, bos: bool = False) -> None:
         self.task = task
         valid = bytes(task.data.valid)
-        documents = [doc.decode("utf-8", errors="replace") for doc in valid.split(DOC_SEPARATOR)]
-        self.ids, self.bytes = tokenize_documents(tokenizer, documents)
+        parts = valid.split(DOC_SEPARATOR)
+        documents = [doc.decode("utf-8", errors="replace") for doc in parts]
+        self.ids, self.bytes, self.spans = tokenize_documents(tokenizer, documents)
+        self.document_bytes = np.array([len(doc) for doc in parts], dtype=np.int64)
         self.tokenizer = tokenizer_fingerprint(tokenizer)
+        # The document protocol's windows start with the tokenizer's BOS when asked.
+        self.bos = tokenizer.bos_token_id if bos else None
+        if bos and self.bos is None:
+            raise CorpusError(
+                "eval.bos: the model's tokenizer has no beginning-of-sequence token; "
+                "remove eval.bos (each document's first token is then context only)"
+            )
 
     @property
     def fingerprint(self) -> str:
@@ -129,7 +154,13 @@ class TokenizedLanguageModelling(Task):
         examples: int,
         stride: int | None = None,
         longest: int | None = None,
+        min_document_bytes: int | None = None,
     ) -> Iterator[Batch]:
+        if protocol == "document":
+            yield from self._document_batches(
+                length, batch_size, tokens, longest, min_document_bytes
+            )
+            return
         plan = self._plan(length, protocol, tokens, stride, longest)
         position = torch.arange(length)
         for first in range(0, len(plan.starts), batch_size):
@@ -141,10 +172,35 @@ class TokenizedLanguageModelling(Task):
             scored = (position >= begin) & (position < begin + counts)
             yield Batch(inputs, targets, None if bool(scored.all()) else scored, None, covered)
 
+    def _documents(self, longest: int, tokens: int, min_bytes: int | None) -> np.ndarray:
+        return scored_documents(
+            self.spans,
+            self.document_bytes,
+            longest=longest,
+            tokens=tokens,
+            prefixed=self.bos is not None,
+            min_bytes=min_bytes,
+        )
+
+    def _document_batches(
+        self, length: int, batch_size: int, tokens: int, longest: int | None, min_bytes
+    ) -> Iterator[Batch]:
+        """Each scored document from its start: after the BOS (every target the
+        document's own), or from its first token (the first target its second token)."""
+        starts = self._documents(longest or length, tokens, min_bytes)
+        first_target = 0 if self.bos is not None else 1
+        for first in range(0, len(starts), batch_size):
+            chunk = starts[first : first + batch_size]
+            windows = document_windows(self.ids, chunk, length, self.bos)
+            covered = _windows(self.bytes, chunk + first_target, length)
+            yield Batch(*from_sequences(windows), None, None, covered)
+
     def check_plan(self, spec: EvalSpec, probe_length: int | None = None) -> None:
         """Before the first evaluation: the longest length (and the order probe's,
         ``probe_length``: the model's context) must fit the split in tokens."""
         self._plan(max(spec.lengths), "nonoverlapping", spec.tokens, None, None)
+        if "document" in spec.protocols:
+            self._documents(max(spec.lengths), spec.tokens, spec.min_document_bytes)
         if probe_length is not None and len(self.ids) < probe_length + 1:
             raise CorpusError(
                 f"the validation split is {len(self.ids)} tokens of the model's tokenizer; "
@@ -153,9 +209,9 @@ class TokenizedLanguageModelling(Task):
             )
 
 
-def tokenized(task: Task, tokenizer: Any) -> TokenizedLanguageModelling:
+def tokenized(task: Task, tokenizer: Any, bos: bool = False) -> TokenizedLanguageModelling:
     """The study's language-modelling task, prepared, in the model's tokens (a synthetic
     task's are ``worker.hf.answers``)."""
     if not isinstance(task, LanguageModelling):
         raise CorpusError(f"task {task.name!r} is not language modelling")
-    return TokenizedLanguageModelling(task, tokenizer)
+    return TokenizedLanguageModelling(task, tokenizer, bos)
