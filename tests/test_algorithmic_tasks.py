@@ -54,7 +54,10 @@ def read_sum(prompt: str, base: int, reverse: bool, hints: bool) -> str:
     prompt's order, the sum one digit longer than the longer operand."""
     operands = prompt.strip().removesuffix("=").split("+")
     # Each operand as (hint, digit) pairs, least significant first.
-    pairs = [list(zip(op[::2], op[1::2])) if hints else [("", d) for d in op] for op in operands]
+    pairs = [
+        list(zip(op[::2], op[1::2], strict=True)) if hints else [("", d) for d in op]
+        for op in operands
+    ]
     pairs = [p if reverse else p[::-1] for p in pairs]
     total = sum(int("".join(d for _, d in reversed(p)), base) for p in pairs)
     first = LETTERS.index(pairs[0][0][0]) if hints else 0
@@ -68,7 +71,8 @@ def read_sum(prompt: str, base: int, reverse: bool, hints: bool) -> str:
 def oracle(name: str, params: dict[str, Any], prompt: str) -> str:
     if name in ("addition", "binary_addition"):
         base = 10 if name == "addition" else 2
-        return read_sum(prompt, base, params.get("reverse", False), params.get("index_hints", False))
+        reverse, hints = params.get("reverse", False), params.get("index_hints", False)
+        return read_sum(prompt, base, reverse, hints)
     source = prompt.strip()
     if name == "parity":
         return str(source.removesuffix("=").count("1") % 2)
@@ -226,7 +230,7 @@ def test_a_spec_checks_every_length_including_the_shortest_trained() -> None:
             f"task '{name}' needs sequences of at least {shortest} bytes; "
             f"train.min_length is {shortest - 1}"
         ) in str(refused.value)
-    with pytest.raises(SpecError, match="eval.lengths is 8"):
+    with pytest.raises(SpecError, match=r"eval\.lengths is 8"):
         parse_spec(study(addition, {"length": 64}, [8, 64]))
     with pytest.raises(SpecError, match="parameter 'alphabet' must be int in \\[2, 64\\]"):
         parse_spec(study({"name": "sort", "params": {"alphabet": 65}}, {"length": 64}, [64]))

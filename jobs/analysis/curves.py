@@ -206,10 +206,11 @@ def summarize_run(
     (effective_context_length with default tolerance/threshold),
     ``effective_length_censored`` (1.0 when that is the longest evaluated length, so
     only a lower bound; 0.0 when the run failed at the next length), ``log_ppl_area`` and
-    ``mean_log_ppl`` (over every evaluated length), ``beyond_training`` (an answer
-    task's mean score past the training length: ``beyond_training``). Keys whose definition does not apply
-    to ``metric`` are present with None: effective_length for metrics tasks are not
-    scored by (not headline), the log-perplexity pair for metrics not on a log scale.
+    ``mean_log_ppl`` (over every evaluated length), ``beyond_training`` (an answer task's
+    mean score past the training length). Keys whose definition does not apply to
+    ``metric`` are present with None: effective_length for metrics tasks are not scored
+    by (not headline), the log-perplexity pair for metrics not on a log scale,
+    beyond_training for any metric but an answer task's headline.
 
     A point given with value None is a length evaluated but without a value (a learned
     table past its end): the log-perplexity pair is then None too, since an average over

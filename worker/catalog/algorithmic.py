@@ -141,4 +141,3 @@ ALGORITHMIC: tuple[TaskInfo, ...] = (
         text=True,
     ),
 )
-
