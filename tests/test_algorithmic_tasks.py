@@ -20,9 +20,12 @@ import torch
 from typer.testing import CliRunner
 
 from jobs.cli import app
-from jobs.spec import SpecError, parse_spec
+from jobs.spec import EvalSpec, SpecError, TrainSpec, VariantSpec, parse_spec
 from worker.catalog.tasks import TASKS
 from worker.data import build_task
+from worker.evaluate import evaluate_length
+from worker.model import build_model
+from worker.training import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 LETTERS = string.ascii_lowercase + string.ascii_uppercase
@@ -256,3 +259,33 @@ def test_posbench_tasks_sample_shows_addition() -> None:
     for sample in samples:
         assert len((sample["prompt"] + "".join(sample["answers"])).encode()) == 65
         assert oracle("addition", {}, sample["prompt"]) == "".join(sample["answers"])
+
+
+@pytest.mark.slow
+def test_the_tiny_model_learns_reverse_in_distribution() -> None:
+    """A smoke test that the task is learnable as generated: the tiny model (RoPE), 400
+    steps of 32 strings of 8 symbols of 4 (length 16), 5 to 60 s on one CPU thread
+    (as the machine is loaded). Measured: exact match 0.96 and token accuracy 0.995 on
+    the 200 evaluation examples (chance: 4^-8 and 0.25); untrained, both near chance."""
+    length, cpu = 16, torch.device("cpu")
+    task = build_task("reverse", alphabet=4)
+    model = build_model("tiny", "rope", train_length=length, seed=0)
+
+    def scored() -> Any:
+        return evaluate_length(
+            model,
+            task,
+            EvalSpec(lengths=[length], examples=200),
+            length=length,
+            protocol="nonoverlapping",
+            variant=VariantSpec(),
+            train_length=length,
+            device=cpu,
+        )
+
+    before = scored()
+    assert before.accuracy < 0.05 and before.token_accuracy < 0.5
+    spec = TrainSpec(length=length, steps=400, batch_size=32, lr=3e-3, progress_every=100)
+    Trainer(model, task, spec, seed=0, device=cpu).fit()
+    after = scored()
+    assert after.accuracy >= 0.75 and after.token_accuracy >= 0.95
