@@ -61,6 +61,8 @@ def _param_input(param: Param, key: str, given: Any = None) -> Any:
             label, param.choices, index=param.choices.index(start), key=key, help=param.help
         )
     derived = f" (default: {param.derived})" if param.derived else ""
+    if param.type is bool:
+        return st.checkbox(label, value=bool(start), key=key, help=param.help)
     if param.type is int:
         shown = start if start is not None else int(param.low or 1)
         value = st.number_input(

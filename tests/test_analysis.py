@@ -146,10 +146,25 @@ def test_summarize_run_leaves_inapplicable_keys_empty():
         "effective_length_censored": 1.0,  # 256 is the end of the grid: a lower bound
         "log_ppl_area": None,
         "mean_log_ppl": None,
+        "beyond_training": pytest.approx(0.6),
     }
     loss = summarize_run({128: 2.0, 256: 3.0}, TRAIN, "loss", factors=(2,))
     assert loss["ratio_2x"] == pytest.approx(1.5)
-    assert loss["effective_length"] is None
+    assert loss["effective_length"] is None and loss["beyond_training"] is None
+
+
+def test_beyond_training_is_the_mean_accuracy_past_the_training_length():
+    # Lengths up to the training length (64 and 128) are left out; 256, 512, 1024 count.
+    curve = {64: 1.0, 128: 0.9, 256: 0.5, 512: 0.25, 1024: 0.0}
+    assert summarize_run(curve, TRAIN, "accuracy")["beyond_training"] == pytest.approx(0.25)
+    assert summarize_run(curve, 512, "accuracy")["beyond_training"] == pytest.approx(0.0)
+    # Nothing past the training length, a length without a value, or not an answer task.
+    assert summarize_run(curve, 1024, "accuracy")["beyond_training"] is None
+    cut = {128: 0.9, 256: 0.5, 512: None}
+    assert summarize_run(cut, TRAIN, "accuracy")["beyond_training"] is None
+    assert summarize_run({128: 5.0, 256: 9.0}, TRAIN, "perplexity")["beyond_training"] is None
+    # token_accuracy is measured by answer tasks but is not their headline.
+    assert summarize_run(curve, TRAIN, "token_accuracy")["beyond_training"] is None
 
 
 # ---------------------------------------------------------------------------------------

@@ -384,3 +384,13 @@ def test_every_variant_the_submit_form_offers_is_a_valid_spec() -> None:
     spec = parse_spec({"name": "all", "encodings": ["rope"], "eval": {"variants": VARIANTS}})
     offered = [v.split(":")[0] for v in VARIANTS]
     assert [v.method for v in spec.eval.variants] == ["none", *offered]
+
+
+def test_an_algorithmic_task_with_its_options_is_chosen_on_submit(settings) -> None:
+    app = AppTest.from_file(APP, default_timeout=60).run()
+    app.selectbox(key="custom:task").set_value("addition").run()
+    app.checkbox(key="custom:addition.reverse").check().run()
+    assert not app.error and app.button(key="submit").disabled is False
+    yaml_view = app.code[0].value
+    assert "name: addition" in yaml_view and "reverse: true" in yaml_view
+    assert "index_hints" not in yaml_view  # left at its default

@@ -22,6 +22,7 @@ import pytest
 import torch
 from conftest import isolated_env, posbench_cli
 from hf_models import CONTEXT, FAMILIES, family_tokenizer, save_model
+from test_algorithmic_tasks import oracle as algorithmic_oracle
 from test_ruler_tasks import read_common, read_niah, read_tracking
 
 from jobs.spec import EvalSpec, SpecError, VariantSpec, parse_spec
@@ -90,6 +91,22 @@ def read_asked(oracle: Any) -> Any:
     return read
 
 
+def read_algorithmic(name: str) -> Any:
+    """An algorithmic task's reader: its oracle (tests/test_algorithmic_tasks.py) on the
+    prompt, up to its last ``=`` (arithmetic, parity) or ``|`` (string tasks)."""
+
+    def read(text: str) -> tuple[str, str]:
+        marker = "|" if "|" in text else "="
+        prompt = text[: text.rindex(marker) + 1]
+        answer = algorithmic_oracle(name, {}, prompt)
+        assert text == prompt + answer
+        return marker, answer
+
+    return read
+
+
+ALGORITHMIC = ("addition", "binary_addition", "parity", "reverse", "duplicate", "sort")
+
 READ = {
     "passkey": read_passkey,
     "copy": read_copy,
@@ -98,6 +115,7 @@ READ = {
     "niah": read_asked(read_niah),
     "variable_tracking": read_asked(read_tracking),
     "common_words": read_asked(read_common),
+    **{name: read_algorithmic(name) for name in ALGORITHMIC},
 }
 
 
@@ -138,7 +156,7 @@ def test_examples_are_exactly_the_requested_tokens_and_score_their_answer(
     # prefix space) can make the shortest example one token longer than its bytes.
     for length in (TASKS[name].min_length + 1, 300, 1000):
         drawn = rows(task, length, examples=20)
-        assert len(drawn) == 20
+        assert len(drawn) == task.task.per_group(20) * len(task.task.groups())
         for ids, scored, _ in drawn:
             assert len(ids) == length + 1
             # End-of-text tokens only before the text, where no byte budget fitted exactly.

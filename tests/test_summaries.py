@@ -101,8 +101,8 @@ def test_summaries_are_stored_once_per_key_even_when_a_finish_is_retried(
 ) -> None:
     seed_study(settings)
     # 4 finished runs x (5 ratios + effective length and its censoring + 2 area summaries
-    # + 3 order probe)
-    assert stored(settings) == 4 * 12
+    # + beyond training (None: not an answer task) + 3 order probe)
+    assert stored(settings) == 4 * 13
     url = settings.database
     with transaction(url) as session:
         run = session.scalars(select(Run).where(Run.status == "done")).first()
@@ -112,7 +112,7 @@ def test_summaries_are_stored_once_per_key_even_when_a_finish_is_retried(
     assert sorted(n for _, _, n, _ in points) == [32, 64, 128]
     again = summarize_points(points, train_length=32, metric="perplexity")
     store.record_summaries(ClaimedRun(url, run_id, "again"), again)
-    assert stored(settings) == 4 * 12
+    assert stored(settings) == 4 * 13
     with pytest.raises(lifecycle.LeaseLost):
         stolen = ClaimedRun(url, run_id, "someone else")
         store.record_summaries(stolen, [Summary("none", "x", "y", 1.0)])
@@ -174,6 +174,7 @@ def test_results_options_are_checked(settings: Settings, args: list[str], messag
 
 
 def test_results_groups_gives_accuracy_by_word_order_variant(settings: Settings) -> None:
+    from jobs.analysis import summarize_points
     from jobs.results_schema import Evaluation
     from jobs.service import submit
     from jobs.spec import parse_spec
@@ -202,6 +203,10 @@ def test_results_groups_gives_accuracy_by_word_order_variant(settings: Settings)
             }
             row = Evaluation("none", "nonoverlapping", length, accuracy=0.6, groups=groups)
             store.record_evaluation(claimed, row)
+        # As a worker does at the end of a run: summaries from every stored point.
+        points = store.stored_points(url, run_id, spec.task.metric)
+        summaries = summarize_points(points, train_length=96, metric=spec.task.metric)
+        store.record_summaries(claimed, summaries)
         lifecycle.finish(claimed, RunStatus.DONE)
     args = ("--study", str(submitted.study_id), "--view", "groups", "--format", "json")
     done = posbench(settings, "results", *args)
@@ -214,6 +219,12 @@ def test_results_groups_gives_accuracy_by_word_order_variant(settings: Settings)
     assert found["nope", "variant", "marked", 96]["accuracy"] == pytest.approx(0.7)
     assert found["nope", "depth", "1", 96]["accuracy"] == pytest.approx(0.4)
     assert len(found) == 2 * 2 * (2 + 2)  # lines x lengths x (2 variants + 2 depths)
+    # An answer task's summaries hold its mean accuracy past the training length (192).
+    args = ("--study", str(submitted.study_id), "--view", "summaries")
+    summaries = json.loads(posbench(settings, "results", *args, "--format", "json").stdout)
+    beyond = {r["line"]: r["mean"] for r in summaries if r["summary"] == "beyond_training"}
+    assert beyond == {"nope": pytest.approx(0.6), "rope": pytest.approx(0.6)}
+    assert "beyond training" in posbench(settings, "results", *args).stdout
 
 
 def test_a_reused_run_brings_its_summaries(settings: Settings) -> None:
@@ -222,7 +233,7 @@ def test_a_reused_run_brings_its_summaries(settings: Settings) -> None:
     seed_study(settings)
     again = submit(SEEDED_SPEC, settings=settings, send=lambda run_id: None, actor="tester")
     assert len(again.reused) == 4  # the finished runs
-    assert stored(settings) == 2 * 4 * 12
+    assert stored(settings) == 2 * 4 * 13
 
 
 def test_db_upgrade_summarises_runs_finished_before_summaries_existed(settings: Settings) -> None:
@@ -232,7 +243,7 @@ def test_db_upgrade_summarises_runs_finished_before_summaries_existed(settings: 
     done = posbench(settings, "db", "upgrade")
     assert done.returncode == 0, done.stderr
     assert "summarised 4 runs finished before summaries were stored" in done.stdout
-    assert stored(settings) == 4 * 9  # the curve summaries; the order probe needs the model
+    assert stored(settings) == 4 * 10  # the curve summaries; the order probe needs the model
 
 
 def test_db_upgrade_fills_a_summary_added_after_a_run_was_summarised(settings: Settings) -> None:

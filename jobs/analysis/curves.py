@@ -17,7 +17,7 @@ import pandas as pd
 from jobs.analysis.base import (
     FACTORS,
 )
-from jobs.metrics import METRICS, headlines
+from jobs.metrics import METRICS, Kind, headlines
 
 Curve = Mapping[int, float | None] | Iterable[tuple[int, float | None]]
 
@@ -173,7 +173,24 @@ def summary_keys(factors: Sequence[float] = FACTORS) -> list[str]:
         "effective_length_censored",
         "log_ppl_area",
         "mean_log_ppl",
+        "beyond_training",
     ]
+
+
+def beyond_training(curve: Curve, train_length: int, metric: str) -> float | None:
+    """The mean of an answer task's headline metric over the evaluated lengths longer
+    than ``train_length`` (Ruoss et al. 2023's score of length generalisation, over the
+    lengths past the training range). None for any other metric, where no evaluated
+    length is longer, or where one of them has no value (a learned table past its end:
+    a mean over the lengths it can read would flatter it)."""
+    scored = METRICS.get(metric)
+    if scored is None or not scored.headline or scored.kind is not Kind.ANSWER:
+        return None
+    pairs = curve.items() if hasattr(curve, "items") else curve
+    beyond = [value for length, value in pairs if int(length) > train_length]
+    if not beyond or any(value is None or pd.isna(value) for value in beyond):
+        return None
+    return float(np.mean([float(value) for value in beyond]))
 
 
 def summarize_run(
@@ -189,9 +206,11 @@ def summarize_run(
     (effective_context_length with default tolerance/threshold),
     ``effective_length_censored`` (1.0 when that is the longest evaluated length, so
     only a lower bound; 0.0 when the run failed at the next length), ``log_ppl_area`` and
-    ``mean_log_ppl`` (over every evaluated length). Keys whose definition does not apply
-    to ``metric`` are present with None: effective_length for metrics tasks are not
-    scored by (not headline), the log-perplexity pair for metrics not on a log scale.
+    ``mean_log_ppl`` (over every evaluated length), ``beyond_training`` (an answer task's
+    mean score past the training length). Keys whose definition does not apply to
+    ``metric`` are present with None: effective_length for metrics tasks are not scored
+    by (not headline), the log-perplexity pair for metrics not on a log scale,
+    beyond_training for any metric but an answer task's headline.
 
     A point given with value None is a length evaluated but without a value (a learned
     table past its end): the log-perplexity pair is then None too, since an average over
@@ -223,6 +242,7 @@ def summarize_run(
     whole = scored is not None and scored.log_scale and not censored
     out["log_ppl_area"] = log_perplexity_area(values) if whole else None
     out["mean_log_ppl"] = mean_log_perplexity(values) if whole else None
+    out["beyond_training"] = beyond_training(given, train_length, metric)
     return out
 
 

@@ -303,6 +303,7 @@ SUMMARY_LABELS = {
     "effective_length_bound": "effective-length bound",
     "mean_log_ppl": "mean ln ppl",
     "log_ppl_area": "ln ppl area",
+    "beyond_training": "beyond training",
     "order_sensitivity": "order sensitivity",
     "order_ordered_loss": "loss, ordered",
     "order_shuffled_loss": "loss, shuffled",
@@ -313,6 +314,7 @@ SUMMARY_LABELS = {
 KEY_SUMMARIES = (
     *(f"ratio_{f:g}x" for f in FACTORS),
     "effective_length",
+    "beyond_training",
     "mean_log_ppl",
     "order_sensitivity",
 )

@@ -6,13 +6,13 @@ a task."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
-from jobs.metrics import Kind, headline
-from worker.catalog.corpora import SourcePolicy, corpus_access_problem
-from worker.catalog.params import EncodingConfigError, Param
+from jobs.metrics import Kind
+from worker.catalog.algorithmic import ALGORITHMIC
+from worker.catalog.corpora import corpus_access_problem
+from worker.catalog.params import Param
 from worker.catalog.ruler import (
     HAYSTACKS,
     SYMBOL_SIZES,
@@ -21,79 +21,7 @@ from worker.catalog.ruler import (
     niah_fits,
     tracking_fits,
 )
-
-
-class TaskConfigError(EncodingConfigError):
-    """A user asked for a task or task parameter that does not exist or is out of range."""
-
-
-@dataclass(frozen=True)
-class TaskInfo:
-    name: str
-    kind: Kind  # what it is scored on: its metric is that kind's headline (jobs.metrics)
-    summary: str
-    reference: str
-    implementation: str
-    # The shortest training / evaluation sequence that can hold one example.
-    min_length: int
-    params: tuple[Param, ...] = ()
-    # The entry's own rule on its resolved parameters: a problem, or None.
-    check: Callable[[Mapping[str, Any]], str | None] | None = None
-    # What keeps the task's examples from being built at a length (torch-free, for the
-    # spec: a run must not fail after training).
-    fits: Callable[[Mapping[str, Any], int], list[str]] | None = None
-    # The entry's rule on where its data comes from, under the operator's rules
-    # (corpus roots, HuggingFace on or off): a problem, or None. Settings are the
-    # caller's: the service and ``posbench run`` at submit, the reader on the worker.
-    sources: Callable[[Mapping[str, Any], SourcePolicy], str | None] | None = None
-    # Its examples (or corpus) are UTF-8 text, so a model with a tokenizer of its own
-    # (model.hf) can read them in its tokens; a task of other bytes is refused for one.
-    text: bool = False
-
-    @property
-    def metric(self) -> str:
-        """The metric the task is scored by (its study's metric)."""
-        return headline(self.kind).name
-
-    def resolve(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        known = {p.name for p in self.params}
-        unknown = sorted(set(params) - known)
-        if unknown:
-            raise TaskConfigError(
-                f"task {self.name!r} has no parameter {unknown[0]!r} "
-                f"(allowed: {', '.join(sorted(known)) or 'none'})"
-            )
-        out: dict[str, Any] = {}
-        for p in self.params:
-            value = params.get(p.name, p.default)
-            if value is None:
-                raise TaskConfigError(
-                    f"task {self.name!r}: parameter {p.name!r} must be {p.allowed()}, got null"
-                )
-            out[p.name] = p.check(f"task {self.name!r}", value)
-        problem = self.check(out) if self.check else None
-        if problem:
-            raise TaskConfigError(f"task {self.name!r}: {problem}")
-        return out
-
-    def length_problems(self, params: Mapping[str, Any], longest: int) -> list[str]:
-        """What keeps this task's examples from being built at ``longest`` bytes."""
-        return self.fits(params, longest) if self.fits else []
-
-    def source_problem(self, params: Mapping[str, Any], policy: SourcePolicy) -> str | None:
-        """Why this service may not read the data ``params`` name, or None."""
-        return self.sources(params, policy) if self.sources else None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "metric": self.metric,
-            "summary": self.summary,
-            "reference": self.reference,
-            "min_length": self.min_length,
-            "params": [p.to_json() for p in self.params],
-        }
-
+from worker.catalog.task_entry import TaskConfigError, TaskInfo
 
 CORPORA = (
     "pystdlib, text:<path> (a UTF-8 file or folder in a corpus root) or "
@@ -311,6 +239,7 @@ TASKS: dict[str, TaskInfo] = {
             # count of an hf: model's tokens, so it is offered to byte-level models only.
             text=False,
         ),
+        *ALGORITHMIC,
     )
 }
 
