@@ -83,15 +83,27 @@ def corpus_text(repeats: int = 6) -> str:
     return "\n".join(lines)
 
 
+# The tasks whose text the tokenizers are trained on: a fixed list, so that a task added
+# to the catalogue does not change every tokenizer's merges (and the tests' token counts).
+TOKENIZER_TASKS = (
+    "passkey",
+    "copy",
+    "assoc_recall",
+    "sov_tr",
+    "niah",
+    "variable_tracking",
+    "common_words",
+    "frequent_words",
+)
+
+
 def task_text() -> list[str]:
     """Text like the synthetic tasks' (each task's examples at a fixed seed) and TEXT, for
     tokenizers with merges that span their words, as a real model's tokenizer has."""
-    from worker.data import TASKS, build_task
+    from worker.data import build_task
 
     texts = [TEXT]
-    for name, entry in TASKS.items():
-        if entry.kind.name != "ANSWER":
-            continue
+    for name in TOKENIZER_TASKS:
         task = build_task(name)
         generator = torch.Generator().manual_seed(SEED)
         texts += [task.example(600, generator, None)[0].decode() for _ in range(4)]
