@@ -130,6 +130,28 @@ METRICS: dict[str, Metric] = {
             reported=True,
             high=1.0,
         ),
+        Metric(
+            name="string_match_all",
+            kind=Kind.ANSWER,
+            lower_is_better=False,
+            fmt=".3f",
+            column="string_match_all",
+            description="RULER's string_match_all (Hsieh et al., 2024): the fraction of an "
+            "example's expected answers that are right, averaged over examples; an answer of "
+            "one part is right or not, so for a single-answer task it equals exact match",
+            high=1.0,
+        ),
+        Metric(
+            name="string_match_part",
+            kind=Kind.ANSWER,
+            lower_is_better=False,
+            fmt=".3f",
+            column="string_match_part",
+            description="RULER's string_match_part (Hsieh et al., 2024): the fraction of "
+            "examples with at least one expected answer right; for a single-answer task it "
+            "equals exact match",
+            high=1.0,
+        ),
     )
 }
 

@@ -127,7 +127,7 @@ def test_a_program_reading_the_prompt_scores_one(
     task = build_task(name, **params)
     drawn = task.eval_examples(length, 8)
     assert len(drawn) == 8 * len(task.groups())
-    for sequence, answer, _ in drawn:
+    for sequence, answer, *_ in drawn:
         assert len(sequence) == length + 1
         prompt, expected = split(sequence, answer)
         assert ORACLES[name](prompt) == expected
@@ -147,8 +147,8 @@ def test_niah_answers_are_unique_and_the_grid_is_covered(name: str, params: dict
     task = build_task(name, **params)
     resolved = TASKS[name].resolve(params)
     drawn = task.eval_examples(512, 4)
-    assert {label for _, _, label in drawn} == {f"depth={d:g}" for d in PASSKEY_DEPTHS}
-    for sequence, answer, label in drawn:
+    assert {label for _, _, label, *_ in drawn} == {f"depth={d:g}" for d in PASSKEY_DEPTHS}
+    for sequence, answer, label, *_ in drawn:
         prompt, expected = split(sequence, answer)
         keys = re.search(r"What is ([^?]+)\? $", prompt).group(1).split(", ")
         assert len(keys) == resolved["num_queries"]
@@ -163,9 +163,9 @@ def test_niah_answers_are_unique_and_the_grid_is_covered(name: str, params: dict
 def test_niah_haystacks_hold_the_filler_or_other_keys() -> None:
     repeat = examples("niah", {}, 512, 2)
     needles = examples("niah", {"haystack": "needles", "num_keys": 4}, 512, 2)
-    for sequence, answer, _ in repeat:
+    for sequence, answer, *_ in repeat:
         assert len(re.findall(r"[a-z]{6} is \d{7}\. ", split(sequence, answer)[0])) == 1
-    for sequence, answer, _ in needles:
+    for sequence, answer, *_ in needles:
         prompt = split(sequence, answer)[0]
         keys = re.findall(r"([a-z]{6}) is \d{7}\. ", prompt)
         assert len(keys) == len(set(keys)) > 20  # distinct keys fill it
@@ -173,7 +173,7 @@ def test_niah_haystacks_hold_the_filler_or_other_keys() -> None:
 
 def test_variable_tracking_chains_are_unique() -> None:
     hops = 3
-    for sequence, answer, _ in examples(
+    for sequence, answer, *_ in examples(
         "variable_tracking", {"num_chains": 4, "num_hops": 3}, 800, 12
     ):
         prompt, expected = split(sequence, answer)
@@ -210,15 +210,15 @@ def test_long_context_is_needed(name: str, params: dict[str, Any], low: float, h
     task = build_task(name, **params)
     generator = torch.Generator().manual_seed(7)
     drawn = [task.example(length, generator, None) for _ in range(400)]
-    score = sum(windowed(name, s, a, length // 4) for s, a, _ in drawn) / len(drawn)
+    score = sum(windowed(name, s, a, length // 4) for s, a, *_ in drawn) / len(drawn)
     assert low <= score <= high
-    assert all(windowed(name, s, a, length + 1) for s, a, _ in drawn)
+    assert all(windowed(name, s, a, length + 1) for s, a, *_ in drawn)
 
 
 def digest(settings: list[tuple[str, dict[str, Any]]]) -> str:
     hashed = hashlib.sha256()
     for name, params in settings:
-        for sequence, answer, label in examples(name, params, 300, 2):
+        for sequence, answer, label, *_ in examples(name, params, 300, 2):
             hashed.update(sequence + f"{answer}{label}".encode())
     return hashed.hexdigest()
 
@@ -255,7 +255,7 @@ def test_entries_refuse_what_cannot_be_built() -> None:
 
 
 def test_common_words_counts() -> None:
-    for sequence, answer, _ in examples("common_words", {"freq_rare": 3}, 2000, 6):
+    for sequence, answer, *_ in examples("common_words", {"freq_rare": 3}, 2000, 6):
         prompt, expected = split(sequence, answer)
         counts = Counter(prompt[: prompt.index("Which")].split())
         common = expected.split(", ")
@@ -265,7 +265,7 @@ def test_common_words_counts() -> None:
 
 
 def test_frequent_words_follow_zipf() -> None:
-    for sequence, answer, _ in examples("frequent_words", {}, 4096, 4):
+    for sequence, answer, *_ in examples("frequent_words", {}, 4096, 4):
         prompt, expected = split(sequence, answer)
         counts = sorted(Counter(prompt[: prompt.index("Which")].split()).values(), reverse=True)
         assert counts[:4] == [367, 91, 40, 22]  # floor(367 / r^2)

@@ -156,7 +156,7 @@ class NeedleInAHaystack(SyntheticTask):
 
     def example(
         self, length: int, generator: torch.Generator, group: float | None
-    ) -> tuple[bytes, int, str]:
+    ) -> tuple[bytes, int, str, list[str]]:
         spare = length + 1 - self.fixed
         if spare < 0:
             raise ValueError(f"niah needs sequences of at least {self.fixed - 1} bytes")
@@ -177,7 +177,7 @@ class NeedleInAHaystack(SyntheticTask):
         answers = [planted[i][1] for key in asked for i in order if planted[i][0] == key]
         question = NIAH_QUESTION.format(keys=SEPARATOR.join(asked))
         sequence, size = finish(text + question, answers, length)
-        return sequence, size, "" if group is None else f"depth={group:g}"
+        return sequence, size, "" if group is None else f"depth={group:g}", answers
 
 
 class VariableTracking(SyntheticTask):
@@ -192,7 +192,7 @@ class VariableTracking(SyntheticTask):
 
     def example(
         self, length: int, generator: torch.Generator, group: int | None
-    ) -> tuple[bytes, int, str]:
+    ) -> tuple[bytes, int, str, list[str]]:
         spare = length + 1 - self.fixed
         if spare < 0:
             raise ValueError(
@@ -222,4 +222,4 @@ class VariableTracking(SyntheticTask):
         text, _ = insert(filler(spare), pieces)
         question = TRACKING_QUESTION.format(value=values[asked])
         sequence, size = finish(text + question, chains[asked], length)
-        return sequence, size, ""
+        return sequence, size, "", chains[asked]
