@@ -28,6 +28,8 @@ SETTINGS: list[tuple[str, dict[str, Any]]] = [
     ("niah", {"haystack": "needles", "num_keys": 4}),
     ("niah", {"keys": "numbers", "values": "uuids", "num_values": 3}),
     ("niah", {"keys": "uuids", "values": "words", "num_keys": 4, "num_queries": 2}),
+    ("niah", {"haystack": "text"}),
+    ("niah", {"haystack": "text", "keys": "numbers", "num_values": 3, "num_keys": 2}),
     ("variable_tracking", {}),
     ("variable_tracking", {"num_chains": 3, "num_hops": 2}),
     ("common_words", {}),
@@ -142,7 +144,10 @@ def test_a_program_reading_the_prompt_scores_one(
         assert ORACLES[name](prompt) == expected
 
 
-@pytest.mark.parametrize(("name", "params"), SETTINGS[:4])
+NIAH = [setting for setting in SETTINGS if setting[0] == "niah"]
+
+
+@pytest.mark.parametrize(("name", "params"), NIAH)
 def test_niah_answers_are_unique_and_the_grid_is_covered(name: str, params: dict[str, Any]) -> None:
     task = build_task(name, **params)
     resolved = TASKS[name].resolve(params)
@@ -152,8 +157,9 @@ def test_niah_answers_are_unique_and_the_grid_is_covered(name: str, params: dict
         prompt, expected = split(sequence, answer)
         keys = re.search(r"What is ([^?]+)\? $", prompt).group(1).split(", ")
         assert len(keys) == resolved["num_queries"]
-        for key in keys:  # each asked key has exactly its needles
+        for key in keys:  # each asked key has exactly its needles, and is nowhere else
             assert len(re.findall(rf"(?<![0-9a-z]){key} is ", prompt)) == resolved["num_values"]
+            assert prompt.count(key) == resolved["num_values"] + 1  # and the question
         values = expected.split(", ")
         assert len(set(values)) == len(values) == resolved["num_values"] * len(keys)
         if label == "depth=0":  # the first asked key's first needle opens the text
@@ -200,6 +206,7 @@ def windowed(name: str, sequence: bytes, answer: int, window: int) -> bool:
     [
         ("niah", {}, 0.20, 0.30),
         ("niah", {"haystack": "needles", "num_keys": 4}, 0.20, 0.30),
+        ("niah", {"haystack": "text"}, 0.20, 0.30),
         ("variable_tracking", {}, 0.0, 0.02),
     ],
 )
