@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from jobs.spec import EvalSpec
 from worker.catalog.tasks import TASKS
 from worker.data import build_task
 from worker.data.synthetic import PASSKEY_DEPTHS
@@ -298,3 +299,72 @@ def test_a_length_too_short_for_the_ranking_is_refused_though_the_longest_fits()
     parse_spec(study([640, 1024]))
     with pytest.raises(SpecError, match="at length 672 has no 5 words"):
         parse_spec(study([640, 672, 1024]))
+
+
+# -- niah's text haystack -------------------------------------------------------------------
+
+
+NEEDLE = r"[a-z]{6} is \d{7}\. "
+
+
+def haystack_of(prompt: str) -> str:
+    """A niah prompt (words for keys, numbers for values) less its needles and question,
+    and the spaces that pad it."""
+    text = re.sub(NEEDLE, "", prompt[: prompt.rindex("What is ")])
+    return text.lstrip(" ")
+
+
+def test_the_text_haystack_is_whole_lines_of_the_corpus_split_it_is_drawn_for() -> None:
+    from worker.data.lm import read_documents
+
+    train, valid = (
+        "\n".join(d.content.decode(errors="replace") for d in docs)
+        for docs in read_documents("pystdlib")
+    )
+    task = build_task("niah", haystack="text", num_keys=2, num_values=2)
+    for sequence, answer, *_ in task.eval_examples(2048, 2):
+        prompt = split(sequence, answer)[0]
+        hay = haystack_of(prompt)
+        assert len(hay) > 1500 and hay.endswith("\n") and hay in valid
+        # Each needle starts a line or the text, or follows a needle at the same place.
+        ends = {0}
+        for needle in re.finditer(NEEDLE, prompt):
+            assert needle.start() in ends or prompt[needle.start() - 1] == "\n"
+            ends.add(needle.end())
+    batch = task.train_batch(2, 2048, torch.Generator().manual_seed(3))
+    for row in range(2):
+        sequence = bytes([int(batch.inputs[row, 0]), *batch.targets[row].tolist()])
+        hay = haystack_of(split(sequence, int(batch.scored[row].sum()))[0])
+        assert hay in train and hay not in valid
+
+
+def test_the_text_haystack_reads_a_corpus_under_the_operators_rules(tmp_path: Path) -> None:
+    from worker.catalog.corpora import SourcePolicy
+    from worker.catalog.tasks import TaskConfigError
+    from worker.data.sources import CorpusError
+
+    niah = TASKS["niah"]
+    with pytest.raises(TaskConfigError, match="read only by haystack 'text'"):
+        niah.resolve({"corpus": "text:notes"})
+    with pytest.raises(TaskConfigError, match="corpus 'notes' is not one of"):
+        niah.resolve({"haystack": "text", "corpus": "notes"})
+    text = niah.resolve({"haystack": "text", "corpus": "text:notes"})
+    assert "need a corpus root" in niah.source_problem(text, SourcePolicy())
+    root = tmp_path / "corpora"
+    (root / "notes").mkdir(parents=True)
+    lines = [f"Line {i} of the notes: ünïcode here, {i * 7 % 13} apples." for i in range(2000)]
+    for part in range(40):  # documents, so the hash split has both sides
+        (root / "notes" / f"{part}.txt").write_text("\n".join(lines[part * 50 : part * 50 + 50]))
+    policy = SourcePolicy(roots=(root.resolve(),))
+    assert niah.source_problem(text, policy) is None
+    task = build_task("niah", **text)
+    with pytest.raises(CorpusError):  # unprepared: read with no rules, so no text: path
+        task.example(256, torch.Generator(), 0.5)
+    task.prepare(tmp_path / "cache", policy)
+    assert task.fingerprint.startswith("niah:text:text:notes:")
+    for sequence, answer, *_ in task.eval_examples(512, 1):
+        assert len(sequence) == 513
+        hay = haystack_of(split(sequence, answer)[0])
+        assert all(line in lines for line in hay.splitlines()[1:])
+    with pytest.raises(CorpusError, match="validation split has"):
+        task.check_plan(EvalSpec(lengths=[512, 1 << 16]))
