@@ -10,9 +10,9 @@ split and evaluation's from the validation split, as the lm task does.
 A window starts at a random offset, then at the next line (within MARGIN bytes), and
 ends with its last whole line; it is exactly the bytes asked for: the bytes of the line
 cut short (or of a character cut, where it has no line break) are spaces before the text,
-as the filler haystack is padded; a document separator is a line break. A window holding one of the example's keys, or bytes
-that are not UTF-8, is drawn again (from the same generator: deterministic), so a key
-occurs only in its needles.
+as the filler haystack is padded; a document separator is a line break. A window
+holding one of the example's keys, or bytes that are not UTF-8, is drawn again (from the
+same generator: deterministic), so a key occurs only in its needles.
 """
 
 from __future__ import annotations
