@@ -245,3 +245,57 @@ def test_summaries_and_pairwise_claims_work_for_them(metric: str) -> None:
     assert summaries["ratio_2x"] == pytest.approx(0.8 / 0.9)
     assert summaries["ratio_4x"] == pytest.approx(0.5)
     assert summaries["log_ppl_area"] is None  # not a perplexity
+
+
+def test_results_json_import_csv_and_mlflow_carry_them(tmp_path) -> None:
+    import json
+
+    from conftest import isolated_env, posbench_cli
+    from sqlalchemy import select
+
+    from db import queries
+    from db.engine import transaction
+    from db.migrate import upgrade
+    from db.models import Evaluation, Run
+    from jobs.settings import Settings
+    from jobs.transfer.importer import import_results
+    from jobs.transfer.mlflow_export import run_metrics
+    from worker.run import run_study
+
+    spec = parse_spec(
+        {
+            "name": "parts",
+            "model": "tiny",
+            "task": {"name": "niah", "params": {"num_values": 2}},
+            "train": {"length": 256, "steps": 2, "batch_size": 2},
+            "encodings": ["alibi"],
+            "eval": {"lengths": [256], "examples": 5, "order_probe": False},
+        }
+    )
+    local = get_settings()
+    task = prepared_task(spec, local.corpus_cache)
+    payload = run_study(spec, task=task, device=resolve_device(default=local.device)).to_dict()
+    (row,) = payload["runs"][0]["evaluations"]
+    assert row["string_match_all"] is not None and row["string_match_part"] is not None
+    # Numbers a reader can tell apart (a two-step model gets next to nothing right).
+    row.update(accuracy=0.2, string_match_all=0.5, string_match_part=0.8)
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(payload))
+    settings = Settings(home=tmp_path / "home")
+    upgrade(settings.database)
+    import_results(path, actor="tester", settings=settings)
+    curves = queries.curves(settings.database)
+    assert curves[["string_match_all", "string_match_part"]].values.tolist() == [[0.5, 0.8]]
+    shown = posbench_cli(
+        "results", "--study", "1", "--format", "csv", env=isolated_env(settings.home)
+    )
+    assert shown.returncode == 0, shown.stderr
+    header, values = shown.stdout.splitlines()[:2]
+    columns = dict(zip(header.split(","), values.split(","), strict=True))
+    assert (columns["string_match_all"], columns["string_match_part"]) == ("0.5", "0.8")
+    with transaction(settings.database) as session:
+        run = session.scalars(select(Run)).one()
+        points = session.scalars(select(Evaluation).where(Evaluation.run_id == run.id)).all()
+        metrics = {name: value for name, value, *_ in run_metrics(session, run, points, [], 0, 0)}
+    assert metrics["eval/string_match_all/none/nonoverlapping"] == 0.5
+    assert metrics["eval/string_match_part/none/nonoverlapping"] == 0.8
