@@ -431,3 +431,19 @@ def test_each_answer_part_is_the_tokens_that_carry_its_characters(
         assert accumulator.exact == 0
         assert accumulator.parts_all == pytest.approx(expected)
     assert checked == 10
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_niah_with_a_text_haystack_in_tokens(tokenizers: dict[str, Any], family: str) -> None:
+    """Lines of the pystdlib corpus in a model's tokens: exactly the length, the scored
+    tokens the value a program reads back from the prompt."""
+    tokenizer = tokenizers[family]
+    task = TokenizedSynthetic(build_task("niah", haystack="text"), tokenizer)
+    pad = tokenizer.eos_token_id
+    drawn = rows(task, 400, examples=10)
+    assert len(drawn) == 10
+    for ids, scored, _ in drawn:
+        assert len(ids) == 401
+        count = int(scored.sum())
+        answer = READ["niah"](tokenizer.decode(ids[ids != pad]))[1]
+        assert tokenizer.decode(ids[-count:]).strip() == answer
