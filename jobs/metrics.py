@@ -137,8 +137,9 @@ METRICS: dict[str, Metric] = {
             fmt=".3f",
             column="string_match_all",
             description="RULER's string_match_all (Hsieh et al., 2024): the fraction of an "
-            "example's expected answers that are right, averaged over examples; an answer of "
-            "one part is right or not, so for a single-answer task it equals exact match",
+            "example's answer parts (needles' values, variables, words) whose every byte is "
+            "predicted right under teacher forcing, averaged over examples; for an answer of "
+            "one part it equals exact match",
             high=1.0,
         ),
         Metric(
@@ -148,8 +149,8 @@ METRICS: dict[str, Metric] = {
             fmt=".3f",
             column="string_match_part",
             description="RULER's string_match_part (Hsieh et al., 2024): the fraction of "
-            "examples with at least one expected answer right; for a single-answer task it "
-            "equals exact match",
+            "examples with at least one answer part right (every byte of it, under teacher "
+            "forcing); for an answer of one part it equals exact match",
             high=1.0,
         ),
     )
