@@ -142,7 +142,7 @@ class NeedleInAHaystack(SyntheticTask):
         self.haystack = haystack
         # haystack text: windows of a corpus, needles at the starts of its lines.
         self.text = TextHaystack(corpus) if haystack == "text" else None
-        self.boundary = "\n" if self.text else ". "
+        self.boundary = "\n" if self.text is not None else ". "
         self.keys, self.values = keys, values
         self.num_keys, self.num_values, self.num_queries = num_keys, num_values, num_queries
         self.fixed = niah_bytes(
