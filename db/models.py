@@ -189,6 +189,8 @@ class Evaluation(Base):
     bits_per_byte: Mapped[float | None]
     accuracy: Mapped[float | None]
     token_accuracy: Mapped[float | None]
+    string_match_all: Mapped[float | None]
+    string_match_part: Mapped[float | None]
     tokens: Mapped[int] = mapped_column(default=0)
     tokens_per_second: Mapped[float | None]
     peak_memory_bytes: Mapped[int | None] = mapped_column(BigInteger)

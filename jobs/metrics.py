@@ -130,6 +130,29 @@ METRICS: dict[str, Metric] = {
             reported=True,
             high=1.0,
         ),
+        Metric(
+            name="string_match_all",
+            kind=Kind.ANSWER,
+            lower_is_better=False,
+            fmt=".3f",
+            column="string_match_all",
+            description="RULER's string_match_all (Hsieh et al., 2024): the fraction of an "
+            "example's answer parts (needles' values, variables, words) whose every byte is "
+            "predicted right under teacher forcing, averaged over examples; for an answer of "
+            "one part it equals exact match",
+            high=1.0,
+        ),
+        Metric(
+            name="string_match_part",
+            kind=Kind.ANSWER,
+            lower_is_better=False,
+            fmt=".3f",
+            column="string_match_part",
+            description="RULER's string_match_part (Hsieh et al., 2024): the fraction of "
+            "examples with at least one answer part right (every byte of it, under teacher "
+            "forcing); for an answer of one part it equals exact match",
+            high=1.0,
+        ),
     )
 }
 

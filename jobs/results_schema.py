@@ -64,6 +64,8 @@ class Evaluation:
     bits_per_byte: float | None = None
     accuracy: float | None = None
     token_accuracy: float | None = None
+    string_match_all: float | None = None
+    string_match_part: float | None = None
     tokens: int = 0
     tokens_per_second: float | None = None
     peak_memory_bytes: int | None = None

@@ -33,7 +33,7 @@ from worker.data import TASKS, build_task
 from worker.data.synthetic import PASSKEY_DEPTHS
 from worker.data.synthetic import QUESTION as PASSKEY_QUESTION
 from worker.data.turkish import QUESTION as TURKISH_QUESTION
-from worker.evaluate import evaluate_length
+from worker.evaluate import _Accumulator, evaluate_length
 from worker.hf.answers import TokenizedSynthetic, answer_tokens
 from worker.hf.loader import LoadedModel, load_model
 
@@ -322,6 +322,8 @@ def test_accuracy_is_exact_match_of_the_models_own_argmax(
         exact, right, total = reference(model.model.hf, model.tokenizer, drawn, name)
         assert row.accuracy == sum(exact) / len(exact)
         assert row.tokens == total and row.token_accuracy == right / total
+        # One part: RULER's metrics are exact match.
+        assert row.string_match_all == row.string_match_part == row.accuracy
         groups: dict[str, list[bool]] = {}
         for (_, _, group), hit in zip(drawn, exact, strict=True):
             if group:
@@ -389,3 +391,77 @@ def test_posbench_run_scores_an_hf_model_on_passkey_by_depth(tmp_path: Path) -> 
     model = run["provenance"]["model"]
     assert len(model["tokenizer_sha256"]) == 16 and model["model_type"] == "llama"
     assert (out / "results.json").exists()
+
+
+# -- RULER's answer parts in tokens ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_answer_part_is_the_tokens_that_carry_its_characters(
+    tokenizers: dict[str, Any], family: str
+) -> None:
+    """niah with three values: each part's targets are the tokens whose characters (the
+    tokenizer's own offsets of the decoded text) meet the value read from the prompt,
+    and a wrong token costs the parts it carries."""
+    tokenizer = tokenizers[family]
+    task = TokenizedSynthetic(build_task("niah", num_values=3), tokenizer)
+    pad, checked = tokenizer.eos_token_id, 0
+    for batch in task.eval_batches(
+        300, protocol="nonoverlapping", batch_size=7, tokens=0, examples=10
+    ):
+        assert batch.parts is not None and batch.parts.shape[1:] == (300, 3)
+        wrong = torch.zeros_like(batch.targets, dtype=torch.bool)
+        expected = 0.0
+        for row in range(len(batch.inputs)):
+            ids = torch.cat([batch.inputs[row, :1], batch.targets[row]])
+            assert READ["niah"](tokenizer.decode(ids[ids != pad]))
+            # The last tokens from the question on, which read back as themselves (a
+            # haystack's run of spaces may not: a decoder can fold it).
+            tail = next(
+                ids[-k:].tolist()
+                for k in range(40, 0, -1)
+                if tokenizer(tokenizer.decode(ids[-k:]), add_special_tokens=False)["input_ids"]
+                == ids[-k:].tolist()
+                and "What is" in tokenizer.decode(ids[-k:])
+            )
+            padding = 301 - len(tail)
+            text = tokenizer.decode(tail)
+            answer = text.rsplit("? ", 1)[1]
+            encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            start, masks = len(text) - len(answer), []
+            for part in answer.split(", "):
+                at = text.index(part, start)
+                start = at + len(part)
+                mask = torch.zeros(300, dtype=torch.bool)
+                for j, (low, high) in enumerate(encoded["offset_mapping"]):
+                    if low < start and high > at:
+                        mask[padding + j - 1] = True  # target of input position j - 1
+                masks.append(mask)
+            assert torch.equal(batch.parts[row], torch.stack(masks, -1))
+            # The last token of the last part wrong: every part it carries is wrong.
+            last = int(masks[2].nonzero()[-1])
+            wrong[row, last] = True
+            expected += (3 - sum(bool(m[last]) for m in masks)) / 3
+            checked += 1
+        accumulator = _Accumulator(300)
+        predicted = torch.where(wrong, (batch.targets + 1) % len(tokenizer), batch.targets)
+        accumulator.add(torch.nn.functional.one_hot(predicted, len(tokenizer)).float(), batch)
+        assert accumulator.exact == 0
+        assert accumulator.parts_all == pytest.approx(expected)
+    assert checked == 10
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_niah_with_a_text_haystack_in_tokens(tokenizers: dict[str, Any], family: str) -> None:
+    """Lines of the pystdlib corpus in a model's tokens: exactly the length, the scored
+    tokens the value a program reads back from the prompt."""
+    tokenizer = tokenizers[family]
+    task = TokenizedSynthetic(build_task("niah", haystack="text"), tokenizer)
+    pad = tokenizer.eos_token_id
+    drawn = rows(task, 400, examples=10)
+    assert len(drawn) == 10
+    for ids, scored, _ in drawn:
+        assert len(ids) == 401
+        count = int(scored.sum())
+        answer = READ["niah"](tokenizer.decode(ids[ids != pad]))[1]
+        assert tokenizer.decode(ids[-count:]).strip() == answer

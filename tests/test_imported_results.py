@@ -216,7 +216,7 @@ def test_0009_marks_the_runs_a_database_at_0008_holds_as_imported(tmp_path: Path
                 )
             )
     upgrade(url)
-    assert current(url) == "0010"
+    assert current(url) == "0011"
     marked = queries.runs(url, study_id=1).set_index("id")["imported_from"]
     assert marked[1] == marked[2] == "/laptop/results.json"
     assert marked[[3, 4]].isna().all()

@@ -35,6 +35,8 @@ def test_every_metric_has_its_columns_and_every_task_a_registered_metric() -> No
         "bits_per_byte": True,
         "accuracy": False,
         "token_accuracy": False,
+        "string_match_all": False,
+        "string_match_part": False,
     }
 
 
@@ -42,8 +44,14 @@ def test_the_registry_answers_what_the_views_ask() -> None:
     assert headline(Kind.LANGUAGE_MODELLING).name == "perplexity"
     assert headline(Kind.ANSWER).name == "accuracy"
     assert [m.name for m in shown_with("perplexity")] == ["perplexity", "loss", "bits_per_byte"]
-    assert [m.name for m in shown_with("accuracy")] == ["accuracy", "token_accuracy"]
-    assert [m.name for m in measured(Kind.ANSWER)] == ["loss", "accuracy", "token_accuracy"]
+    ruler = ["string_match_all", "string_match_part"]
+    assert [m.name for m in shown_with("accuracy")] == ["accuracy", "token_accuracy", *ruler]
+    assert [m.name for m in measured(Kind.ANSWER)] == [
+        "loss",
+        "accuracy",
+        "token_accuracy",
+        *ruler,
+    ]
     assert [m.name for m in reported(Kind.ANSWER)] == ["accuracy", "token_accuracy"]
     assert [m.name for m in reported(Kind.LANGUAGE_MODELLING)] == ["perplexity"]
     assert [m.name for m in METRICS.values() if m.log_scale] == ["perplexity"]

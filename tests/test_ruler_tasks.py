@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from jobs.spec import EvalSpec
 from worker.catalog.tasks import TASKS
 from worker.data import build_task
 from worker.data.synthetic import PASSKEY_DEPTHS
@@ -28,6 +29,8 @@ SETTINGS: list[tuple[str, dict[str, Any]]] = [
     ("niah", {"haystack": "needles", "num_keys": 4}),
     ("niah", {"keys": "numbers", "values": "uuids", "num_values": 3}),
     ("niah", {"keys": "uuids", "values": "words", "num_keys": 4, "num_queries": 2}),
+    ("niah", {"haystack": "text"}),
+    ("niah", {"haystack": "text", "keys": "numbers", "num_values": 3, "num_keys": 2}),
     ("variable_tracking", {}),
     ("variable_tracking", {"num_chains": 3, "num_hops": 2}),
     ("common_words", {}),
@@ -127,7 +130,7 @@ def test_a_program_reading_the_prompt_scores_one(
     task = build_task(name, **params)
     drawn = task.eval_examples(length, 8)
     assert len(drawn) == 8 * len(task.groups())
-    for sequence, answer, _ in drawn:
+    for sequence, answer, *_ in drawn:
         assert len(sequence) == length + 1
         prompt, expected = split(sequence, answer)
         assert ORACLES[name](prompt) == expected
@@ -142,18 +145,22 @@ def test_a_program_reading_the_prompt_scores_one(
         assert ORACLES[name](prompt) == expected
 
 
-@pytest.mark.parametrize(("name", "params"), SETTINGS[:4])
+NIAH = [setting for setting in SETTINGS if setting[0] == "niah"]
+
+
+@pytest.mark.parametrize(("name", "params"), NIAH)
 def test_niah_answers_are_unique_and_the_grid_is_covered(name: str, params: dict[str, Any]) -> None:
     task = build_task(name, **params)
     resolved = TASKS[name].resolve(params)
     drawn = task.eval_examples(512, 4)
-    assert {label for _, _, label in drawn} == {f"depth={d:g}" for d in PASSKEY_DEPTHS}
-    for sequence, answer, label in drawn:
+    assert {label for _, _, label, *_ in drawn} == {f"depth={d:g}" for d in PASSKEY_DEPTHS}
+    for sequence, answer, label, *_ in drawn:
         prompt, expected = split(sequence, answer)
         keys = re.search(r"What is ([^?]+)\? $", prompt).group(1).split(", ")
         assert len(keys) == resolved["num_queries"]
-        for key in keys:  # each asked key has exactly its needles
+        for key in keys:  # each asked key has exactly its needles, and is nowhere else
             assert len(re.findall(rf"(?<![0-9a-z]){key} is ", prompt)) == resolved["num_values"]
+            assert prompt.count(key) == resolved["num_values"] + 1  # and the question
         values = expected.split(", ")
         assert len(set(values)) == len(values) == resolved["num_values"] * len(keys)
         if label == "depth=0":  # the first asked key's first needle opens the text
@@ -163,9 +170,9 @@ def test_niah_answers_are_unique_and_the_grid_is_covered(name: str, params: dict
 def test_niah_haystacks_hold_the_filler_or_other_keys() -> None:
     repeat = examples("niah", {}, 512, 2)
     needles = examples("niah", {"haystack": "needles", "num_keys": 4}, 512, 2)
-    for sequence, answer, _ in repeat:
+    for sequence, answer, *_ in repeat:
         assert len(re.findall(r"[a-z]{6} is \d{7}\. ", split(sequence, answer)[0])) == 1
-    for sequence, answer, _ in needles:
+    for sequence, answer, *_ in needles:
         prompt = split(sequence, answer)[0]
         keys = re.findall(r"([a-z]{6}) is \d{7}\. ", prompt)
         assert len(keys) == len(set(keys)) > 20  # distinct keys fill it
@@ -173,7 +180,7 @@ def test_niah_haystacks_hold_the_filler_or_other_keys() -> None:
 
 def test_variable_tracking_chains_are_unique() -> None:
     hops = 3
-    for sequence, answer, _ in examples(
+    for sequence, answer, *_ in examples(
         "variable_tracking", {"num_chains": 4, "num_hops": 3}, 800, 12
     ):
         prompt, expected = split(sequence, answer)
@@ -200,6 +207,7 @@ def windowed(name: str, sequence: bytes, answer: int, window: int) -> bool:
     [
         ("niah", {}, 0.20, 0.30),
         ("niah", {"haystack": "needles", "num_keys": 4}, 0.20, 0.30),
+        ("niah", {"haystack": "text"}, 0.20, 0.30),
         ("variable_tracking", {}, 0.0, 0.02),
     ],
 )
@@ -210,15 +218,15 @@ def test_long_context_is_needed(name: str, params: dict[str, Any], low: float, h
     task = build_task(name, **params)
     generator = torch.Generator().manual_seed(7)
     drawn = [task.example(length, generator, None) for _ in range(400)]
-    score = sum(windowed(name, s, a, length // 4) for s, a, _ in drawn) / len(drawn)
+    score = sum(windowed(name, s, a, length // 4) for s, a, *_ in drawn) / len(drawn)
     assert low <= score <= high
-    assert all(windowed(name, s, a, length + 1) for s, a, _ in drawn)
+    assert all(windowed(name, s, a, length + 1) for s, a, *_ in drawn)
 
 
 def digest(settings: list[tuple[str, dict[str, Any]]]) -> str:
     hashed = hashlib.sha256()
     for name, params in settings:
-        for sequence, answer, label in examples(name, params, 300, 2):
+        for sequence, answer, label, *_ in examples(name, params, 300, 2):
             hashed.update(sequence + f"{answer}{label}".encode())
     return hashed.hexdigest()
 
@@ -255,7 +263,7 @@ def test_entries_refuse_what_cannot_be_built() -> None:
 
 
 def test_common_words_counts() -> None:
-    for sequence, answer, _ in examples("common_words", {"freq_rare": 3}, 2000, 6):
+    for sequence, answer, *_ in examples("common_words", {"freq_rare": 3}, 2000, 6):
         prompt, expected = split(sequence, answer)
         counts = Counter(prompt[: prompt.index("Which")].split())
         common = expected.split(", ")
@@ -265,7 +273,7 @@ def test_common_words_counts() -> None:
 
 
 def test_frequent_words_follow_zipf() -> None:
-    for sequence, answer, _ in examples("frequent_words", {}, 4096, 4):
+    for sequence, answer, *_ in examples("frequent_words", {}, 4096, 4):
         prompt, expected = split(sequence, answer)
         counts = sorted(Counter(prompt[: prompt.index("Which")].split()).values(), reverse=True)
         assert counts[:4] == [367, 91, 40, 22]  # floor(367 / r^2)
@@ -291,3 +299,72 @@ def test_a_length_too_short_for_the_ranking_is_refused_though_the_longest_fits()
     parse_spec(study([640, 1024]))
     with pytest.raises(SpecError, match="at length 672 has no 5 words"):
         parse_spec(study([640, 672, 1024]))
+
+
+# -- niah's text haystack -------------------------------------------------------------------
+
+
+NEEDLE = r"[a-z]{6} is \d{7}\. "
+
+
+def haystack_of(prompt: str) -> str:
+    """A niah prompt (words for keys, numbers for values) less its needles and question,
+    and the spaces that pad it."""
+    text = re.sub(NEEDLE, "", prompt[: prompt.rindex("What is ")])
+    return text.lstrip(" ")
+
+
+def test_the_text_haystack_is_whole_lines_of_the_corpus_split_it_is_drawn_for() -> None:
+    from worker.data.lm import read_documents
+
+    train, valid = (
+        "\n".join(d.content.decode(errors="replace") for d in docs)
+        for docs in read_documents("pystdlib")
+    )
+    task = build_task("niah", haystack="text", num_keys=2, num_values=2)
+    for sequence, answer, *_ in task.eval_examples(2048, 2):
+        prompt = split(sequence, answer)[0]
+        hay = haystack_of(prompt)
+        assert len(hay) > 1500 and hay.endswith("\n") and hay in valid
+        # Each needle starts a line or the text, or follows a needle at the same place.
+        ends = {0}
+        for needle in re.finditer(NEEDLE, prompt):
+            assert needle.start() in ends or prompt[needle.start() - 1] == "\n"
+            ends.add(needle.end())
+    batch = task.train_batch(2, 2048, torch.Generator().manual_seed(3))
+    for row in range(2):
+        sequence = bytes([int(batch.inputs[row, 0]), *batch.targets[row].tolist()])
+        hay = haystack_of(split(sequence, int(batch.scored[row].sum()))[0])
+        assert hay in train and hay not in valid
+
+
+def test_the_text_haystack_reads_a_corpus_under_the_operators_rules(tmp_path: Path) -> None:
+    from worker.catalog.corpora import SourcePolicy
+    from worker.catalog.tasks import TaskConfigError
+    from worker.data.sources import CorpusError
+
+    niah = TASKS["niah"]
+    with pytest.raises(TaskConfigError, match="read only by haystack 'text'"):
+        niah.resolve({"corpus": "text:notes"})
+    with pytest.raises(TaskConfigError, match="corpus 'notes' is not one of"):
+        niah.resolve({"haystack": "text", "corpus": "notes"})
+    text = niah.resolve({"haystack": "text", "corpus": "text:notes"})
+    assert "need a corpus root" in niah.source_problem(text, SourcePolicy())
+    root = tmp_path / "corpora"
+    (root / "notes").mkdir(parents=True)
+    lines = [f"Line {i} of the notes: ünïcode here, {i * 7 % 13} apples." for i in range(2000)]
+    for part in range(40):  # documents, so the hash split has both sides
+        (root / "notes" / f"{part}.txt").write_text("\n".join(lines[part * 50 : part * 50 + 50]))
+    policy = SourcePolicy(roots=(root.resolve(),))
+    assert niah.source_problem(text, policy) is None
+    task = build_task("niah", **text)
+    with pytest.raises(CorpusError):  # unprepared: read with no rules, so no text: path
+        task.example(256, torch.Generator(), 0.5)
+    task.prepare(tmp_path / "cache", policy)
+    assert task.fingerprint.startswith("niah:text:text:notes:")
+    for sequence, answer, *_ in task.eval_examples(512, 1):
+        assert len(sequence) == 513
+        hay = haystack_of(split(sequence, answer)[0])
+        assert all(line in lines for line in hay.splitlines()[1:])
+    with pytest.raises(CorpusError, match="validation split has"):
+        task.check_plan(EvalSpec(lengths=[512, 1 << 16]))

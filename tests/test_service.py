@@ -64,7 +64,7 @@ def count(settings: Settings, model: type) -> int:
 
 
 def test_migrations_create_the_schema(settings: Settings) -> None:
-    assert current(settings.database) == "0010"
+    assert current(settings.database) == "0011"
     upgrade(settings.database)  # idempotent
 
 

@@ -35,7 +35,7 @@ def settings(tmp_path: Path) -> Settings:
 
 
 def test_the_migrations_build_exactly_the_models_schema(settings: Settings) -> None:
-    assert current(settings.database) == "0010"
+    assert current(settings.database) == "0011"
     with engine_for(settings.database).connect() as connection:
         differences = compare_metadata(MigrationContext.configure(connection), Base.metadata)
     assert differences == []

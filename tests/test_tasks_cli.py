@@ -74,11 +74,17 @@ def test_the_default_samples_are_what_evaluation_scores(name: str) -> None:
     scored = task.eval_examples(length, task.per_group(n))
     samples = lines(shown.stdout)
     assert len(samples) == len(scored)
-    for sample, (sequence, answer, label) in zip(samples, scored, strict=True):
-        prompt, answers = sample["prompt"].encode(), [a.encode() for a in sample["answers"]]
-        assert len(prompt) + sum(map(len, answers)) == length + 1
-        assert b"".join(answers) == bytes(sequence)[-answer:]
-        assert prompt + b"".join(answers) == bytes(sequence)
+    for sample, (sequence, answer, label, *_) in zip(samples, scored, strict=True):
+        prompt, whole = sample["prompt"].encode(), sample["answer"].encode()
+        assert len(prompt) + len(whole) == length + 1
+        assert whole == bytes(sequence)[-answer:]
+        assert prompt + whole == bytes(sequence)
+        # The parts (RULER's references) are found in the answer in turn, and fill it
+        # but for the separators between them.
+        found = 0
+        for part in (a.encode() for a in sample["answers"]):
+            found = whole.index(part, found) + len(part)
+        assert found == len(whole)
         assert sample["group"] == (label or None)
 
 
@@ -89,7 +95,7 @@ def test_seeded_samples_are_training_like_draws_of_the_length(name: str) -> None
     samples = lines(invoke(*args, "--json").stdout)
     assert len(samples) == 4 and all(s["group"] is None for s in samples)
     for s in samples:
-        assert len(s["prompt"].encode()) + sum(len(a.encode()) for a in s["answers"]) == length + 1
+        assert len(s["prompt"].encode()) + len(s["answer"].encode()) == length + 1
     assert samples == lines(invoke(*args, "--json").stdout)
     assert samples != lines(invoke(*args[:-1], "12", "--json").stdout)
 
@@ -147,7 +153,7 @@ def test_prompts_answers_and_groups_are_shown_as_text(monkeypatch: pytest.Monkey
     import worker.data.samples
 
     def draw(*_: Any, **__: Any) -> list[Sample]:
-        return [Sample(HOSTILE, [HOSTILE, "[red]b"], HOSTILE)]
+        return [Sample(HOSTILE, HOSTILE + "[red]b", [HOSTILE, "[red]b"], HOSTILE)]
 
     monkeypatch.setattr(worker.data.samples, "draw", draw)
     name = synthetic()[0]
@@ -156,7 +162,14 @@ def test_prompts_answers_and_groups_are_shown_as_text(monkeypatch: pytest.Monkey
     assert shown.exit_code == 0, shown.stderr
     assert shown.stdout.count(HOSTILE) == 3 and "answer: [red]b" in shown.stdout
     as_json = lines(invoke(*args, "--json").stdout)
-    assert as_json == [{"prompt": HOSTILE, "answers": [HOSTILE, "[red]b"], "group": HOSTILE}]
+    assert as_json == [
+        {
+            "prompt": HOSTILE,
+            "answer": HOSTILE + "[red]b",
+            "answers": [HOSTILE, "[red]b"],
+            "group": HOSTILE,
+        }
+    ]
 
 
 def test_listing_tasks_does_not_load_torch() -> None:
@@ -177,7 +190,12 @@ def test_a_task_may_give_its_answer_in_parts() -> None:
 
     sequence = b"keys? 12, 34"
     assert as_sample((sequence, 6, "")).answers == ["12, 34"]
-    assert as_sample((sequence, 6, "", (2, 2, 2))).answers == ["12", ", ", "34"]
-    assert as_sample((sequence, 6, "n=2", ("12", "34"))) == Sample("keys? ", ["12", "34"], "n=2")
-    with pytest.raises(ValueError, match="add up"):
-        as_sample((sequence, 6, "", (2, 2)))
+    assert as_sample((sequence, 6, "", ((0, 2), (4, 6)))).answers == ["12", "34"]
+    assert as_sample((sequence, 6, "n=2", ("12", "34"))) == Sample(
+        "keys? ", "12, 34", ["12", "34"], "n=2"
+    )
+    # The parts are found in turn: a part before the one before it is not there.
+    with pytest.raises(ValueError, match="not in the answer"):
+        as_sample((sequence, 6, "", ("34", "12")))
+    with pytest.raises(ValueError, match="outside the answer"):
+        as_sample((sequence, 6, "", ((0, 2), (4, 7))))

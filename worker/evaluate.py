@@ -78,6 +78,10 @@ class _Accumulator:
         self.examples = 0
         self.right_tokens = 0
         self.group_exact: dict[str, list[int]] = {}
+        # RULER's part metrics: the sum over examples of the fraction of their answer's
+        # parts right, and the examples with at least one part right.
+        self.parts_all = 0.0
+        self.parts_any = 0
 
     def add(self, logits: torch.Tensor, batch: Batch) -> None:
         logits = logits.float()
@@ -105,11 +109,27 @@ class _Accumulator:
             exact = correct.all(-1).cpu()
             self.exact += int(exact.sum())
             self.examples += len(exact)
+            self._add_parts(correct, batch, exact)
             for label, hit in zip(batch.groups or [], exact.tolist(), strict=False):
                 if label:
                     tally = self.group_exact.setdefault(label, [0, 0])
                     tally[0] += int(hit)
                     tally[1] += 1
+
+    def _add_parts(self, correct: torch.Tensor, batch: Batch, exact: torch.Tensor) -> None:
+        """string_match_all and string_match_part (Hsieh et al., 2024) under teacher
+        forcing: a part is right when the argmax at every target carrying a byte of it is
+        that target; an answer of one part is right when it all is (exact match)."""
+        if batch.parts is None:
+            self.parts_all += float(exact.sum())
+            self.parts_any += int(exact.sum())
+            return
+        inside = batch.parts  # [B, T, P]
+        present = inside.any(1)  # [B, P]: the parts each row has
+        right = (correct.unsqueeze(-1) | ~inside).all(1) & present
+        fraction = right.sum(-1).double() / present.sum(-1).clamp(min=1)
+        self.parts_all += float(fraction.sum())
+        self.parts_any += int(right.any(-1).sum())
 
     def bins(self) -> list[PositionBin]:
         out = []
@@ -272,6 +292,9 @@ def evaluate_length(
         row.accuracy = result.exact / max(1, result.examples)
         # Partial success: exact match drops to 0 as soon as one answer byte is wrong.
         row.token_accuracy = result.right_tokens / max(1, result.tokens)
+        # RULER's recall over an answer's parts, and whether any part is right.
+        row.string_match_all = result.parts_all / max(1, result.examples)
+        row.string_match_part = result.parts_any / max(1, result.examples)
         row.groups = {
             label: hit / total for label, (hit, total) in sorted(result.group_exact.items())
         }

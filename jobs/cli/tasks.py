@@ -140,7 +140,10 @@ def sample(
         ),
     ] = EVAL_SEED,
     as_json: Annotated[
-        bool, typer.Option("--json", help="One JSON object per line: prompt, answers, group.")
+        bool,
+        typer.Option(
+            "--json", help="One JSON object per line: prompt, answer, answers (its parts), group."
+        ),
     ] = False,
 ) -> None:
     """Print a task's examples as a model sees them: the prompt, the answers it is

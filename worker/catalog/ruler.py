@@ -11,7 +11,10 @@ from typing import Any
 # The symbols a niah key or value is made of, and how many characters each has: made-up
 # six-letter words (consonant, vowel, ...), seven-digit numbers, 32 hex digits.
 SYMBOL_SIZES = {"words": 6, "numbers": 7, "uuids": 32}
-HAYSTACKS = ("repeat", "needles")
+# repeat: the pass key's filler sentences; needles: needles of other keys; text: a window
+# of a local corpus (the lm task's; ``corpus``), cut into lines.
+HAYSTACKS = ("repeat", "needles", "text")
+DEFAULT_CORPUS = "pystdlib"
 
 NIAH_NEEDLE = "{key} is {value}. "
 NIAH_QUESTION = "What is {keys}? "
@@ -102,6 +105,19 @@ def _too_short(name: str, needed: int, longest: int) -> list[str]:
             f"{needed - 1} bytes; {longest} is too short"
         ]
     return []
+
+
+def niah_problem(params: Mapping[str, Any]) -> str | None:
+    """What is wrong with a niah task's parameters together (the corpus name's form is
+    checked as the lm task's)."""
+    if params["num_queries"] > params["num_keys"]:
+        return f"num_queries = {params['num_queries']} exceeds num_keys = {params['num_keys']}"
+    if params["haystack"] != "text" and params["corpus"] != DEFAULT_CORPUS:
+        return (
+            f"corpus {params['corpus']!r} is read only by haystack 'text', "
+            f"not by haystack {params['haystack']!r}"
+        )
+    return None
 
 
 def niah_fits(params: Mapping[str, Any], longest: int) -> list[str]:

@@ -19,6 +19,7 @@ from worker.catalog.ruler import (
     common_fits,
     frequent_fits,
     niah_fits,
+    niah_problem,
     tracking_fits,
 )
 from worker.catalog.task_entry import TaskConfigError, TaskInfo
@@ -157,9 +158,16 @@ TASKS: dict[str, TaskInfo] = {
                     "haystack",
                     str,
                     "repeat",
-                    "repeat (the pass key's filler sentences) or needles (needles of other "
-                    "keys, the distractors)",
+                    "repeat (the pass key's filler sentences), needles (needles of other "
+                    "keys, the distractors) or text (lines of the corpus `corpus`)",
                     choices=HAYSTACKS,
+                ),
+                Param(
+                    "corpus",
+                    str,
+                    "pystdlib",
+                    "the corpus of haystack text, as the lm task's: pystdlib, text:<path> "
+                    "or hf:<name>[:<config>[:<column>]]",
                 ),
                 Param("keys", str, "words", "what keys are", choices=tuple(SYMBOL_SIZES)),
                 Param("values", str, "numbers", "what values are", choices=tuple(SYMBOL_SIZES)),
@@ -174,9 +182,10 @@ TASKS: dict[str, TaskInfo] = {
                 Param("num_values", int, 1, "needles (values) of each key", low=1, high=8),
                 Param("num_queries", int, 1, "keys asked (at most num_keys)", low=1, high=8),
             ),
-            check=lambda params: (
-                f"num_queries = {params['num_queries']} exceeds num_keys = {params['num_keys']}"
-                if params["num_queries"] > params["num_keys"]
+            check=lambda params: niah_problem(params) or corpus_problem(params["corpus"]),
+            sources=lambda params, policy: (
+                corpus_access_problem(params["corpus"], policy)
+                if params["haystack"] == "text"
                 else None
             ),
             fits=niah_fits,

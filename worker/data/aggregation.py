@@ -58,7 +58,7 @@ class CommonWords(SyntheticTask):
 
     def example(
         self, length: int, generator: torch.Generator, group: int | None
-    ) -> tuple[bytes, int, str]:
+    ) -> tuple[bytes, int, str, list[str]]:
         if length + 1 < self.fixed:
             raise ValueError(f"common_words needs sequences of at least {self.fixed - 1} bytes")
         answer = answer_bytes(self.num_common, SYMBOL_SIZES["words"])
@@ -72,7 +72,7 @@ class CommonWords(SyntheticTask):
         firsts = {word: text.index(word + " ") for word in common}
         answers = sorted(common, key=firsts.__getitem__)
         sequence, size = finish(text, answers, length)
-        return sequence, size, ""
+        return sequence, size, "", answers
 
 
 class FrequentWords(SyntheticTask):
@@ -85,7 +85,7 @@ class FrequentWords(SyntheticTask):
 
     def example(
         self, length: int, generator: torch.Generator, group: int | None
-    ) -> tuple[bytes, int, str]:
+    ) -> tuple[bytes, int, str, list[str]]:
         params = {"alpha": self.alpha, "num_top": self.num_top}
         problems = frequent_fits(params, length)
         if problems:
@@ -95,4 +95,4 @@ class FrequentWords(SyntheticTask):
         answer = answer_bytes(self.num_top, SYMBOL_SIZES["words"])
         text, words = word_list(length, counts, question, answer, generator)
         sequence, size = finish(text, words[: self.num_top], length)
-        return sequence, size, ""
+        return sequence, size, "", words[: self.num_top]

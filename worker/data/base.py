@@ -25,7 +25,10 @@ class Batch:
     ``scored`` marks the target positions that count (None: all of them);
     ``groups`` labels each row for per-group accuracy (e.g. a pass key's depth);
     ``target_bytes`` holds the bytes of text each target token covers, where a token is
-    not one byte (an hf: model's tokenizer; None: one byte each), for bits per byte.
+    not one byte (an hf: model's tokenizer; None: one byte each), for bits per byte;
+    ``parts`` (``[B, T, P]``, bool) marks the targets that carry a byte of each of an
+    answer's P parts, where an answer has several (None: each row's answer is one
+    part), for RULER's string_match_all and string_match_part.
     """
 
     inputs: Tensor
@@ -33,6 +36,7 @@ class Batch:
     scored: Tensor | None = None
     groups: list[str] | None = None
     target_bytes: Tensor | None = None
+    parts: Tensor | None = None
 
     def to(self, device: torch.device) -> Batch:
         def moved(tensor: Tensor | None) -> Tensor | None:
@@ -44,6 +48,7 @@ class Batch:
             moved(self.scored),
             self.groups,
             moved(self.target_bytes),
+            moved(self.parts),
         )
 
 

@@ -2,9 +2,10 @@
 arXiv:2404.06654), byte-level like the other synthetic tasks.
 
 - ``niah``: needles ``key is value.`` hidden at some depth in a haystack (the pass key's
-  filler sentences, or needles of other keys), then ``What is key?`` and the key's
-  values. Several keys (distractors), several values per key and several keys asked
-  give RULER's single, multikey, multivalue and multiquery settings.
+  filler sentences, needles of other keys, or lines of a local corpus:
+  ``worker.data.haystack``), then ``What is key?`` and the key's values. Several keys
+  (distractors), several values per key and several keys asked give RULER's single,
+  multikey, multivalue and multiquery settings.
 - ``variable_tracking``: chains ``VAR A = 12345.``, ``VAR B = VAR A.``, ... spread through
   filler, then ``Which variables hold 12345?`` and the chain's variables.
 
@@ -16,10 +17,14 @@ the whole span is scored. The texts are the templates of ``worker.catalog.ruler`
 from __future__ import annotations
 
 import string
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+from worker.catalog.corpora import SourcePolicy
 from worker.catalog.ruler import (
+    DEFAULT_CORPUS,
     NIAH_NEEDLE,
     NIAH_QUESTION,
     SEPARATOR,
@@ -32,7 +37,12 @@ from worker.catalog.ruler import (
     niah_bytes,
     tracking_bytes,
 )
+from worker.data.base import NO_SOURCES
+from worker.data.haystack import TextHaystack
 from worker.data.synthetic import FILLER, PASSKEY_DEPTHS, SyntheticTask
+
+if TYPE_CHECKING:
+    from jobs.spec import EvalSpec
 
 CONSONANTS = "bdfgklmnprstvz"
 VOWELS = "aeiou"
@@ -78,20 +88,24 @@ def filler(size: int) -> str:
     return " " * (size - used) + "".join(sentences)
 
 
-def cut_at(haystack: str, depth: float) -> int:
-    """Where a piece goes at ``depth``: the sentence boundary nearest below it (as the pass
-    key's needle)."""
+def cut_at(haystack: str, depth: float, boundary: str = ". ") -> int:
+    """Where a piece goes at ``depth``: the ``boundary`` (the end of a sentence, as for the
+    pass key's needle, or of a line) nearest below it."""
     cut = round(depth * len(haystack))
     if 0 < cut < len(haystack):
-        boundary = haystack.rfind(". ", 0, cut + 1)
-        cut = 0 if boundary < 0 else boundary + 2
+        found = haystack.rfind(boundary, 0, cut + len(boundary) - 1)
+        cut = 0 if found < 0 else found + len(boundary)
     return cut
 
 
-def insert(haystack: str, pieces: list[tuple[float, str]]) -> tuple[str, list[int]]:
+def insert(
+    haystack: str, pieces: list[tuple[float, str]], boundary: str = ". "
+) -> tuple[str, list[int]]:
     """``haystack`` with each (depth, text) piece put at its depth, and the pieces' indices
     in the order they appear (pieces at one boundary in their own order)."""
-    cuts = sorted((cut_at(haystack, depth), index) for index, (depth, _) in enumerate(pieces))
+    cuts = sorted(
+        (cut_at(haystack, depth, boundary), index) for index, (depth, _) in enumerate(pieces)
+    )
     parts, previous = [], 0
     for cut, index in cuts:
         parts += [haystack[previous:cut], pieces[index][1]]
@@ -123,8 +137,12 @@ class NeedleInAHaystack(SyntheticTask):
         num_keys: int = 1,
         num_values: int = 1,
         num_queries: int = 1,
+        corpus: str = DEFAULT_CORPUS,
     ) -> None:
         self.haystack = haystack
+        # haystack text: windows of a corpus, needles at the starts of its lines.
+        self.text = TextHaystack(corpus) if haystack == "text" else None
+        self.boundary = "\n" if self.text is not None else ". "
         self.keys, self.values = keys, values
         self.num_keys, self.num_values, self.num_queries = num_keys, num_values, num_queries
         self.fixed = niah_bytes(
@@ -140,9 +158,26 @@ class NeedleInAHaystack(SyntheticTask):
     def groups(self) -> tuple[float | None, ...]:
         return PASSKEY_DEPTHS
 
-    def _haystack(self, size: int, generator: torch.Generator, planted: set[str]) -> str:
+    def prepare(self, cache_dir: Path, sources: SourcePolicy = NO_SOURCES) -> None:
+        if self.text is not None:
+            self.text.prepare(cache_dir, sources)
+
+    @property
+    def fingerprint(self) -> str:
+        return self.name if self.text is None else f"{self.name}:text:{self.text.fingerprint}"
+
+    def check_plan(self, spec: EvalSpec) -> None:
+        # Before training: the validation split must hold the longest haystack.
+        if self.text is not None:
+            self.text.check(max(spec.lengths) + 1 - self.fixed, evaluation=True)
+
+    def _haystack(
+        self, size: int, generator: torch.Generator, planted: set[str], evaluation: bool
+    ) -> str:
         if self.haystack == "repeat":
             return filler(size)
+        if self.text is not None:
+            return self.text.window(size, generator, evaluation, avoid=planted)
         # Needles of other keys; the bytes a needle cannot fill are spaces before them.
         key, value = "k" * SYMBOL_SIZES[self.keys], "v" * SYMBOL_SIZES[self.values]
         needle = len(NIAH_NEEDLE.format(key=key, value=value))
@@ -156,7 +191,7 @@ class NeedleInAHaystack(SyntheticTask):
 
     def example(
         self, length: int, generator: torch.Generator, group: float | None
-    ) -> tuple[bytes, int, str]:
+    ) -> tuple[bytes, int, str, list[str]]:
         spare = length + 1 - self.fixed
         if spare < 0:
             raise ValueError(f"niah needs sequences of at least {self.fixed - 1} bytes")
@@ -168,16 +203,16 @@ class NeedleInAHaystack(SyntheticTask):
             for v in range(self.num_values)
         ]
         asked = keys[: self.num_queries]
-        haystack = self._haystack(spare, generator, set(keys))
+        haystack = self._haystack(spare, generator, set(keys), evaluation=group is not None)
         depths = torch.rand((len(planted),), generator=generator).tolist()
         if group is not None:
             depths[0] = group  # the first asked key's first needle
         needles = [NIAH_NEEDLE.format(key=k, value=v) for k, v in planted]
-        text, order = insert(haystack, list(zip(depths, needles, strict=True)))
+        text, order = insert(haystack, list(zip(depths, needles, strict=True)), self.boundary)
         answers = [planted[i][1] for key in asked for i in order if planted[i][0] == key]
         question = NIAH_QUESTION.format(keys=SEPARATOR.join(asked))
         sequence, size = finish(text + question, answers, length)
-        return sequence, size, "" if group is None else f"depth={group:g}"
+        return sequence, size, "" if group is None else f"depth={group:g}", answers
 
 
 class VariableTracking(SyntheticTask):
@@ -192,7 +227,7 @@ class VariableTracking(SyntheticTask):
 
     def example(
         self, length: int, generator: torch.Generator, group: int | None
-    ) -> tuple[bytes, int, str]:
+    ) -> tuple[bytes, int, str, list[str]]:
         spare = length + 1 - self.fixed
         if spare < 0:
             raise ValueError(
@@ -222,4 +257,4 @@ class VariableTracking(SyntheticTask):
         text, _ = insert(filler(spare), pieces)
         question = TRACKING_QUESTION.format(value=values[asked])
         sequence, size = finish(text + question, chains[asked], length)
-        return sequence, size, ""
+        return sequence, size, "", chains[asked]

@@ -5,10 +5,12 @@ evaluation's examples), so what is shown is what is trained on and scored - the
 task's definition stays in one place:
 
 - **prompt**: the example's bytes before its answer, decoded as UTF-8;
-- **answers**: the answer bytes (the last ``answer`` bytes of the example, the bytes
-  evaluation scores by exact match), decoded. A task whose answer has several parts
-  says so with a fourth element of its example: the parts as strings, or their sizes
-  in bytes (consecutive, summing to the answer's size); without it the answer is one;
+- **answer**: the answer bytes (the last ``answer`` bytes of the example, the bytes
+  evaluation scores by exact match), decoded;
+- **answers**: the answer's parts, RULER's references, each scored apart by
+  string_match_all and string_match_part (a task whose answer has several gives them
+  as the fourth element of its example, ``worker.data.synthetic.Example``: the values
+  of several needles, without the ``, `` between them), or the answer alone;
 - **group**: the example's group label (``depth=0.5``), or None where it has none.
 
 Which examples: with no seed, exactly those an evaluation with ``examples: n`` scores
@@ -29,17 +31,23 @@ import torch
 
 from worker.catalog.tasks import TaskConfigError
 from worker.data import build_task
-from worker.data.synthetic import Example, SyntheticTask
+from worker.data.synthetic import Example, SyntheticTask, part_spans, parts_of
 
 
 @dataclass(frozen=True)
 class Sample:
     prompt: str
+    answer: str
     answers: list[str]
     group: str | None
 
     def to_json(self) -> dict[str, Any]:
-        return {"prompt": self.prompt, "answers": self.answers, "group": self.group}
+        return {
+            "prompt": self.prompt,
+            "answer": self.answer,
+            "answers": self.answers,
+            "group": self.group,
+        }
 
 
 def _decode(data: bytes) -> str:
@@ -48,27 +56,21 @@ def _decode(data: bytes) -> str:
     return data.decode("utf-8", errors="backslashreplace")
 
 
-def _parts(answer: bytes, parts: Sequence[Any] | None) -> list[str]:
-    """The answer as its parts: given as strings, as sizes in bytes, or one part."""
+def _parts(answer: bytes, parts: Sequence[Any]) -> list[str]:
+    """The answer's parts as text (``Example``: strings, or byte ranges of the answer)."""
     if not parts:
         return [_decode(answer)]
-    if all(isinstance(part, str) for part in parts):
-        return list(parts)
-    if sum(parts) != len(answer):
-        raise ValueError(f"answer parts {list(parts)} do not add up to {len(answer)} bytes")
-    out, start = [], 0
-    for size in parts:
-        out.append(_decode(answer[start : start + size]))
-        start += size
-    return out
+    return [_decode(answer[start:end]) for start, end in part_spans(answer, parts)]
 
 
-def as_sample(example: Example | tuple[Any, ...]) -> Sample:
+def as_sample(example: Example) -> Sample:
     """One example (``bytes``, answer size, group label[, answer parts]) as text."""
-    sequence, answer, label, *rest = example
-    data = bytes(sequence)
-    cut = len(data) - answer
-    return Sample(_decode(data[:cut]), _parts(data[cut:], rest[0] if rest else None), label or None)
+    data = bytes(example[0])
+    cut = len(data) - example[1]
+    answer = data[cut:]
+    return Sample(
+        _decode(data[:cut]), _decode(answer), _parts(answer, parts_of(example)), example[2] or None
+    )
 
 
 def sample_generator(task: str, length: int, seed: int) -> torch.Generator:

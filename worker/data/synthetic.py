@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import string
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -36,20 +36,77 @@ def _digits(count: int, generator: torch.Generator) -> str:
 
 
 # One example: its sequence (bytes, or an hf: model's token ids), how many of its last
-# tokens are the answer, and its group label.
-Example = tuple[Any, int, str]
+# tokens are the answer, and its group label; a task whose answer has several parts
+# (RULER's multi-answer tasks: several needles' values, a chain's variables, the top
+# words) adds a fourth element, the parts, so RULER's string_match_all and
+# string_match_part score them apart. A part is a string, found in the answer's bytes
+# after the part before it (what a byte-level task gives: a separator between parts
+# belongs to none), or a (start, end) range of the answer's tokens (what an hf: model's
+# rendering gives; two ranges share a token that carries bytes of both).
+Example = tuple[Any, ...]
 # What draws one example: (length, generator, group) -> Example.
 ExampleMaker = Callable[[int, torch.Generator, Any], Example]
 
 
-def answer_batch(sequences: Tensor, answers: list[int], labels: list[str]) -> Batch:
+def parts_of(example: Example) -> tuple[Any, ...]:
+    """The example's answer parts (empty: the answer is one)."""
+    return tuple(example[3]) if len(example) > 3 and example[3] else ()
+
+
+def part_spans(answer: Sequence[int], parts: Sequence[Any]) -> list[tuple[int, int]]:
+    """Where each part lies in the ``answer`` (its bytes, or its token ids): a string is
+    looked for in the bytes after the part before it; a range is taken as it is."""
+    spans, start = [], 0
+    for part in parts:
+        if isinstance(part, str):
+            data = part.encode()
+            found = bytes(answer).find(data, start)
+            if found < 0:
+                raise ValueError(f"answer part {part!r} is not in the answer {bytes(answer)!r}")
+            spans.append((found, found + len(data)))
+        else:
+            low, high = (int(end) for end in part)
+            if not 0 <= low < high <= len(answer):
+                raise ValueError(f"answer part {part!r} is outside the answer's {len(answer)}")
+            spans.append((low, high))
+        start = spans[-1][1]
+    return spans
+
+
+def part_mask(
+    sequences: Tensor, answers: list[int], parts: Sequence[Sequence[Any]]
+) -> Tensor | None:
+    """``[B, T, P]``: whether target t of row b carries a byte of part p of its answer
+    (``parts[b]``; a row without parts has its whole answer as part 0). None where no
+    row has several parts: each answer is then one part, right when it all is."""
+    if all(len(split) <= 1 for split in parts):
+        return None
+    width = sequences.shape[1] - 1
+    mask = torch.zeros((len(answers), width, max(map(len, parts))), dtype=torch.bool)
+    for row, (answer, split) in enumerate(zip(answers, parts, strict=True)):
+        offset = width - answer
+        tokens = sequences[row, -answer:].tolist()
+        spans = part_spans(tokens, split) if split else [(0, answer)]
+        for index, (start, end) in enumerate(spans):
+            mask[row, offset + start : offset + end, index] = True
+    return mask
+
+
+def answer_batch(
+    sequences: Tensor,
+    answers: list[int],
+    labels: list[str],
+    parts: Sequence[Sequence[Any]] | None = None,
+) -> Batch:
     """``[B, T+1]`` sequences whose last ``answers[i]`` tokens are row i's answer: inputs,
-    targets, and only the answer's targets scored."""
+    targets, and only the answer's targets scored; with ``parts`` (row i's answer parts,
+    as an example gives them) the targets each part covers."""
     inputs, targets = from_sequences(sequences)
     scored = torch.zeros_like(targets, dtype=torch.bool)
     for row, answer in enumerate(answers):
         scored[row, -answer:] = True
-    return Batch(inputs, targets, scored, labels)
+    mask = None if parts is None else part_mask(sequences, answers, parts)
+    return Batch(inputs, targets, scored, labels, parts=mask)
 
 
 class SyntheticTask(Task):
@@ -59,18 +116,22 @@ class SyntheticTask(Task):
 
     metric = headline(Kind.ANSWER).name
 
-    def example(
-        self, length: int, generator: torch.Generator, group: int | None
-    ) -> tuple[bytes, int, str]:
-        """One sequence of ``length + 1`` bytes, the size of its answer, and its group label."""
+    def example(self, length: int, generator: torch.Generator, group: int | None) -> Example:
+        """One sequence of ``length + 1`` bytes, the size of its answer, its group label
+        and, where the answer has several parts, the parts (see ``Example``)."""
         raise NotImplementedError
 
     def groups(self) -> tuple[int | None, ...]:
         return (None,)
 
     def _batch(self, rows: list[Example]) -> Batch:
-        sequences = torch.tensor([list(seq) for seq, _, _ in rows], dtype=torch.uint8)
-        return answer_batch(sequences, [answer for _, answer, _ in rows], [g for _, _, g in rows])
+        sequences = torch.tensor([list(row[0]) for row in rows], dtype=torch.uint8)
+        return answer_batch(
+            sequences,
+            [row[1] for row in rows],
+            [row[2] for row in rows],
+            [parts_of(row) for row in rows],
+        )
 
     def train_batch(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
         # Training draws every free choice (a pass key's depth too) at random.

@@ -23,7 +23,10 @@ definition stays in one place:
   characters is scored with them and a token of whitespace alone before it is not;
 - **the score**: exact match of those tokens under teacher forcing, as for byte-level
   models (``worker.evaluate``): an example is right when the argmax at every answer
-  position is the answer's token.
+  position is the answer's token;
+- **the parts** of an answer that has several (RULER's string_match_all and
+  string_match_part): each part is the tokens that carry one of its characters (from
+  the same offsets), so a token that carries characters of two parts counts for both.
 
 The generators are seeded as the task seeds them for byte-level models (by the task and
 the length, and where a task seeds each example apart, by what it seeds it with), so
@@ -42,7 +45,14 @@ from torch import Tensor
 
 from worker.catalog.tasks import TaskConfigError, task_info
 from worker.data.base import Batch, Task
-from worker.data.synthetic import Example, ExampleMaker, SyntheticTask, answer_batch
+from worker.data.synthetic import (
+    Example,
+    ExampleMaker,
+    SyntheticTask,
+    answer_batch,
+    part_spans,
+    parts_of,
+)
 from worker.hf.tokens import tokenizer_fingerprint
 
 if TYPE_CHECKING:
@@ -64,6 +74,9 @@ class Rendered:
     answer: int
     label: str
     after: Tensor
+    # Where the answer has several parts: the (start, end) range of the answer's tokens
+    # that carry each part's characters (a token carrying two parts' is in both).
+    parts: tuple[tuple[int, int], ...] = ()
 
 
 def answer_tokens(offsets: list[tuple[int, int]], start: int) -> int:
@@ -75,6 +88,20 @@ def answer_tokens(offsets: list[tuple[int, int]], start: int) -> int:
             break
         count += 1
     return count
+
+
+def part_tokens(
+    offsets: list[tuple[int, int]], parts: list[tuple[int, int]]
+) -> tuple[tuple[int, int], ...]:
+    """For each part's (start, end) characters, the range of the answer's tokens (their
+    character ``offsets``) that carry one of them."""
+    spans = []
+    for start, end in parts:
+        hit = [i for i, (low, high) in enumerate(offsets) if low < end and high > start]
+        if not hit:
+            raise ValueError(f"no token of the answer carries characters {start}..{end}")
+        spans.append((hit[0], hit[-1] + 1))
+    return tuple(spans)
 
 
 def end_of_text(tokenizer: Any) -> int:
@@ -103,12 +130,12 @@ class Tries:
         if budget not in self.seen:
             self.generator.set_state(self.state)
             try:
-                sequence, answer, label = self.task.task.example(budget, self.generator, self.group)
+                drawn = self.task.task.example(budget, self.generator, self.group)
             except ValueError as err:
                 self.seen[budget] = err
             else:
                 after = self.generator.get_state()
-                self.seen[budget] = self.task.render(sequence, answer, label, after)
+                self.seen[budget] = self.task.render(*drawn[:3], after, parts_of(drawn))
         return self.seen[budget]
 
     def size(self, budget: int) -> int | None:
@@ -162,8 +189,11 @@ class TokenizedSynthetic(Task):
     def train_batch(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
         raise TaskConfigError("an hf: model is evaluated, never trained, on its tokens")
 
-    def render(self, sequence: bytes, answer: int, label: str, after: Tensor) -> Rendered:
-        """A task's example (``sequence``, its last ``answer`` bytes the answer) in tokens."""
+    def render(
+        self, sequence: bytes, answer: int, label: str, after: Tensor, parts: tuple[Any, ...] = ()
+    ) -> Rendered:
+        """A task's example (``sequence``, its last ``answer`` bytes the answer, in
+        ``parts`` where it has several) in tokens."""
         try:
             prompt = sequence[:-answer].decode("utf-8")
             text = prompt + sequence[-answer:].decode("utf-8")
@@ -173,9 +203,16 @@ class TokenizedSynthetic(Task):
                 "tokenizer cannot read them"
             ) from None
         encoding = self.backend.encode(text, add_special_tokens=False)
-        return Rendered(
-            list(encoding.ids), answer_tokens(encoding.offsets, len(prompt)), label, after
-        )
+        count = answer_tokens(encoding.offsets, len(prompt))
+        spans = ()
+        if len(parts) > 1:
+            data = sequence[-answer:]
+            chars = [
+                (len(prompt) + len(data[:start].decode()), len(prompt) + len(data[:end].decode()))
+                for start, end in part_spans(data, parts)
+            ]
+            spans = part_tokens(encoding.offsets[len(encoding.offsets) - count :], chars)
+        return Rendered(list(encoding.ids), count, label, after, spans)
 
     def maker(self, length: int, per_group: int) -> ExampleMaker:
         """What draws the examples of one evaluation at ``length``, in order (the task's
@@ -199,7 +236,7 @@ class TokenizedSynthetic(Task):
             generator.set_state(chosen.after)
             missing = length + 1 - len(chosen.ids)
             ids = torch.tensor([self.pad] * missing + chosen.ids, dtype=torch.long)
-            return ids, chosen.answer, chosen.label
+            return ids, chosen.answer, chosen.label, chosen.parts
 
         return make
 
@@ -267,5 +304,10 @@ class TokenizedSynthetic(Task):
         rows = self.task.eval_examples(length, per_group, make=self.maker(length, per_group))
         for start in range(0, len(rows), batch_size):
             chunk = rows[start : start + batch_size]
-            sequences = torch.stack([ids for ids, _, _ in chunk])
-            yield answer_batch(sequences, [a for _, a, _ in chunk], [g for _, _, g in chunk])
+            sequences = torch.stack([row[0] for row in chunk])
+            yield answer_batch(
+                sequences,
+                [row[1] for row in chunk],
+                [row[2] for row in chunk],
+                [parts_of(row) for row in chunk],
+            )
