@@ -99,13 +99,20 @@ def cut_at(haystack: str, depth: float, boundary: str = ". ") -> int:
 
 
 def insert(
-    haystack: str, pieces: list[tuple[float, str]], boundary: str = ". "
+    haystack: str,
+    pieces: list[tuple[float, str]],
+    boundary: str = ". ",
+    ties: list[int] | None = None,
 ) -> tuple[str, list[int]]:
     """``haystack`` with each (depth, text) piece put at its depth, and the pieces' indices
-    in the order they appear (pieces at one boundary in their own order)."""
+    in the order they appear. Pieces that land at one boundary keep their own order, or
+    that of their ``ties`` ranks (lowest first)."""
+    ties = ties if ties is not None else list(range(len(pieces)))
     cuts = sorted(
-        (cut_at(haystack, depth, boundary), index) for index, (depth, _) in enumerate(pieces)
+        (cut_at(haystack, depth, boundary), ties[index], index)
+        for index, (depth, _) in enumerate(pieces)
     )
+    cuts = [(cut, index) for cut, _, index in cuts]
     parts, previous = [], 0
     for cut, index in cuts:
         parts += [haystack[previous:cut], pieces[index][1]]
@@ -208,7 +215,14 @@ class NeedleInAHaystack(SyntheticTask):
         if group is not None:
             depths[0] = group  # the first asked key's first needle
         needles = [NIAH_NEEDLE.format(key=k, value=v) for k, v in planted]
-        text, order = insert(haystack, list(zip(depths, needles, strict=True)), self.boundary)
+        # Needles at one boundary (a short haystack has few, and every needle may share
+        # one) in a random order: in key order the asked needle would come first, a
+        # shortcut a model learns instead of retrieval. The grid's needle stays first
+        # among its ties, so that it sits at its depth.
+        ties = torch.randperm(len(planted), generator=generator).tolist()
+        if group is not None:
+            ties[0] = -1
+        text, order = insert(haystack, list(zip(depths, needles, strict=True)), self.boundary, ties)
         answers = [planted[i][1] for key in asked for i in order if planted[i][0] == key]
         question = NIAH_QUESTION.format(keys=SEPARATOR.join(asked))
         sequence, size = finish(text + question, answers, length)
