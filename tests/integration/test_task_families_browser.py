@@ -37,8 +37,8 @@ class Family(NamedTuple):
     train: Mapping[str, Any] = MappingProxyType({})
 
 
-# One study per task (a study has one task). An algorithmic task with operand groups
-# adds one line, e.g. Family("addition", {...}, 64, "accuracy by operand lengths").
+# One study per task (a study has one task): retrieval, tracing, aggregation and
+# algorithmic (addition trained over a range of lengths, its operand grid on Compare).
 FAMILIES = [
     Family(
         "niah",
@@ -48,6 +48,7 @@ FAMILIES = [
     ),
     Family("variable_tracking", {}, 256),
     Family("common_words", {}, 320),
+    Family("addition", {"reverse": True}, 64, "accuracy by operand lengths", {"min_length": 16}),
 ]
 
 
