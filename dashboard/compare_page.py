@@ -164,8 +164,10 @@ def _summaries(selected: list[int], protocol: str, shown: list[str]) -> None:
         "k x the training length over its value at 1x. effective length: the longest "
         "length up to which perplexity stays within 10% of its training-length value "
         "(accuracy stays at or above 0.5). mean ln ppl: the area under ln(perplexity) over "
-        "ln(length), divided by the ln-length span. order sensitivity: how much the loss on "
-        "the second half of a window rises (nats/byte) when its first half is shuffled."
+        "ln(length), divided by the ln-length span. short-context ratio: a variant's metric "
+        "at 1x over the trained model's at 1x (what a scaling costs on short texts). order "
+        "sensitivity: how much the loss on the second half of a window rises (nats/byte) "
+        "when its first half is shuffled."
     )
     stored = queries.run_summaries(database(), selected, protocol)
     stored = stored[stored["variant"].isin(shown)]

@@ -89,6 +89,16 @@ def test_summarize_turns_each_curve_into_its_summaries() -> None:
     assert found["yarn", "ratio_2x"] == pytest.approx(2.0)
     assert found["none", "order_sensitivity"] == pytest.approx(0.25)
     assert ("yarn", "order_sensitivity") not in found  # the probe runs on the trained model
+    # The variant at 1x over the trained model at 1x; none for the trained model itself.
+    assert found["yarn", "short_context_ratio"] == pytest.approx(1.0)
+    assert ("none", "short_context_ratio") not in found
+    costly = summarize_points(
+        [*points[:3], ("yarn", "nonoverlapping", 128, 6.0), ("yarn", "sliding", 128, 6.0)],
+        train_length=128,
+        metric="perplexity",
+    )
+    ratios = {(s.variant, s.protocol): s.value for s in costly if s.name == "short_context_ratio"}
+    assert ratios == {("yarn", "nonoverlapping"): pytest.approx(1.2)}  # no sliding 'none'
 
 
 def stored(settings: Settings) -> int:

@@ -297,11 +297,37 @@ def summarize_points(
             for (variant, protocol), curve in sorted(curves.items())
             if (bound := _bound_of(curve, train_length, metric, effective)) is not None
         ]
+    out += [
+        Summary(variant, protocol, SHORT_CONTEXT_SUMMARY, ratio)
+        for (variant, protocol), curve in sorted(curves.items())
+        if variant != EXTRA_VARIANT
+        and (
+            ratio := short_context_ratio(curve, curves.get((EXTRA_VARIANT, protocol)), train_length)
+        )
+        is not None
+    ]
     out += [Summary(EXTRA_VARIANT, ANY_PROTOCOL, k, v) for k, v in (extra or {}).items()]
     return out
 
 
 BOUND_SUMMARY = "effective_length_bound"
+SHORT_CONTEXT_SUMMARY = "short_context_ratio"
+
+
+def short_context_ratio(
+    variant: Mapping[int, float | None],
+    trained: Mapping[int, float | None] | None,
+    train_length: int,
+) -> float | None:
+    """A variant's metric at the training length (1x) over the trained model's there:
+    what a scaling or a fine-tuning costs on short texts (Qwen's warning about static
+    YaRN). Above 1 is worse for perplexity, below 1 for accuracy; None where 1x was not
+    evaluated, has no value, or the trained model's is 0."""
+    own = variant.get(train_length)
+    base = (trained or {}).get(train_length)
+    if own is None or base is None or pd.isna(own) or pd.isna(base) or base == 0:
+        return None
+    return float(own) / float(base)
 
 
 def effective_setting(spec) -> dict[str, float | None] | None:

@@ -304,6 +304,7 @@ SUMMARY_LABELS = {
     "mean_log_ppl": "mean ln ppl",
     "log_ppl_area": "ln ppl area",
     "beyond_training": "beyond training",
+    "short_context_ratio": "short-context ratio",
     "order_sensitivity": "order sensitivity",
     "order_ordered_loss": "loss, ordered",
     "order_shuffled_loss": "loss, shuffled",
@@ -315,6 +316,7 @@ KEY_SUMMARIES = (
     *(f"ratio_{f:g}x" for f in FACTORS),
     "effective_length",
     "beyond_training",
+    "short_context_ratio",
     "mean_log_ppl",
     "order_sensitivity",
 )
