@@ -227,7 +227,8 @@ def _attend(cache: KVCache, layer: int, q: Tensor, k: Tensor, v: Tensor, step: _
     keys, values = cache.keys[layer][:, :, :end], cache.values[layer][:, :, :end]
     if step.key_tables is not None:
         keys = rotated(keys, step.key_tables.cos_k, step.key_tables.sin_k)
-    enc = cache.encoding
+    # Attention runs in the cache's dtype (a bf16 cache: bf16 scores, as in serving).
+    q, enc = q.to(keys.dtype), cache.encoding
     blocks = []
     rows = step.count if step.decay is None else min(step.count, step.decay.max_rows)
     rows = min(rows, PREFILL_BLOCK_ROWS)
@@ -242,7 +243,7 @@ def _attend(cache: KVCache, layer: int, q: Tensor, k: Tensor, v: Tensor, step: _
         blocks.append(
             F.scaled_dot_product_attention(q_block, k_block, values[:, :, :visible], attn_mask=mask)
         )
-    return torch.cat(blocks, dim=2)
+    return torch.cat(blocks, dim=2).to(v.dtype)
 
 
 def _mask(
