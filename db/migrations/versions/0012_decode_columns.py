@@ -23,7 +23,7 @@ depends_on = None
 
 
 def upgrade() -> None:
-    op.add_column("evaluations", sa.Column("decode_tokens_per_second", sa.Float(), nullable=True))
+    op.add_column("evaluations", sa.Column("decode_tokens_per_second", sa.Double(), nullable=True))
     op.add_column("evaluations", sa.Column("kv_cache_bytes", sa.BigInteger(), nullable=True))
 
 
