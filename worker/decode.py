@@ -287,7 +287,9 @@ def forward_cached(model: Transformer, tokens: Tensor, cache: KVCache) -> Tensor
     cache.length = step.start + count
     cache.written += count
     x = model.final_norm(x)
-    return F.linear(x.float(), model.token_embedding.weight.float())
+    # The tied head in float32 even under autocast, as in Transformer.forward.
+    with torch.autocast(x.device.type, enabled=False):
+        return F.linear(x.float(), model.token_embedding.weight.float())
 
 
 def prefill(model: Transformer, tokens: Tensor, cache: KVCache) -> Tensor:
