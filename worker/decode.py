@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -174,6 +174,8 @@ class _Step:
     query_tables: RotaryTables | None
     key_tables: RotaryTables | None  # rerotate: tables for every live key
     decay: BlockDecay | None  # xPos: over the live keys' positions
+    # Bias and mask of each block of queries, built by the first layer, read by the rest.
+    masks: dict[tuple[int, int], Tensor | None] = field(default_factory=dict)
 
 
 def _plain_tables(encoding: PositionEncoding, positions: Tensor) -> RotaryTables | None:
@@ -240,7 +242,9 @@ def _attend(cache: KVCache, layer: int, q: Tensor, k: Tensor, v: Tensor, step: _
         if step.decay is not None:
             q_scale, k_scale = step.decay.scales(step.start + first, visible)
             q_block, k_block = scale_pairs(q_block, q_scale), scale_pairs(k_block, k_scale)
-        mask = _mask(enc, step, first, last, visible, q.dtype)
+        if (first, last) not in step.masks:
+            step.masks[first, last] = _mask(enc, step, first, last, visible, q.dtype)
+        mask = step.masks[first, last]
         blocks.append(
             F.scaled_dot_product_attention(q_block, k_block, values[:, :, :visible], attn_mask=mask)
         )
