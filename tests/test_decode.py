@@ -150,6 +150,44 @@ def test_a_window_attends_the_sinks_and_the_most_recent_keys() -> None:
     assert (logits[:, -1] - unbounded[:, -1]).abs().max() > 1e-3
 
 
+def _last_query_by_hand(
+    model: Transformer, tokens: torch.Tensor, kept: torch.Tensor
+) -> torch.Tensor:
+    """A one-layer model's logits for the last token attending only to the ``kept`` keys
+    (token indices), written out from the encoding's hooks: embed, rotate, bias."""
+    length = tokens.shape[1]
+    enc, block = model.encoding, model.blocks[0]
+    positions = enc.positions(tokens.shape[0], length, tokens.device)
+    x = enc.embed(model.token_embedding(tokens) * model.config.d_model**0.5, positions)
+    qkv = block.attn.qkv(block.attn_norm(x))
+    q, k, v = qkv.view(*tokens.shape, 3, model.config.n_heads, -1).permute(2, 0, 3, 1, 4)
+    q, k = enc.rotate(q, k, positions)
+    scores = q[:, :, -1:] @ k[:, :, kept].transpose(-1, -2) / q.shape[-1] ** 0.5
+    bias = enc.bias(length, length)
+    if bias is not None:
+        scores = scores + bias[:, -1:, kept]
+    y = (scores.softmax(-1) @ v[:, :, kept]).transpose(1, 2).flatten(2)
+    h = x[:, -1:] + block.attn.proj(y)
+    h = model.final_norm(h + block.mlp(block.mlp_norm(h)))
+    return (h @ model.token_embedding.weight.T)[:, 0]
+
+
+@pytest.mark.parametrize("encoding", sorted(REGISTRY))
+def test_a_window_keeps_positions_as_written_for_every_encoding(encoding: str) -> None:
+    # Kept keys keep their positions (rotation, bias distance, embedding): the last token
+    # under a window sees exactly the kept keys at their true positions.
+    length, window, sinks = 40, 10, 3
+    model = build_model(ONE_LAYER, encoding, train_length=length).eval()
+    tokens = torch.randint(0, 256, (2, length), generator=torch.Generator().manual_seed(12))
+    kept = torch.cat((torch.arange(sinks), torch.arange(length - (window - sinks), length)))
+    torch.manual_seed(13)
+    decoded = decode_logits(model, tokens, PROMPT, window=window, sinks=sinks)[:, -1]
+    torch.manual_seed(13)
+    with torch.no_grad():
+        expected = _last_query_by_hand(model, tokens, kept)
+    assert (decoded - expected).abs().max() < TOLERANCE
+
+
 @pytest.mark.parametrize("encoding", ["rope", "alibi", "sinusoidal"])
 def test_greedy_passkey_answers_follow_the_teacher_forced_argmax(encoding: str) -> None:
     model = build_model(TINY, encoding, train_length=128).eval()
