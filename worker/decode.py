@@ -353,6 +353,10 @@ class DecodeTally:
     seconds: float = 0.0
     kv_bytes: int = 0
 
+    def reset(self) -> None:
+        """Forget an attempt (one that ran out of memory and is retried smaller)."""
+        self.tokens, self.seconds, self.kv_bytes = 0, 0.0, 0
+
     @property
     def tokens_per_second(self) -> float | None:
         return self.tokens / self.seconds if self.seconds > 0 else None

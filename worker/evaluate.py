@@ -267,6 +267,7 @@ def evaluate_length(
     scores = _decode_scores(model, spec, tally, answers) if protocol == "decode" else None
 
     def run(batch_size: int) -> _Accumulator:
+        tally.reset()
         batches = task.eval_batches(
             length,
             protocol="nonoverlapping" if protocol == "decode" else protocol,
