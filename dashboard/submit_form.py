@@ -329,6 +329,45 @@ def _variant_inputs(
     return variants + [v.strip() for v in tuned.split(",") if v.strip()]
 
 
+def _decode_inputs(evaluation: dict[str, Any], key: Keys) -> dict[str, Any]:
+    """The decode protocol's cache policy, and its window with sinks when asked for."""
+    policies = list(get_args(EvalSpec.model_fields["cache_policy"].annotation))
+    chosen: dict[str, Any] = {
+        "cache_policy": st.selectbox(
+            "KV-cache policy (decode)",
+            policies,
+            index=policies.index(evaluation.get("cache_policy", "keep")),
+            key=key("cache_policy"),
+            help="keep: a cached key keeps the rotation it was written with (HF, vLLM); "
+            "rerotate: every cached key rotated with the current length's frequencies. "
+            "They differ only under dynamic NTK and LongRoPE past the original length.",
+        )
+    }
+    if st.checkbox(
+        "Sliding-window cache (decode)",
+        value=evaluation.get("window") is not None,
+        key=key("windowed"),
+        help="Evict keys between the first sinks and the most recent ones (StreamingLLM).",
+    ):
+        chosen["window"] = int(
+            st.number_input(
+                "Window (keys kept)",
+                value=evaluation.get("window") or 256,
+                key=key("window"),
+                **spec_bounds(EvalSpec, "window"),
+            )
+        )
+        chosen["sinks"] = int(
+            st.number_input(
+                "Attention sinks",
+                value=evaluation.get("sinks", 4),
+                key=key("sinks"),
+                **spec_bounds(EvalSpec, "sinks"),
+            )
+        )
+    return chosen
+
+
 def evaluation_inputs(
     evaluation: dict[str, Any],
     key: Keys,
@@ -359,6 +398,8 @@ def evaluation_inputs(
                 "Sliding stride", value=64, key=key("stride"), **spec_bounds(EvalSpec, "stride")
             )
         )
+    if "decode" in chosen["protocols"]:
+        chosen.update(_decode_inputs(evaluation, key))
     chosen["tokens"] = int(
         st.number_input(
             "Scored tokens per length",

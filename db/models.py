@@ -196,6 +196,10 @@ class Evaluation(Base):
     peak_memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
     not_applicable: Mapped[str | None] = mapped_column(Text)
     groups: Mapped[dict[str, Any] | None]
+    # The decode protocol's (NULL under the others): tokens decoded per second, and the
+    # most bytes of keys and values one sequence's cache held.
+    decode_tokens_per_second: Mapped[float | None]
+    kv_cache_bytes: Mapped[int | None] = mapped_column(BigInteger)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow, server_default=func.now())
 
 

@@ -196,6 +196,8 @@ def curves(
             Evaluation.tokens,
             Evaluation.tokens_per_second,
             Evaluation.peak_memory_bytes,
+            Evaluation.decode_tokens_per_second,
+            Evaluation.kv_cache_bytes,
             Evaluation.not_applicable,
             Evaluation.groups,
         )

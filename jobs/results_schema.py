@@ -70,6 +70,10 @@ class Evaluation:
     tokens_per_second: float | None = None
     peak_memory_bytes: int | None = None
     not_applicable: str | None = None
+    # The decode protocol's: tokens decoded one at a time per second, and the most bytes
+    # of keys and values one sequence's cache held (None under the other protocols).
+    decode_tokens_per_second: float | None = None
+    kv_cache_bytes: int | None = None
     factor: float | None = None
     position_bins: list[PositionBin] = field(default_factory=list)
     groups: dict[str, float] = field(default_factory=dict)

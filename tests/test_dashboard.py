@@ -151,13 +151,17 @@ SPEC_BOUNDED = {
     "min_length": (TrainSpec, "min_length"),
     "stride": (EvalSpec, "stride"),
     "tokens": (EvalSpec, "tokens"),
+    "window": (EvalSpec, "window"),
+    "sinks": (EvalSpec, "sinks"),
 }
 
 
 def form_bounds(app: AppTest) -> dict[str, tuple[float | None, float | None]]:
     """(min, max) of every bounded number input the custom form shows, all sections open."""
     app.selectbox(key="custom:model").set_value("custom").run()
-    app.multiselect(key="custom:protocols").set_value(["nonoverlapping", "sliding"]).run()
+    protocols = ["nonoverlapping", "sliding", "decode"]
+    app.multiselect(key="custom:protocols").set_value(protocols).run()
+    app.checkbox(key="custom:windowed").check().run()
     assert not app.exception, app.exception
     return {
         widget.key.removeprefix("custom:"): (widget.min, widget.max)

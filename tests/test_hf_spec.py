@@ -86,6 +86,10 @@ def test_an_hf_study_is_one_run_of_the_model_evaluated_as_it_is() -> None:
             "task 'passkey' needs sequences of at least 128 tokens; eval.lengths is 64",
         ),
         ({"eval": {"variants": ["yarn:2+ft10"]}}, "'yarn:2+ft10' fine-tunes"),
+        (
+            {"eval": {"lengths": [16], "protocols": ["decode"], "order_probe": False}},
+            "'decode' runs posbench's own KV cache (worker.decode) on posbench models",
+        ),
     ],
 )
 def test_the_spec_refuses_what_an_hf_model_cannot_do(changes: dict, message: str) -> None:

@@ -63,8 +63,8 @@ def rejected(spec: dict[str, Any]) -> str:
         (
             "eval.protocols",
             ["strided"],
-            "eval.protocols[0] = 'strided': Input should be 'nonoverlapping', 'sliding' or "
-            "'document'",
+            "eval.protocols[0] = 'strided': Input should be 'nonoverlapping', 'sliding', "
+            "'document' or 'decode'",
         ),
         ("eval.stride", 0, "eval.stride = 0: must be greater than or equal to 1"),
         ("eval.tokens", 10, "eval.tokens = 10: must be greater than or equal to 64"),

@@ -28,6 +28,7 @@ from jobs.results_schema import Evaluation, PositionBin
 from jobs.spec import EvalSpec, VariantSpec
 from worker import liveness
 from worker.data.base import Batch, Task
+from worker.decode import DecodeTally, decode_scores
 from worker.memory import (
     available_bytes,
     bound_heap_for,
@@ -148,7 +149,10 @@ def _run_batches(
     device: torch.device,
     should_stop: Callable[[], bool] | None = None,
     no_grad: Callable[[], Any] = torch.inference_mode,
+    scores: Callable[[Batch], torch.Tensor] | None = None,
 ) -> _Accumulator:
+    """The accumulated scores of ``batches``: the model's logits of each batch's inputs in
+    one pass, or what ``scores`` gives for the batch (the decode protocol)."""
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     accumulator = _Accumulator(length)
     with no_grad(), autocast:
@@ -157,7 +161,8 @@ def _run_batches(
             if should_stop is not None and should_stop():
                 raise RunCancelled(f"cancelled while evaluating at length {length}")
             batch = batch.to(device)
-            accumulator.add(model(batch.inputs), batch)
+            logits = model(batch.inputs) if scores is None else scores(batch)
+            accumulator.add(logits, batch)
             liveness.touch()
     return accumulator
 
@@ -226,6 +231,27 @@ def validation_loss(
     return result.loss_sum / max(1, result.tokens)
 
 
+def _decode_scores(
+    model: Transformer, spec: EvalSpec, tally: DecodeTally, answers: bool
+) -> Callable[[Batch], torch.Tensor]:
+    """The decode protocol's logits of a batch (``worker.decode.decode_scores``), with the
+    cache options of the spec: ``answers`` generated greedily (synthetic tasks), or
+    windows teacher-forced (language modelling, whatever targets it scores)."""
+
+    def scores(batch: Batch) -> torch.Tensor:
+        return decode_scores(
+            model,
+            batch.inputs,
+            batch.scored if answers else None,
+            tally,
+            policy=spec.cache_policy,
+            window=spec.window,
+            sinks=spec.sinks,
+        )
+
+    return scores
+
+
 def evaluate_length(
     model: Transformer,
     task: Task,
@@ -255,13 +281,16 @@ def evaluate_length(
     # Only language modelling reads documents (the spec refuses the protocol elsewhere).
     document = {"min_document_bytes": spec.min_document_bytes} if protocol == "document" else {}
 
-    # Only language modelling reads documents (the spec refuses the protocol elsewhere).
-    document = {"min_document_bytes": spec.min_document_bytes} if protocol == "document" else {}
+    # Decoding reads the nonoverlapping windows (or examples), one token at a time.
+    tally = DecodeTally()
+    answers = kind_of(task.metric) is Kind.ANSWER
+    scores = _decode_scores(model, spec, tally, answers) if protocol == "decode" else None
 
     def run(batch_size: int) -> _Accumulator:
+        tally.reset()
         batches = task.eval_batches(
             length,
-            protocol=protocol,
+            protocol="nonoverlapping" if protocol == "decode" else protocol,
             batch_size=batch_size,
             tokens=spec.tokens,
             examples=spec.examples,
@@ -271,9 +300,9 @@ def evaluate_length(
         )
         with _seeded(f"{seed}/{variant.label}/{protocol}/{length}", device):
             if variant.method == "none":
-                return _run_batches(model, batches, length, device, should_stop)
+                return _run_batches(model, batches, length, device, should_stop, scores=scores)
             with model.scaled(variant.method, row.factor, train_length, **variant.params):
-                return _run_batches(model, batches, length, device, should_stop)
+                return _run_batches(model, batches, length, device, should_stop, scores=scores)
 
     result = halving_on_oom(run, batch_size)
     elapsed = time.perf_counter() - started
@@ -281,6 +310,9 @@ def evaluate_length(
     # Throughput counts every token the model read, scored or not.
     row.tokens_per_second = result.inputs / max(elapsed, 1e-9)
     row.peak_memory_bytes = _peak_memory(device)
+    if protocol == "decode":
+        row.decode_tokens_per_second = tally.tokens_per_second
+        row.kv_cache_bytes = tally.kv_bytes
     row.loss = result.loss_sum / max(1, result.tokens)
     if kind_of(task.metric) is Kind.LANGUAGE_MODELLING:
         row.perplexity = math.exp(row.loss)

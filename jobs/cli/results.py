@@ -165,8 +165,8 @@ def results(
         str | None,
         typer.Option(
             "--protocol",
-            help="nonoverlapping, sliding or document (default: every protocol for curves, "
-            "the first for summaries and pairwise).",
+            help="nonoverlapping, sliding, document or decode (default: every protocol for "
+            "curves, the first for summaries and pairwise).",
         ),
     ] = None,
     view: Annotated[

@@ -33,7 +33,8 @@ MAX_PARAMETERS = 1_000_000_000
 MAX_TRAIN_TOKENS = 1 << 36  # per run: steps x batch x length
 MAX_EVAL_TOKENS = 1 << 36  # per run: tokens the evaluation feeds the model
 
-Protocol = Literal["nonoverlapping", "sliding", "document"]
+Protocol = Literal["nonoverlapping", "sliding", "document", "decode"]
+CachePolicy = Literal["keep", "rerotate"]  # the decode protocol's rotary keys
 PROTOCOLS: tuple[str, ...] = get_args(Protocol)
 Queue = Literal["gpu", "cpu"]  # the broker's queues: GPU and CPU workers
 QUEUES: tuple[str, ...] = get_args(Queue)

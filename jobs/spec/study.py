@@ -233,14 +233,20 @@ class StudySpec(_Strict):
 
     def _protocol_problems(self) -> list[str]:
         """The sliding and document protocols: language modelling only; sliding with a
-        stride that fits."""
+        stride that fits; decode: posbench models only."""
         task = TASKS[self.task.name]
         problems = [
             f"eval.protocols: {short_repr(protocol)} applies to language modelling, not "
             f"{short_repr(task.name)}"
             for protocol in self.eval.protocols
-            if protocol != "nonoverlapping" and task.kind is not Kind.LANGUAGE_MODELLING
+            if protocol not in ("nonoverlapping", "decode")
+            and task.kind is not Kind.LANGUAGE_MODELLING
         ]
+        if "decode" in self.eval.protocols and self.model.hf is not None:
+            problems.append(
+                "eval.protocols: 'decode' runs posbench's own KV cache (worker.decode) on "
+                "posbench models; an hf: model is scored in one pass per window"
+            )
         if self.eval.bos and self.model.hf is None:
             problems.append(
                 "eval.bos applies to hf: models (a tokenizer's beginning-of-sequence token); "
@@ -458,6 +464,12 @@ class StudySpec(_Strict):
             del evaluation["min_document_bytes"]
         if not evaluation["bos"]:
             del evaluation["bos"]
+        if evaluation["cache_policy"] == "keep":
+            del evaluation["cache_policy"]
+        if evaluation["window"] is None:
+            del evaluation["window"]
+        if not evaluation["sinks"]:
+            del evaluation["sinks"]
         # The order probe adds summaries but changes no point of the curve.
         return self._digest({**self._training_payload(encoding, seed), "eval": evaluation})
 

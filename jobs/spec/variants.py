@@ -17,6 +17,7 @@ from pydantic import (
 from jobs.spec.base import (
     MAX_EVAL_LENGTH,
     MAX_VARIANT_LABEL,
+    CachePolicy,
     Protocol,
     _Strict,
     exact,
@@ -214,7 +215,7 @@ class EvalSpec(_Strict):
     lengths: Annotated[
         list[Annotated[int, Field(ge=2, le=MAX_EVAL_LENGTH)]], Field(min_length=1, max_length=32)
     ] = Field(default_factory=lambda: [128, 256, 512, 1024])
-    protocols: Annotated[list[Protocol], Field(min_length=1, max_length=3)] = Field(
+    protocols: Annotated[list[Protocol], Field(min_length=1, max_length=4)] = Field(
         default_factory=lambda: ["nonoverlapping"]
     )
     stride: int | None = Field(None, ge=1, le=MAX_EVAL_LENGTH, description="sliding stride")
@@ -230,6 +231,27 @@ class EvalSpec(_Strict):
         description="document protocol, hf: models: start each document's window with the "
         "tokenizer's beginning-of-sequence token (without it the first token is context "
         "only); a posbench model's window starts with the document separator it trained on",
+    )
+    cache_policy: CachePolicy = Field(
+        "keep",
+        description="decode protocol, rotary encodings: 'keep' (a cached key keeps the "
+        "rotation it was written with, as HF transformers and vLLM do) or 'rerotate' (every "
+        "cached key rotated with the current length's frequencies at each step); they "
+        "differ only under length-dependent scalings (dynamic NTK, LongRoPE)",
+    )
+    window: int | None = Field(
+        None,
+        ge=2,
+        le=MAX_EVAL_LENGTH,
+        description="decode protocol: keys each query attends to at most (sliding-window "
+        "eviction; absent: every key)",
+    )
+    sinks: int = Field(
+        0,
+        ge=0,
+        le=MAX_EVAL_LENGTH,
+        description="decode protocol with a window: the first keys the window always keeps "
+        "(attention sinks, StreamingLLM)",
     )
     tokens: int = Field(65_536, ge=64, le=1 << 24, description="scored tokens per length (lm)")
     examples: int = Field(100, ge=1, le=10_000, description="examples per length (synthetic)")
@@ -277,6 +299,22 @@ class EvalSpec(_Strict):
             raise ValueError(
                 "eval.stride applies to the 'sliding' protocol only; add 'sliding' to "
                 "eval.protocols or remove the stride"
+            )
+        decode = (
+            ("cache_policy", self.cache_policy != "keep"),
+            ("window", self.window is not None),
+            ("sinks", self.sinks != 0),
+        )
+        for name, given in decode:
+            if given and "decode" not in self.protocols:
+                raise ValueError(
+                    f"eval.{name} applies to the 'decode' protocol only; add 'decode' to "
+                    f"eval.protocols or remove eval.{name}"
+                )
+        if self.sinks and (self.window is None or self.sinks >= self.window):
+            raise ValueError(
+                f"eval.sinks ({self.sinks}) must be below eval.window ({self.window}): sinks "
+                "are the first keys a window keeps, and it needs room for recent ones"
             )
         for name, given in (("min_document_bytes", self.min_document_bytes), ("bos", self.bos)):
             if given and "document" not in self.protocols:

@@ -136,6 +136,10 @@ def _check_values(where: str, run: RunRecord, spec) -> None:
             raise ImportProblem(f"{at}: tokens and peak_memory_bytes must be 0..2^53")
         if _bad(row.tokens_per_second, 0) or _bad(row.factor, 1e-9):
             raise ImportProblem(f"{at}: tokens_per_second must be >= 0, factor > 0")
+        if _bad(row.kv_cache_bytes, 0, MAX_COUNT) or _bad(row.decode_tokens_per_second, 0):
+            raise ImportProblem(
+                f"{at}: kv_cache_bytes must be 0..2^53 and decode_tokens_per_second >= 0"
+            )
         starts = [b.start for b in row.position_bins]
         if len(set(starts)) != len(starts):
             raise ImportProblem(f"{at}: two position bins start at the same position")

@@ -1,0 +1,427 @@
+"""Decoding with a KV cache: a prompt read in one pass (prefill), then one token at a time.
+
+The engine reuses the model's own modules (embedding, norms, the fused q/k/v projection,
+the output projection, the MLP) and the encoding's three hooks, so a decoded token sees
+exactly what ``Transformer.forward`` would show it, up to float rounding:
+
+- absolute encodings embed each new token at its position;
+- rotary encodings rotate the new queries and keys once, at their positions; the cache
+  holds keys as rotated when written (``keep``), or unrotated, and then every step
+  rotates all cached keys with the tables of the current length (``rerotate``);
+- bias encodings add the bias rows of the new queries over every cached key (the
+  encoding's ``bias(q_len, k_len)`` for the last q_len of k_len positions);
+- xPos's decay zeta^((n - m) / scale_base) is applied per block of queries, centred on
+  the block's last query, as ``decayed_attention`` does past one table's span: keys are
+  cached plainly rotated and scaled afresh at each step.
+
+Positions are drawn for the whole sequence when the cache is made (randomized
+positions: one sorted draw for the final length, used step by step).
+
+The two cache policies differ only where the rotary frequencies depend on the length
+(dynamic NTK, LongRoPE): ``keep`` is what HF transformers and vLLM do (a key keeps the
+frequencies of the length at which it was written); ``rerotate`` rotates every cached
+key of every layer with the current length's frequencies. That is the one-pass forward
+exactly in the first layer; deeper layers' keys and values come from hidden states of
+earlier steps, computed under the frequencies of their own step, so in a model of more
+than one layer ``rerotate`` is exact only where the frequencies did not change (up to
+the training length).
+
+A ``window`` of W keys with ``sinks`` S (StreamingLLM, Xiao et al. 2023): before new
+tokens are written, the cache drops the keys between its first S and its most recent
+ones, so that every query attends to at most W keys: the S first tokens and the most
+recent W - S (itself included). Kept keys keep the positions they were written at (a
+rotary key its rotation, a bias its true distance): positions are never renumbered, so
+past the training length the distances seen are those of the full sequence, and a
+window tests locality rather than bringing distances back in range.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from worker.encodings.base import PositionEncoding
+from worker.encodings.rope import BlockDecay, Rope, RotaryTables, rotated, scale_pairs
+from worker.encodings.xpos import XPos
+from worker.model import Transformer
+
+CachePolicy = Literal["keep", "rerotate"]
+CACHE_POLICIES: tuple[str, ...] = ("keep", "rerotate")
+# Query rows per attention block in a prefill: bounds the scores held at once.
+PREFILL_BLOCK_ROWS = 256
+
+
+def kv_cache_bytes(model: Transformer, tokens: int, dtype: torch.dtype) -> int:
+    """Bytes of keys and values a cache holds per sequence for ``tokens`` kept tokens:
+    2 x layers x heads x head_dim x tokens x bytes per value."""
+    cfg = model.config
+    size = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * tokens * size
+
+
+@dataclass
+class KVCache:
+    """Keys and values of every layer, ``[B, H, capacity, head_dim]``, preallocated; slot s
+    holds token ``index[s]``; the first ``length`` slots are live."""
+
+    encoding: PositionEncoding
+    positions: Tensor  # [T] or [B, T]: the encoding's positions of every token to come
+    policy: CachePolicy
+    window: int | None
+    sinks: int
+    keys: list[Tensor]
+    values: list[Tensor]
+    index: Tensor  # [capacity] int64
+    length: int = 0
+    written: int = 0  # tokens seen so far (the next token's index)
+    evicted: int = 0  # keys dropped by the window so far
+
+    @property
+    def total(self) -> int:
+        return self.positions.shape[-1]
+
+    @property
+    def capacity(self) -> int:
+        return self.index.shape[0]
+
+    def nbytes(self) -> int:
+        """Bytes of the live keys and values of one sequence."""
+        batch = self.keys[0].shape[0]
+        live = sum(t[:, :, : self.length].nbytes for t in (*self.keys, *self.values))
+        return live // batch
+
+
+def new_cache(
+    model: Transformer,
+    batch_size: int,
+    total_length: int,
+    *,
+    policy: str = "keep",
+    window: int | None = None,
+    sinks: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> KVCache:
+    """An empty cache for ``batch_size`` sequences of up to ``total_length`` tokens, with
+    the encoding's positions drawn for that length now."""
+    if policy not in CACHE_POLICIES:
+        raise ValueError(f"cache_policy must be one of {', '.join(CACHE_POLICIES)}, got {policy!r}")
+    for name, value, low in (("batch_size", batch_size, 1), ("total_length", total_length, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be a positive integer (keys kept), got {window!r}")
+        if isinstance(sinks, bool) or not isinstance(sinks, int) or not 0 <= sinks < window:
+            raise ValueError(f"sinks must be an integer in [0, window={window}), got {sinks!r}")
+    elif sinks:
+        raise ValueError("sinks need a window: sinks are the first keys a window always keeps")
+    device = model.token_embedding.weight.device
+    encoding = model.encoding
+    positions = encoding.positions(batch_size, total_length, device)
+    capacity = min(window, total_length) if window is not None else total_length
+    cfg = model.config
+    shape = (batch_size, cfg.n_heads, capacity, cfg.head_dim)
+    return KVCache(
+        encoding=encoding,
+        positions=positions,
+        policy=policy,  # type: ignore[arg-type]
+        window=window,
+        sinks=sinks,
+        keys=[torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)],
+        values=[torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)],
+        index=torch.zeros(capacity, dtype=torch.long, device=device),
+    )
+
+
+def _evict(cache: KVCache, incoming: int) -> None:
+    """Make room for ``incoming`` tokens within the window: keep the sinks and the most
+    recent keys."""
+    if cache.window is None or cache.length + incoming <= cache.window:
+        return
+    recent = cache.window - incoming - cache.sinks
+    if recent < 0:
+        raise ValueError(
+            f"{incoming} new tokens do not fit a window of {cache.window} keys with "
+            f"{cache.sinks} sinks; write at most {cache.window - cache.sinks} at a time"
+        )
+    keep = torch.cat(
+        (
+            torch.arange(cache.sinks),
+            torch.arange(cache.length - recent, cache.length),
+        )
+    ).to(cache.index.device)
+    for store in (*cache.keys, *cache.values):
+        store[:, :, : keep.numel()] = store[:, :, keep].clone()
+    cache.index[: keep.numel()] = cache.index[keep].clone()
+    cache.evicted += cache.length - keep.numel()
+    cache.length = keep.numel()
+
+
+@dataclass(frozen=True)
+class _Step:
+    """What every layer shares in one call: the new tokens' slots and their rotations."""
+
+    start: int  # slot of the first new token
+    count: int  # new tokens
+    query_index: Tensor  # [n] token indices of the new tokens
+    key_index: Tensor  # [K] token indices of every live key, new ones included
+    query_tables: RotaryTables | None
+    key_tables: RotaryTables | None  # rerotate: tables for every live key
+    decay: BlockDecay | None  # xPos: over the live keys' positions
+    # Bias and mask of each block of queries, built by the first layer, read by the rest.
+    masks: dict[tuple[int, int], Tensor | None] = field(default_factory=dict)
+
+
+def _plain_tables(encoding: PositionEncoding, positions: Tensor) -> RotaryTables | None:
+    """Rotation tables without xPos's scales (its decay is applied per block)."""
+    if isinstance(encoding, XPos):
+        return Rope.rotary_tables(encoding, positions)
+    return encoding.rotary_tables(positions)
+
+
+def _prepare(cache: KVCache, count: int) -> _Step:
+    if cache.written + count > cache.total:
+        raise ValueError(
+            f"the cache was made for {cache.total} tokens; {cache.written} are written "
+            f"and {count} more do not fit"
+        )
+    _evict(cache, count)
+    start, device = cache.length, cache.index.device
+    new = torch.arange(cache.written, cache.written + count, device=device)
+    cache.index[start : start + count] = new
+    key_index = cache.index[: start + count]
+    enc, positions = cache.encoding, cache.positions
+    query_tables = key_tables = None
+    if cache.policy == "rerotate":
+        key_tables = _plain_tables(enc, positions[..., key_index])
+        if key_tables is not None:
+            query_tables = _slice_tables(key_tables, start, start + count)
+    else:
+        query_tables = _plain_tables(enc, positions[..., new])
+    decay = None
+    if isinstance(enc, XPos):
+        decay = BlockDecay(enc.zeta, enc.scale_base, positions[..., key_index], enc.table_span // 2)
+    return _Step(start, count, new, key_index, query_tables, key_tables, decay)
+
+
+def _slice_tables(tables: RotaryTables, start: int, end: int) -> RotaryTables:
+    def cut(t: Tensor) -> Tensor:
+        return t[..., start:end, :]
+
+    return RotaryTables(cut(tables.cos_q), cut(tables.sin_q), cut(tables.cos_k), cut(tables.sin_k))
+
+
+def _attend(cache: KVCache, layer: int, q: Tensor, k: Tensor, v: Tensor, step: _Step) -> Tensor:
+    """Write the new k, v into the cache and attend the new queries over every live key."""
+    end = step.start + step.count
+    if step.query_tables is not None:
+        t = step.query_tables
+        q = rotated(q, t.cos_q, t.sin_q)
+        if step.key_tables is None:
+            k = rotated(k, t.cos_k, t.sin_k)
+    cache.keys[layer][:, :, step.start : end] = k
+    cache.values[layer][:, :, step.start : end] = v
+    keys, values = cache.keys[layer][:, :, :end], cache.values[layer][:, :, :end]
+    if step.key_tables is not None:
+        keys = rotated(keys, step.key_tables.cos_k, step.key_tables.sin_k)
+    # Attention runs in the cache's dtype (a bf16 cache: bf16 scores, as in serving).
+    q, enc = q.to(keys.dtype), cache.encoding
+    blocks = []
+    rows = step.count if step.decay is None else min(step.count, step.decay.max_rows)
+    rows = min(rows, PREFILL_BLOCK_ROWS)
+    for first in range(0, step.count, rows):
+        last = min(step.count, first + rows)
+        visible = step.start + last  # keys past the block's last query are all future
+        q_block, k_block = q[:, :, first:last], keys[:, :, :visible]
+        if step.decay is not None:
+            q_scale, k_scale = step.decay.scales(step.start + first, visible)
+            q_block, k_block = scale_pairs(q_block, q_scale), scale_pairs(k_block, k_scale)
+        if (first, last) not in step.masks:
+            step.masks[first, last] = _mask(enc, step, first, last, visible, q.dtype)
+        mask = step.masks[first, last]
+        blocks.append(
+            F.scaled_dot_product_attention(q_block, k_block, values[:, :, :visible], attn_mask=mask)
+        )
+    return torch.cat(blocks, dim=2).to(v.dtype)
+
+
+def _mask(
+    enc: PositionEncoding, step: _Step, first: int, last: int, visible: int, dtype: torch.dtype
+) -> Tensor | None:
+    """The additive bias and causal mask of queries [first, last) of this call over the
+    first ``visible`` live keys (None when every key is visible and there is no bias)."""
+    queries = step.query_index[first:last]
+    keys = step.key_index[:visible]
+    future = keys[None, :] > queries[:, None]
+    if not enc.has_bias:
+        return None if not bool(future.any()) else ~future
+    k_len = int(queries[-1]) + 1
+    bias = enc.bias(last - first, k_len)
+    assert bias is not None
+    if keys.numel() != k_len:  # evicted keys: the bias of the kept ones only
+        bias = bias[:, :, keys]
+    return bias.masked_fill(future, float("-inf")).to(dtype).unsqueeze(0)
+
+
+@torch.no_grad()
+def forward_cached(model: Transformer, tokens: Tensor, cache: KVCache) -> Tensor:
+    """Logits ``[B, n, vocab]`` of ``tokens [B, n]``, the next n tokens of the sequences
+    in ``cache``, which then holds their keys and values too."""
+    if model.encoding is not cache.encoding:
+        raise ValueError("the cache was made for another encoding (a scaling entered or left)")
+    batch, count = tokens.shape
+    step = _prepare(cache, count)
+    positions = cache.positions[..., step.query_index]
+    x = model.token_embedding(tokens) * math.sqrt(model.config.d_model)
+    x = cache.encoding.embed(x, positions)
+    heads = model.config.n_heads
+    for layer, block in enumerate(model.blocks):
+        attn = block.attn
+        qkv = attn.qkv(block.attn_norm(x))
+        q, k, v = qkv.view(batch, count, 3, heads, -1).permute(2, 0, 3, 1, 4)
+        y = _attend(cache, layer, q, k, v, step)
+        x = x + attn.proj(y.transpose(1, 2).reshape(batch, count, -1))
+        x = x + block.mlp(block.mlp_norm(x))
+    cache.length = step.start + count
+    cache.written += count
+    x = model.final_norm(x)
+    # The tied head in float32 even under autocast, as in Transformer.forward.
+    with torch.autocast(x.device.type, enabled=False):
+        return F.linear(x.float(), model.token_embedding.weight.float())
+
+
+def prefill(model: Transformer, tokens: Tensor, cache: KVCache) -> Tensor:
+    """Logits of a prompt ``[B, P]`` read in one pass (with a window: its first window
+    tokens in one pass, the rest one at a time, so no query sees more than the window)."""
+    if cache.window is None or tokens.shape[1] <= cache.window:
+        return forward_cached(model, tokens, cache)
+    head = forward_cached(model, tokens[:, : cache.window], cache)
+    rest = [
+        forward_cached(model, tokens[:, t : t + 1], cache)
+        for t in range(cache.window, tokens.shape[1])
+    ]
+    return torch.cat((head, *rest), dim=1)
+
+
+def step(model: Transformer, tokens: Tensor, cache: KVCache) -> Tensor:
+    """Logits ``[B, vocab]`` of one new token per sequence (``tokens [B]``)."""
+    return forward_cached(model, tokens[:, None], cache)[:, 0]
+
+
+def decode_logits(
+    model: Transformer, tokens: Tensor, prompt: int, cache: KVCache | None = None, **options: object
+) -> Tensor:
+    """Teacher-forced logits ``[B, T, vocab]`` of ``tokens [B, T]``: the first ``prompt``
+    tokens prefilled, every later one decoded alone (``options``: ``new_cache``'s)."""
+    batch, length = tokens.shape
+    if not 0 < prompt <= length:
+        raise ValueError(f"prompt must be in [1, {length}], got {prompt!r}")
+    cache = cache or new_cache(model, batch, length, **options)  # type: ignore[arg-type]
+    out = [prefill(model, tokens[:, :prompt], cache)]
+    out += [step(model, tokens[:, t], cache)[:, None] for t in range(prompt, length)]
+    return torch.cat(out, dim=1)
+
+
+def greedy(model: Transformer, prompt: Tensor, new_tokens: int, cache: KVCache) -> Tensor:
+    """``[B, new_tokens]``: the argmax continuation of ``prompt [B, P]``, each chosen token
+    fed back."""
+    logits = prefill(model, prompt, cache)[:, -1]
+    chosen = []
+    for position in range(new_tokens):
+        token = logits.argmax(dim=-1)
+        chosen.append(token)
+        if position + 1 < new_tokens:
+            logits = step(model, token, cache)
+    return torch.stack(chosen, dim=1)
+
+
+# -- the decode protocol ---------------------------------------------------------------
+
+
+@dataclass
+class DecodeTally:
+    """What the decode protocol measures besides its scores: tokens decoded one at a time
+    and the seconds they took, and the most bytes one sequence's cache held."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    kv_bytes: int = 0
+
+    def reset(self) -> None:
+        """Forget an attempt (one that ran out of memory and is retried smaller)."""
+        self.tokens, self.seconds, self.kv_bytes = 0, 0.0, 0
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds > 0 else None
+
+
+def _answer_size(scored: Tensor) -> Tensor:
+    """Each row's answer size: its scored targets, which must be its last ones."""
+    sizes = scored.sum(dim=1)
+    count = scored.shape[1]
+    tail = torch.arange(count, device=scored.device)[None, :] >= count - sizes[:, None]
+    if not torch.equal(tail, scored) or bool((sizes == 0).any()):
+        raise ValueError("the decode protocol generates answers: the scored targets must end a row")
+    return sizes
+
+
+def decode_scores(
+    model: Transformer,
+    inputs: Tensor,
+    answers: Tensor | None,
+    tally: DecodeTally,
+    **options: object,
+) -> Tensor:
+    """Logits ``[B, T, vocab]`` for the decode protocol. Language modelling (``answers``
+    None): the first half of each window is the prompt, read in one pass; every later
+    input is decoded alone. Answers (``answers`` marks the scored targets, the last ones
+    of each row): the rest
+    is the prompt, and each answer byte is predicted from the bytes the model generated
+    before it (greedy), so exact match is that of greedy generation."""
+    batch, length = inputs.shape
+    dtype = torch.bfloat16 if inputs.device.type == "cuda" else torch.float32
+    if answers is None:
+        cache = new_cache(model, batch, length, dtype=dtype, **options)  # type: ignore[arg-type]
+        return _timed(model, inputs, max(1, length // 2), None, cache, tally)
+    sizes = _answer_size(answers)
+    out = torch.empty(batch, length, model.config.vocab_size, device=inputs.device)
+    for size in sorted(set(sizes.tolist())):
+        rows = (sizes == size).nonzero().flatten()
+        cache = new_cache(model, len(rows), length, dtype=dtype, **options)  # type: ignore[arg-type]
+        out[rows] = _timed(model, inputs[rows], length - size + 1, size, cache, tally)
+    return out
+
+
+def _timed(
+    model: Transformer,
+    inputs: Tensor,
+    prompt: int,
+    generated: int | None,
+    cache: KVCache,
+    tally: DecodeTally,
+) -> Tensor:
+    """Prefill ``prompt`` inputs, then step: teacher-forced through the rest of ``inputs``,
+    or feeding back the argmax for ``generated`` - 1 steps."""
+    logits = [prefill(model, inputs[:, :prompt], cache)]
+    steps = inputs.shape[1] - prompt
+    started = time.perf_counter()
+    for t in range(prompt, prompt + steps):
+        token = inputs[:, t] if generated is None else logits[-1][:, -1].argmax(-1)
+        logits.append(step(model, token, cache)[:, None])
+    _synchronize(inputs.device)
+    tally.seconds += time.perf_counter() - started
+    tally.tokens += steps * inputs.shape[0]
+    tally.kv_bytes = max(tally.kv_bytes, cache.nbytes())
+    return torch.cat(logits, dim=1)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
