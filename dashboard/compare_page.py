@@ -23,6 +23,7 @@ from jobs import analysis
 from jobs.metrics import Kind, headline, kind_of, metric_named, shown_with
 from jobs.render.tables import seed_summary_table
 from jobs.safe_text import markdown
+from jobs.spec import protocol_title
 from worker.catalog.hf_models import HF_ENCODING
 
 MAX_LENGTHS = 48
@@ -88,16 +89,20 @@ def render() -> None:
     if normalise:
         summary = normalize(summary, train_lengths)
     log_y = metric_named(metric).log_scale and not normalise
+    scored_with = protocol_title(
+        (queries.study_spec(database(), int(study)) for study in view["study_id"].unique()),
+        protocol,
+    )
     label = f"{metric} / value at the training length" if normalise else metric
     hf_models = bool((view["encoding"] == HF_ENCODING).any())
     own_models = bool((view["encoding"] != HF_ENCODING).any())
     st.plotly_chart(
         curve_figure(
             summary,
-            label,
+            f"{label} ({scored_with})",
             list(train_lengths.values()),
             log_y,
-            title=f"{label} against evaluation length",
+            title=f"{label} against evaluation length ({scored_with})",
             unit=length_unit(hf_models, own_models),
         ),
         key="curves",

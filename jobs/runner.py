@@ -298,7 +298,8 @@ def _report(result, out: Path, console: Console, *, as_json: bool, private: bool
         sections.append(markdown_frame(grid.reset_index()))
     write_atomic(out / "table.md", ("\n\n".join(sections) + "\n").encode(), private=private)
     for protocol in protocols:
-        title = spec.name if len(protocols) == 1 else f"{spec.name} ({protocol})"
+        label = spec.eval.protocol_label(protocol)
+        title = f"{spec.name} ({label})"
         bands = seed_bands(result.seed_values(protocol))
 
         def plot(handle, protocol=protocol, title=title, bands=bands) -> None:
@@ -309,9 +310,11 @@ def _report(result, out: Path, console: Console, *, as_json: bool, private: bool
         sys.stdout.write(document.to_json() + "\n")
         return
     for protocol in protocols:
-        console.print(tables[protocol].rich(_title(tables[protocol], protocol)))
+        console.print(
+            tables[protocol].rich(_title(tables[protocol], spec.eval.protocol_label(protocol)))
+        )
     for table in extra:
-        console.print(table.rich(_title(table, protocols[0])))
+        console.print(table.rich(_title(table, spec.eval.protocol_label(protocols[0]))))
     if not grid.empty:
         from jobs.render.watch import frame_table
 

@@ -228,7 +228,13 @@ def test_a_synthetic_task_reports_partial_success_too(tmp_path: Path) -> None:
     table = (out / "table.md").read_text()
     assert "| token_accuracy by length | 16 (L) | 32 (2x) |" in table
     (run,) = json.loads((out / "results.json").read_text())["runs"]
-    rows = [line for line in table.splitlines() if line.startswith("| alibi |")]
+    curves, summaries = table.split("\n\n")[:2], table.split("\n\n")[2:]
+    rows = [line for part in curves for line in part.splitlines() if line.startswith("| alibi |")]
     assert len(rows) == 2  # exact match, then the answer bytes
+    # Then the summaries: beyond training, the mean accuracy past 16 bytes (of one seed).
+    (grid,) = summaries
+    assert "beyond training" in grid.splitlines()[0]
+    accuracy = {e["length"]: e["accuracy"] for e in run["evaluations"]}
+    assert grid.splitlines()[-1].endswith(f"| {accuracy[32]:g} |")
     token = {e["length"]: e["token_accuracy"] for e in run["evaluations"]}
     assert rows[1] == f"| alibi | {token[16]:.3f} | {token[32]:.3f} |"

@@ -259,6 +259,7 @@ def _view_frame(url: str, row, view: str, protocol: str | None, factor: float | 
     """The frame a view shows, and its title."""
     from db import queries
     from jobs import analysis
+    from jobs.spec import protocol_title
 
     study = int(row["id"])
     frame = queries.curves(url, study_ids=[study], protocol=protocol)
@@ -277,7 +278,10 @@ def _view_frame(url: str, row, view: str, protocol: str | None, factor: float | 
         runs = queries.runs(url, study_id=study)
         frame = analysis.training_curves(queries.train_points(url, runs["id"].tolist()), runs)
         return frame, "training (one row per run; --format csv or json for every point)"
-    return frame, "curves"
+    # Every number with what it was scored by: the protocol and its settings (stride, ...).
+    stored = queries.study_spec(url, study)
+    labels = {p: protocol_title([stored], p) for p in frame["protocol"].unique()}
+    return frame.assign(protocol_label=frame["protocol"].map(labels)), "curves"
 
 
 def _print_results(frame, row, view: str, output: str, title: str) -> None:
@@ -290,7 +294,7 @@ def _print_results(frame, row, view: str, output: str, title: str) -> None:
     elif output == "json":
         typer.echo(frame.to_json(orient="records"))
     elif view == "curves":
-        console.print(curve_table(frame, row))
+        console.print(curve_table(frame.assign(protocol=frame["protocol_label"]), row))
     elif frame.empty:
         if sum(int(row[status] or 0) for status in ACTIVE) == 0:
             console.print(

@@ -27,7 +27,7 @@ from jobs.spec.loading import load_spec, parse_spec
 from jobs.spec.parts import EncodingSpec, FinetuneSpec, ModelSpec, TaskSpec, TrainSpec
 from jobs.spec.presets import PRESET_SPECS, preset_spec
 from jobs.spec.study import RunSpec, StudySpec
-from jobs.spec.variants import EvalSpec, VariantSpec
+from jobs.spec.variants import EvalSpec, VariantSpec, protocol_title
 
 __all__ = [
     "DEFAULT_NAME",
@@ -51,4 +51,5 @@ __all__ = [
     "load_spec",
     "parse_spec",
     "preset_spec",
+    "protocol_title",
 ]

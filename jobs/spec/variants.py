@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -300,29 +301,46 @@ class EvalSpec(_Strict):
                 "eval.stride applies to the 'sliding' protocol only; add 'sliding' to "
                 "eval.protocols or remove the stride"
             )
-        decode = (
-            ("cache_policy", self.cache_policy != "keep"),
-            ("window", self.window is not None),
-            ("sinks", self.sinks != 0),
+        # Each protocol's own settings, refused where the protocol is not evaluated.
+        settings = (
+            ("cache_policy", self.cache_policy != "keep", "decode"),
+            ("window", self.window is not None, "decode"),
+            ("sinks", self.sinks != 0, "decode"),
+            ("min_document_bytes", self.min_document_bytes is not None, "document"),
+            ("bos", self.bos, "document"),
         )
-        for name, given in decode:
-            if given and "decode" not in self.protocols:
+        for name, given, protocol in settings:
+            if given and protocol not in self.protocols:
                 raise ValueError(
-                    f"eval.{name} applies to the 'decode' protocol only; add 'decode' to "
-                    f"eval.protocols or remove eval.{name}"
+                    f"eval.{name} applies to the {protocol!r} protocol only; add "
+                    f"{protocol!r} to eval.protocols or remove eval.{name}"
                 )
         if self.sinks and (self.window is None or self.sinks >= self.window):
             raise ValueError(
                 f"eval.sinks ({self.sinks}) must be below eval.window ({self.window}): sinks "
                 "are the first keys a window keeps, and it needs room for recent ones"
             )
-        for name, given in (("min_document_bytes", self.min_document_bytes), ("bos", self.bos)):
-            if given and "document" not in self.protocols:
-                raise ValueError(
-                    f"eval.{name} applies to the 'document' protocol only; add 'document' "
-                    f"to eval.protocols or remove eval.{name}"
-                )
         return self
+
+    def protocol_label(self, protocol: str) -> str:
+        """``protocol`` with the settings that change what it scores, as every number
+        evaluated with it is labelled: ``sliding (stride 64)``, ``document (documents >=
+        4096 bytes, BOS)``, ``decode (rerotate, window 512, 4 sinks)``."""
+        settings: list[str] = []
+        if protocol == "sliding" and self.stride is not None:
+            settings.append(f"stride {self.stride}")
+        elif protocol == "document":
+            if self.min_document_bytes is not None:
+                settings.append(f"documents >= {self.min_document_bytes} bytes")
+            if self.bos:
+                settings.append("BOS")
+        elif protocol == "decode":
+            settings.append(f"{self.cache_policy} cache")
+            if self.window is not None:
+                settings.append(f"window {self.window}")
+            if self.sinks:
+                settings.append(f"{self.sinks} sinks")
+        return f"{protocol} ({', '.join(settings)})" if settings else protocol
 
     def plan(self, scalable: bool) -> list[tuple[VariantSpec, str, int]]:
         """Every (variant, protocol, length) to evaluate for one run, shortest lengths
@@ -336,3 +354,20 @@ class EvalSpec(_Strict):
             for protocol in self.protocols
             for length in self.lengths
         ]
+
+
+def protocol_title(stored: Iterable[Mapping[str, Any] | None], protocol: str) -> str:
+    """``protocol``'s label (``EvalSpec.protocol_label``) for numbers of the studies whose
+    stored specs are ``stored``: their one label, or, where their settings differ, each
+    study's. A stored spec that no longer reads as one counts as the bare protocol."""
+    labels = set()
+    for spec in stored:
+        try:
+            evaluation = EvalSpec.model_validate((spec or {}).get("eval") or {})
+        except ValueError:
+            labels.add(protocol)
+            continue
+        labels.add(evaluation.protocol_label(protocol))
+    if len(labels) <= 1:
+        return labels.pop() if labels else protocol
+    return f"{protocol} (settings differ by study: {'; '.join(sorted(labels))})"

@@ -45,6 +45,7 @@ from db.models import Evaluation, Run, RunSummary, Study, TrainPoint, as_utc
 from jobs.analysis import ANY_PROTOCOL, line_name
 from jobs.audit import deleted_message
 from jobs.metrics import METRICS
+from jobs.spec import PROTOCOLS, protocol_title
 from jobs.status import RunStatus
 
 CURVE_METRICS = tuple(METRICS.values())  # every metric an evaluation point can carry
@@ -134,6 +135,11 @@ def run_tags(study: Study, run: Run, variants: Iterable[str]) -> dict[str, str]:
         ):
             if model.get(name) is not None:
                 tags[f"posbench.model.{name}"] = str(model[name])[:5000]
+    # What each protocol scored, with the settings that change it (stride, window, ...).
+    spec = study.spec if isinstance(study.spec, dict) else {}
+    for protocol in (spec.get("eval") or {}).get("protocols") or PROTOCOLS[:1]:
+        if protocol in PROTOCOLS:  # a stored spec is checked; a key never takes other text
+            tags[f"posbench.protocol.{protocol}"] = protocol_title([spec], protocol)[:5000]
     if "trained_by_run" in provenance:
         tags["posbench.trained_by_run"] = str(provenance["trained_by_run"])
     # Imported with posbench import (or reused from such a run): not trained here.

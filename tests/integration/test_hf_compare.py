@@ -91,7 +91,10 @@ def test_an_hf_model_and_a_trained_model_on_one_compare_chart(
     assert not app.exception
     assert app.selectbox(key="metric").value == "bits_per_byte"
     curves = json.loads(app.get("plotly_chart")[0].proto.spec)
-    assert curves["layout"]["title"]["text"] == "bits_per_byte against evaluation length"
+    assert (
+        curves["layout"]["title"]["text"]
+        == "bits_per_byte against evaluation length (nonoverlapping)"
+    )
     assert curves["layout"]["xaxis"]["title"]["text"] == (
         "evaluation length (tokens of each model: bytes for posbench's, its tokenizer's "
         "for an hf: model)"
