@@ -31,7 +31,8 @@ every round, each length's contenders run back to back in a random order, and a 
 range. Tokens/s counts the new tokens over the whole call, prefill included, on both
 sides. Memory (``--no-memory`` skips it): one more call of each contender after the
 rounds, its peak above what was held before it (CUDA: ``max_memory_allocated``; CPU: the
-peak resident set with large blocks in mappings of their own), and the bytes of keys and
+peak resident set, with large blocks in mappings of their own and the heap's free pages
+given back first), and the bytes of keys and
 values each side's cache holds at the end (posbench's ``KVCache``, transformers'
 ``past_key_values``).
 
@@ -43,6 +44,8 @@ happens is reported (float sums in another order can flip a near tie).
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import json
 import random
 import statistics
@@ -239,6 +242,16 @@ def contenders(
     return sides
 
 
+def release_free_heap() -> bool:
+    """Give the heap's free pages back to the system (glibc's ``malloc_trim``), so that
+    a call reusing them shows in the resident set (False off glibc)."""
+    name = ctypes.util.find_library("c")
+    try:
+        return bool(name and ctypes.CDLL(name).malloc_trim(0) >= 0)
+    except (OSError, AttributeError):
+        return False
+
+
 def peak_memory(device: torch.device, run: Callable[[], object]) -> int:
     """Peak bytes of one ``run`` above what was allocated (CUDA) or resident (CPU)."""
     if device.type == "cuda":
@@ -248,6 +261,7 @@ def peak_memory(device: torch.device, run: Callable[[], object]) -> int:
         run()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - before
+    release_free_heap()
     return peak_bytes(run)
 
 
@@ -263,7 +277,10 @@ def measure(
         if plan.device.type == "cpu":
             from worker.memory import fix_mmap_threshold
 
-            fix_mmap_threshold()  # large blocks unmapped when freed: RSS follows live tensors
+            # Large blocks unmapped when freed, and (``peak_memory``) the heap's free pages
+            # given back before each call: RSS follows the live tensors. Not during the
+            # rounds: a growing cache would pay a page fault per step there.
+            fix_mmap_threshold()
         order = list(sides)
         random.Random(seed).shuffle(order)
         for key in order:
