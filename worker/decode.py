@@ -174,8 +174,10 @@ class _Step:
     query_tables: RotaryTables | None
     key_tables: RotaryTables | None  # rerotate: tables for every live key
     decay: BlockDecay | None  # xPos: over the live keys' positions
-    # Bias and mask of each block of queries, built by the first layer, read by the rest.
+    # Bias and mask of each block of queries, built by the first layer, read by the rest;
+    # so are xPos's decay scales of each block (a power per key and rotated pair).
     masks: dict[tuple[int, int], Tensor | None] = field(default_factory=dict)
+    scales: dict[tuple[int, int], tuple[Tensor, Tensor]] = field(default_factory=dict)
 
 
 def _plain_tables(encoding: PositionEncoding, positions: Tensor) -> RotaryTables | None:
@@ -240,7 +242,9 @@ def _attend(cache: KVCache, layer: int, q: Tensor, k: Tensor, v: Tensor, step: _
         visible = step.start + last  # keys past the block's last query are all future
         q_block, k_block = q[:, :, first:last], keys[:, :, :visible]
         if step.decay is not None:
-            q_scale, k_scale = step.decay.scales(step.start + first, visible)
+            if (first, last) not in step.scales:
+                step.scales[first, last] = step.decay.scales(step.start + first, visible)
+            q_scale, k_scale = step.scales[first, last]
             q_block, k_block = scale_pairs(q_block, q_scale), scale_pairs(k_block, k_scale)
         if (first, last) not in step.masks:
             step.masks[first, last] = _mask(enc, step, first, last, visible, q.dtype)
