@@ -89,13 +89,20 @@ def filler(size: int) -> str:
 
 
 def cut_at(haystack: str, depth: float, boundary: str = ". ") -> int:
-    """Where a piece goes at ``depth``: the ``boundary`` (the end of a sentence, as for the
-    pass key's needle, or of a line) nearest below it."""
-    cut = round(depth * len(haystack))
-    if 0 < cut < len(haystack):
-        found = haystack.rfind(boundary, 0, cut + len(boundary) - 1)
-        cut = 0 if found < 0 else found + len(boundary)
-    return cut
+    """Where a piece goes at ``depth``: the place after a ``boundary`` (the end of a
+    sentence, as for the pass key's needle, or of a line), the haystack's start or its
+    end, whichever is nearest ``depth`` (below on a tie). Nearest, not the one below: a
+    short haystack has few boundaries, and rounding down would put a needle at its end
+    (depth 1, right before the question) in training almost never."""
+    target = depth * len(haystack)
+    cut = round(target)
+    if not 0 < cut < len(haystack):
+        return max(0, min(cut, len(haystack)))
+    found = haystack.rfind(boundary, 0, cut + len(boundary) - 1)
+    below = 0 if found < 0 else found + len(boundary)
+    found = haystack.find(boundary, cut)
+    above = len(haystack) if found < 0 else found + len(boundary)
+    return below if target - below <= above - target else above
 
 
 def insert(
