@@ -358,3 +358,36 @@ def test_results_json_import_csv_and_mlflow_carry_them(tmp_path) -> None:
         points = session.scalars(select(Evaluation).where(Evaluation.run_id == run.id)).all()
         metrics = {(n, step): v for n, v, _, step in run_metrics(session, run, points, [], 0, 0)}
     assert metrics[("eval/key_token_perplexity/none/nonoverlapping", 128)] == 3.5
+
+
+def test_summaries_and_pairwise_claims_work_on_key_token_perplexity() -> None:
+    import pandas as pd
+
+    from jobs.analysis import claim, pairwise_table, seed_summary
+
+    rows = []
+    for run_id, (label, seed) in enumerate((lab, s) for lab in ("alibi", "rope") for s in range(3)):
+        for length in (128, 256, 512):
+            # None at 1x: no target there has a context longer than the short one.
+            base = 2.0 if label == "alibi" else 6.0
+            value = None if length == 128 else base * length / 256 + 0.01 * seed
+            rows.append(
+                {
+                    "study_id": 1,
+                    "run_id": run_id,
+                    "label": label,
+                    "seed": seed,
+                    "variant": "none",
+                    "protocol": "nonoverlapping",
+                    "eval_length": length,
+                    "key_token_perplexity": value,
+                    "not_applicable": None,
+                }
+            )
+    data = pd.DataFrame(rows)
+    summary = seed_summary(data, "key_token_perplexity").set_index(["line", "eval_length"])
+    assert summary.loc[("alibi", 256), "mean"] == pytest.approx(2.01)
+    table = pairwise_table(data, "key_token_perplexity")
+    at_4x = table[table["eval_length"] == 512].iloc[0]
+    assert at_4x["p_a_wins"] == 1.0  # lower is better: alibi's 4.0x against rope's 12.0x
+    assert claim(at_4x, 128).startswith("alibi beats rope at 4x")
