@@ -391,3 +391,27 @@ def test_summaries_and_pairwise_claims_work_on_key_token_perplexity() -> None:
     at_4x = table[table["eval_length"] == 512].iloc[0]
     assert at_4x["p_a_wins"] == 1.0  # lower is better: alibi's 4.0x against rope's 12.0x
     assert claim(at_4x, 128).startswith("alibi beats rope at 4x")
+
+
+def test_only_scored_targets_are_scored_again() -> None:
+    """The sliding protocol scores a window's last targets only: the sub-windows start
+    at the first scored one, and unscored targets gain nothing."""
+    model = build_model("tiny", "rope", train_length=16, seed=5).eval()
+    inputs = torch.randint(0, 256, (2, 64))
+    targets = torch.randint(0, 256, (2, 64))
+    scored = torch.zeros(2, 64, dtype=torch.bool)
+    scored[:, 48:] = True
+    seen: list[int] = []
+
+    def forward(window: torch.Tensor) -> torch.Tensor:
+        seen.append(window.shape[0])
+        return model(window)
+
+    tally = KeyTokenTally(16, 4, alpha=0.0)
+    with torch.inference_mode():
+        gains = tally.add(forward, inputs, targets, model(inputs), scored)
+        expected = hand_gains(model, inputs, targets, 16, 4)
+    assert sum(seen) == 2 * len(sub_windows(64, 16, 4, first=48)) == 2 * 4
+    assert torch.equal(gains[:, :48], torch.zeros(2, 48))
+    assert torch.allclose(gains[:, 48:], expected[:, 48:], atol=1e-5)
+    assert tally.targets == 32
