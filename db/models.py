@@ -191,6 +191,9 @@ class Evaluation(Base):
     token_accuracy: Mapped[float | None]
     string_match_all: Mapped[float | None]
     string_match_part: Mapped[float | None]
+    key_token_fraction: Mapped[float | None]
+    key_token_perplexity: Mapped[float | None]
+    key_token_gain: Mapped[float | None]
     tokens: Mapped[int] = mapped_column(default=0)
     tokens_per_second: Mapped[float | None]
     peak_memory_bytes: Mapped[int | None] = mapped_column(BigInteger)

@@ -153,6 +153,40 @@ METRICS: dict[str, Metric] = {
             "forcing); for an answer of one part it equals exact match",
             high=1.0,
         ),
+        # Key tokens (LongPPL, Fang et al. 2024; eval.key_tokens, worker.key_tokens).
+        Metric(
+            name="key_token_fraction",
+            kind=Kind.LANGUAGE_MODELLING,
+            lower_is_better=False,
+            fmt=".4f",
+            column="key_token_fraction",
+            description="the fraction of scored targets that are key tokens: their loss "
+            "drops by more than eval.key_tokens.alpha with the full context instead of "
+            "short_context tokens of it (LongPPL's criterion)",
+            high=1.0,
+        ),
+        Metric(
+            name="key_token_perplexity",
+            kind=Kind.LANGUAGE_MODELLING,
+            lower_is_better=True,
+            fmt=".2f",
+            column="key_token_perplexity",
+            description="exp of the key tokens' mean full-context loss (LongPPL); none "
+            "without key tokens",
+            log_scale=True,
+            low=1.0,
+        ),
+        Metric(
+            name="key_token_gain",
+            kind=Kind.LANGUAGE_MODELLING,
+            lower_is_better=False,
+            fmt=".4f",
+            column="key_token_gain",
+            description="the mean over scored targets of the short-context loss minus the "
+            "full-context loss (nats; 0 for targets within short_context of the window's "
+            "start)",
+            low=-math.inf,
+        ),
     )
 }
 

@@ -66,6 +66,10 @@ class Evaluation:
     token_accuracy: float | None = None
     string_match_all: float | None = None
     string_match_part: float | None = None
+    # Key tokens (eval.key_tokens; None without it): worker.key_tokens.
+    key_token_fraction: float | None = None
+    key_token_perplexity: float | None = None
+    key_token_gain: float | None = None
     tokens: int = 0
     tokens_per_second: float | None = None
     peak_memory_bytes: int | None = None

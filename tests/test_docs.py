@@ -375,7 +375,7 @@ def constraints(annotation: Any, metadata: list[Any]) -> tuple[list[set[float]],
 
 
 def numbers(cell: str) -> set[float]:
-    found = re.findall(r"(?<![\w.])\d[\d,_]*(?:\.\d+)?(?:e[+-]?\d+)?", cell)
+    found = re.findall(r"(?<![\w.])-?\d[\d,_]*(?:\.\d+)?(?:e[+-]?\d+)?", cell)
     return {float(n.replace(",", "").replace("_", "")) for n in found}
 
 

@@ -37,13 +37,22 @@ def test_every_metric_has_its_columns_and_every_task_a_registered_metric() -> No
         "token_accuracy": False,
         "string_match_all": False,
         "string_match_part": False,
+        "key_token_fraction": False,
+        "key_token_perplexity": True,
+        "key_token_gain": False,
     }
 
 
 def test_the_registry_answers_what_the_views_ask() -> None:
     assert headline(Kind.LANGUAGE_MODELLING).name == "perplexity"
     assert headline(Kind.ANSWER).name == "accuracy"
-    assert [m.name for m in shown_with("perplexity")] == ["perplexity", "loss", "bits_per_byte"]
+    keys = ["key_token_fraction", "key_token_perplexity", "key_token_gain"]
+    assert [m.name for m in shown_with("perplexity")] == [
+        "perplexity",
+        "loss",
+        "bits_per_byte",
+        *keys,
+    ]
     ruler = ["string_match_all", "string_match_part"]
     assert [m.name for m in shown_with("accuracy")] == ["accuracy", "token_accuracy", *ruler]
     assert [m.name for m in measured(Kind.ANSWER)] == [
@@ -54,7 +63,10 @@ def test_the_registry_answers_what_the_views_ask() -> None:
     ]
     assert [m.name for m in reported(Kind.ANSWER)] == ["accuracy", "token_accuracy"]
     assert [m.name for m in reported(Kind.LANGUAGE_MODELLING)] == ["perplexity"]
-    assert [m.name for m in METRICS.values() if m.log_scale] == ["perplexity"]
+    assert [m.name for m in METRICS.values() if m.log_scale] == [
+        "perplexity",
+        "key_token_perplexity",
+    ]
     assert metric_named("perplexity").to_loss(math.e) == pytest.approx(1.0)
     assert metric_named("bits_per_byte").to_loss(1 / math.log(2)) == pytest.approx(1.0)
     assert metric_named("accuracy").format(0.5) == "0.500"

@@ -29,6 +29,7 @@ from jobs.spec import EvalSpec, VariantSpec
 from worker import liveness
 from worker.data.base import Batch, Task
 from worker.decode import DecodeTally, decode_scores
+from worker.key_tokens import KeyTokenTally
 from worker.memory import (
     available_bytes,
     bound_heap_for,
@@ -150,9 +151,11 @@ def _run_batches(
     should_stop: Callable[[], bool] | None = None,
     no_grad: Callable[[], Any] = torch.inference_mode,
     scores: Callable[[Batch], torch.Tensor] | None = None,
+    key_tokens: KeyTokenTally | None = None,
 ) -> _Accumulator:
     """The accumulated scores of ``batches``: the model's logits of each batch's inputs in
-    one pass, or what ``scores`` gives for the batch (the decode protocol)."""
+    one pass, or what ``scores`` gives for the batch (the decode protocol); with
+    ``key_tokens``, each batch's targets scored again with their context cut short."""
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     accumulator = _Accumulator(length)
     with no_grad(), autocast:
@@ -163,8 +166,19 @@ def _run_batches(
             batch = batch.to(device)
             logits = model(batch.inputs) if scores is None else scores(batch)
             accumulator.add(logits, batch)
+            if key_tokens is not None:
+                # The short passes draw nothing from the generators the full ones read.
+                with _rng_kept(device):
+                    key_tokens.add(model, batch.inputs, batch.targets, logits, batch.scored)
             liveness.touch()
     return accumulator
+
+
+def _rng_kept(device: torch.device) -> contextlib.AbstractContextManager:
+    accelerator = device.type != "cpu"
+    return torch.random.fork_rng(
+        devices=[device] if accelerator else [], device_type=device.type if accelerator else None
+    )
 
 
 @contextlib.contextmanager
@@ -286,8 +300,14 @@ def evaluate_length(
     answers = kind_of(task.metric) is Kind.ANSWER
     scores = _decode_scores(model, spec, tally, answers) if protocol == "decode" else None
 
+    # Key tokens: language modelling with eval.key_tokens only.
+    lm = kind_of(task.metric) is Kind.LANGUAGE_MODELLING
+    found = KeyTokenTally.of(spec.key_tokens, train_length) if lm else None
+
     def run(batch_size: int) -> _Accumulator:
         tally.reset()
+        if found is not None:
+            found.reset()
         batches = task.eval_batches(
             length,
             protocol="nonoverlapping" if protocol == "decode" else protocol,
@@ -299,10 +319,11 @@ def evaluate_length(
             **document,
         )
         with _seeded(f"{seed}/{variant.label}/{protocol}/{length}", device):
+            options = {"scores": scores, "key_tokens": found}
             if variant.method == "none":
-                return _run_batches(model, batches, length, device, should_stop, scores=scores)
+                return _run_batches(model, batches, length, device, should_stop, **options)
             with model.scaled(variant.method, row.factor, train_length, **variant.params):
-                return _run_batches(model, batches, length, device, should_stop, scores=scores)
+                return _run_batches(model, batches, length, device, should_stop, **options)
 
     result = halving_on_oom(run, batch_size)
     elapsed = time.perf_counter() - started
@@ -320,6 +341,10 @@ def evaluate_length(
         per_byte = result.loss_sum / result.text_bytes if result.text_bytes else row.loss
         row.bits_per_byte = per_byte / math.log(2)
         row.position_bins = result.bins()
+        if found is not None:
+            row.key_token_fraction = found.fraction
+            row.key_token_perplexity = found.perplexity
+            row.key_token_gain = found.mean_gain
     else:
         row.accuracy = result.exact / max(1, result.examples)
         # Partial success: exact match drops to 0 as soon as one answer byte is wrong.

@@ -37,6 +37,7 @@ from jobs.spec.parts import (
 from jobs.spec.variants import (
     EvalSpec,
     VariantSpec,
+    key_token_problems,
 )
 from worker.catalog.corpora import SourcePolicy
 from worker.catalog.encodings import REGISTRY, SCALINGS, Fit, info
@@ -252,6 +253,7 @@ class StudySpec(_Strict):
                 "eval.bos applies to hf: models (a tokenizer's beginning-of-sequence token); "
                 "a posbench model's document windows start with the document separator"
             )
+        problems += key_token_problems(self.eval.key_tokens, task, self.train.length)
         if "sliding" not in self.eval.protocols:
             return problems
         if self.eval.stride is None:
@@ -462,6 +464,8 @@ class StudySpec(_Strict):
             del evaluation["effective_length"]
         if evaluation["min_document_bytes"] is None:
             del evaluation["min_document_bytes"]
+        if evaluation["key_tokens"] is None:
+            del evaluation["key_tokens"]
         if not evaluation["bos"]:
             del evaluation["bos"]
         if evaluation["cache_policy"] == "keep":
