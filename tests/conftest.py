@@ -1,10 +1,11 @@
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -182,3 +183,46 @@ def worker_environment(
     settings_module.get_settings.cache_clear()
     yield service_settings(tmp_path, device="cpu", run_deadline_hours=1)
     settings_module.get_settings.cache_clear()
+
+
+def two_encodings_frame(metric: str, value: Callable[[str, int, int], float | None]):
+    """Curves rows (as ``db.queries.curves`` gives them) of three seeds each of alibi and
+    rope at 128, 256 and 512, ``value(label, seed, length)`` as ``metric``: for tests of
+    summaries and pairwise claims on a metric."""
+    import pandas as pd
+
+    rows = []
+    runs = [(label, seed) for label in ("alibi", "rope") for seed in range(3)]
+    for run_id, (label, seed) in enumerate(runs):
+        for length in (128, 256, 512):
+            rows.append(
+                {
+                    "study_id": 1,
+                    "run_id": run_id,
+                    "label": label,
+                    "seed": seed,
+                    "variant": "none",
+                    "protocol": "nonoverlapping",
+                    "eval_length": length,
+                    metric: value(label, seed, length),
+                    "not_applicable": None,
+                }
+            )
+    return pd.DataFrame(rows)
+
+
+def digest_in_another_process(module: str, argument: Any) -> str:
+    """``module``'s ``digest(argument)`` computed by a fresh interpreter (``argument``
+    goes as JSON): what examples drawn in another process hash to."""
+    code = (  # the test modules import conftest, as pytest lets them
+        f"import json, sys\nsys.path.insert(0, 'tests')\nfrom {module} import digest\n"
+        "print(digest(json.loads(sys.argv[1])))\n"
+    )
+    other = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(argument)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return other.stdout.strip()

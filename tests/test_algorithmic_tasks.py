@@ -10,13 +10,12 @@ import json
 import math
 import re
 import string
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from conftest import digest_in_another_process
 from typer.testing import CliRunner
 
 from jobs.cli import app
@@ -194,19 +193,7 @@ def digest(settings: list[tuple[str, dict[str, Any]]]) -> str:
 
 
 def test_examples_are_the_same_in_another_process() -> None:
-    code = (
-        "import json, sys\n"
-        "from tests.test_algorithmic_tasks import digest\n"
-        "print(digest(json.loads(sys.argv[1])))\n"
-    )
-    other = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(SETTINGS)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert other.stdout.strip() == digest(SETTINGS)
+    assert digest_in_another_process("tests.test_algorithmic_tasks", SETTINGS) == digest(SETTINGS)
 
 
 def study(task: dict[str, Any], train: dict[str, Any], lengths: list[int]) -> dict[str, Any]:

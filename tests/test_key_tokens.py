@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import two_encodings_frame
 from torch import nn
 
 from jobs.metrics import METRICS, Kind, measured
@@ -361,30 +362,14 @@ def test_results_json_import_csv_and_mlflow_carry_them(tmp_path) -> None:
 
 
 def test_summaries_and_pairwise_claims_work_on_key_token_perplexity() -> None:
-    import pandas as pd
-
     from jobs.analysis import claim, pairwise_table, seed_summary
 
-    rows = []
-    for run_id, (label, seed) in enumerate((lab, s) for lab in ("alibi", "rope") for s in range(3)):
-        for length in (128, 256, 512):
-            # None at 1x: no target there has a context longer than the short one.
-            base = 2.0 if label == "alibi" else 6.0
-            value = None if length == 128 else base * length / 256 + 0.01 * seed
-            rows.append(
-                {
-                    "study_id": 1,
-                    "run_id": run_id,
-                    "label": label,
-                    "seed": seed,
-                    "variant": "none",
-                    "protocol": "nonoverlapping",
-                    "eval_length": length,
-                    "key_token_perplexity": value,
-                    "not_applicable": None,
-                }
-            )
-    data = pd.DataFrame(rows)
+    def value(label: str, seed: int, length: int) -> float | None:
+        # None at 1x: no target there has a context longer than the short one.
+        base = 2.0 if label == "alibi" else 6.0
+        return None if length == 128 else base * length / 256 + 0.01 * seed
+
+    data = two_encodings_frame("key_token_perplexity", value)
     summary = seed_summary(data, "key_token_perplexity").set_index(["line", "eval_length"])
     assert summary.loc[("alibi", 256), "mean"] == pytest.approx(2.01)
     table = pairwise_table(data, "key_token_perplexity")

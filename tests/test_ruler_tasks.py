@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import re
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from conftest import digest_in_another_process
 
 from jobs.spec import EvalSpec
 from worker.catalog.tasks import TASKS
@@ -248,19 +246,7 @@ def digest(settings: list[tuple[str, dict[str, Any]]]) -> str:
 
 
 def test_examples_are_the_same_in_another_process() -> None:
-    code = (
-        "import json, sys\n"
-        "from tests.test_ruler_tasks import digest\n"
-        "print(digest(json.loads(sys.argv[1])))\n"
-    )
-    other = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(SETTINGS)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert other.stdout.strip() == digest(SETTINGS)
+    assert digest_in_another_process("tests.test_ruler_tasks", SETTINGS) == digest(SETTINGS)
 
 
 def test_entries_refuse_what_cannot_be_built() -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import pandas as pd
 import pytest
 import torch
+from conftest import two_encodings_frame
 
 import worker.evaluate
 from jobs.analysis import claim, pairwise_table, seed_summary, summarize_run
@@ -208,26 +209,12 @@ def test_a_small_real_evaluation() -> None:
 
 def frame(metric: str) -> pd.DataFrame:
     """Three seeds of two encodings; alibi retrieves more parts at every length."""
-    rows = []
-    for run_id, (label, seed) in enumerate(
-        (label, seed) for label in ("alibi", "rope") for seed in range(3)
-    ):
-        for length in (128, 256, 512):
-            value = (0.9 if label == "alibi" else 0.4) - 0.1 * math.log2(length / 128) + 0.01 * seed
-            rows.append(
-                {
-                    "study_id": 1,
-                    "run_id": run_id,
-                    "label": label,
-                    "seed": seed,
-                    "variant": "none",
-                    "protocol": "nonoverlapping",
-                    "eval_length": length,
-                    metric: value,
-                    "not_applicable": None,
-                }
-            )
-    return pd.DataFrame(rows)
+    return two_encodings_frame(
+        metric,
+        lambda label, seed, length: (
+            (0.9 if label == "alibi" else 0.4) - 0.1 * math.log2(length / 128) + 0.01 * seed
+        ),
+    )
 
 
 @pytest.mark.parametrize("metric", ["string_match_all", "string_match_part"])
