@@ -93,9 +93,11 @@ def test_decoded_losses_equal_the_forward_under_static_scalings(method: str) -> 
             assert _max_loss_gap(scaled, tokens, policy=policy) < TOLERANCE, policy
 
 
+@pytest.mark.parametrize("layers", ["one", "two"])
 @pytest.mark.parametrize("method", DYNAMIC)
-def test_length_dependent_scalings_keep_and_rerotate(method: str) -> None:
-    model = _rope_model(ONE_LAYER)
+def test_length_dependent_scalings_keep_and_rerotate(method: str, layers: str) -> None:
+    # rerotate is exact in every layer: past the original length the cache is rebuilt.
+    model = _rope_model(ONE_LAYER) if layers == "one" else _rope_model()
     length = 2 * TRAIN
     tokens = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(6))
     with _scaled(model, method) as scaled:
@@ -221,6 +223,8 @@ def test_cache_options_are_checked_with_clear_messages() -> None:
         new_cache(model, 1, 8, window=4, sinks=4)
     with pytest.raises(ValueError, match="window must be a positive integer"):
         new_cache(model, 1, 8, window=0)
+    with pytest.raises(ValueError, match="'rerotate' rebuilds the cache from every token"):
+        new_cache(model, 1, 8, window=4, policy="rerotate")
     cache = new_cache(model, 1, 4)
     prefill(model, torch.zeros(1, 4, dtype=torch.long), cache)
     with pytest.raises(ValueError, match="made for 4 tokens; 4 are written"):

@@ -107,6 +107,10 @@ def test_greedy_answers_are_exact_when_the_teacher_forced_ones_are() -> None:
             "Input should be 'keep' or 'rerotate'",
         ),
         ({"protocols": ["decode"], "window": 1}, "greater than or equal to 2"),
+        (
+            {"protocols": ["decode"], "window": 8, "cache_policy": "rerotate"},
+            "'rerotate' rebuilds the cache from every token when the frequencies change",
+        ),
     ],
 )
 def test_the_spec_names_what_is_wrong_with_a_decode_evaluation(

@@ -19,12 +19,15 @@ positions: one sorted draw for the final length, used step by step).
 
 The two cache policies differ only where the rotary frequencies depend on the length
 (dynamic NTK, LongRoPE): ``keep`` is what HF transformers and vLLM do (a key keeps the
-frequencies of the length at which it was written); ``rerotate`` rotates every cached
-key of every layer with the current length's frequencies. That is the one-pass forward
-exactly in the first layer; deeper layers' keys and values come from hidden states of
-earlier steps, computed under the frequencies of their own step, so in a model of more
-than one layer ``rerotate`` is exact only where the frequencies did not change (up to
-the training length).
+frequencies of the length at which it was written); ``rerotate`` is exact, the one-pass
+forward at every length: while the frequencies stay those of the cached tokens the
+cache is used as it is (keys stored unrotated, rotated with the current tables), and
+when a new token changes them (past the original length) the cache is rebuilt by
+reading every token so far in one pass - rotating the cached keys alone would not do,
+since deeper layers' keys and values come from hidden states computed under the old
+frequencies. Exactness costs a pass over the sequence per step past the original
+length; a window cannot be rebuilt (its dropped keys are gone), so ``rerotate`` takes
+none.
 
 A ``window`` of W keys with ``sinks`` S (StreamingLLM, Xiao et al. 2023): before new
 tokens are written, the cache drops the keys between its first S and its most recent
@@ -78,6 +81,7 @@ class KVCache:
     keys: list[Tensor]
     values: list[Tensor]
     index: Tensor  # [capacity] int64
+    history: Tensor  # [B, T] the tokens written so far (rerotate rebuilds from them)
     length: int = 0
     written: int = 0  # tokens seen so far (the next token's index)
     evicted: int = 0  # keys dropped by the window so far
@@ -121,6 +125,11 @@ def new_cache(
             raise ValueError(f"sinks must be an integer in [0, window={window}), got {sinks!r}")
     elif sinks:
         raise ValueError("sinks need a window: sinks are the first keys a window always keeps")
+    if window is not None and policy == "rerotate":
+        raise ValueError(
+            "cache_policy 'rerotate' rebuilds the cache from every token when the "
+            "frequencies change; a window has dropped some: use 'keep' with a window"
+        )
     device = model.token_embedding.weight.device
     encoding = model.encoding
     positions = encoding.positions(batch_size, total_length, device)
@@ -136,6 +145,7 @@ def new_cache(
         keys=[torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)],
         values=[torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)],
         index=torch.zeros(capacity, dtype=torch.long, device=device),
+        history=torch.zeros(batch_size, total_length, dtype=torch.long, device=device),
     )
 
 
@@ -273,14 +283,38 @@ def _mask(
     return bias.masked_fill(future, float("-inf")).to(dtype).unsqueeze(0)
 
 
+def _frequencies_change(cache: KVCache, count: int) -> bool:
+    """Whether ``count`` new tokens change the rotary frequencies of the cached ones (a
+    scaling that follows the length, past its original length)."""
+    enc = cache.encoding
+    scaling = getattr(enc, "scaling", None)
+    if not cache.written or scaling is None or not scaling.follows_length:
+        return False
+    positions = cache.positions
+    before = int(positions[..., : cache.written].max()) + 1
+    after = int(positions[..., : cache.written + count].max()) + 1
+    return not torch.equal(enc.frequencies(before), enc.frequencies(after))
+
+
 @torch.no_grad()
 def forward_cached(model: Transformer, tokens: Tensor, cache: KVCache) -> Tensor:
     """Logits ``[B, n, vocab]`` of ``tokens [B, n]``, the next n tokens of the sequences
     in ``cache``, which then holds their keys and values too."""
     if model.encoding is not cache.encoding:
         raise ValueError("the cache was made for another encoding (a scaling entered or left)")
+    count = tokens.shape[1]
+    if cache.policy == "rerotate" and _frequencies_change(cache, count):
+        # Exact: every token so far read again under the new length's frequencies.
+        replay = torch.cat((cache.history[:, : cache.written], tokens), dim=1)
+        cache.length = cache.written = 0
+        return _forward(model, replay, cache)[:, -count:]
+    return _forward(model, tokens, cache)
+
+
+def _forward(model: Transformer, tokens: Tensor, cache: KVCache) -> Tensor:
     batch, count = tokens.shape
     step = _prepare(cache, count)
+    cache.history[:, cache.written : cache.written + count] = tokens
     positions = cache.positions[..., step.query_index]
     x = model.token_embedding(tokens) * math.sqrt(model.config.d_model)
     x = cache.encoding.embed(x, positions)

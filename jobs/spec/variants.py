@@ -314,9 +314,9 @@ class EvalSpec(_Strict):
     cache_policy: CachePolicy = Field(
         "keep",
         description="decode protocol, rotary encodings: 'keep' (a cached key keeps the "
-        "rotation it was written with, as HF transformers and vLLM do) or 'rerotate' (every "
-        "cached key rotated with the current length's frequencies at each step); they "
-        "differ only under length-dependent scalings (dynamic NTK, LongRoPE)",
+        "rotation it was written with, as HF transformers and vLLM do) or 'rerotate' "
+        "(exact: the cache rebuilt under the current length's frequencies whenever they "
+        "change); they differ only under length-dependent scalings (dynamic NTK, LongRoPE)",
     )
     window: int | None = Field(
         None,
@@ -397,6 +397,12 @@ class EvalSpec(_Strict):
                     f"eval.{name} applies to the {protocol!r} protocol only; add "
                     f"{protocol!r} to eval.protocols or remove eval.{name}"
                 )
+        if self.window is not None and self.cache_policy == "rerotate":
+            raise ValueError(
+                "eval.cache_policy 'rerotate' rebuilds the cache from every token when the "
+                "frequencies change, and a window has dropped some: use 'keep' with "
+                "eval.window"
+            )
         if self.sinks and (self.window is None or self.sinks >= self.window):
             raise ValueError(
                 f"eval.sinks ({self.sinks}) must be below eval.window ({self.window}): sinks "
