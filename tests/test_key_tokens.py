@@ -4,6 +4,8 @@ full context helps by more than ``alpha``."""
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import math
 
@@ -350,10 +352,11 @@ def test_results_json_import_csv_and_mlflow_carry_them(tmp_path) -> None:
         "results", "--study", "1", "--format", "csv", env=isolated_env(settings.home)
     )
     assert shown.returncode == 0, shown.stderr
-    header, *lines = shown.stdout.splitlines()
-    table = [dict(zip(header.split(","), line.split(","), strict=True)) for line in lines]
+    table = list(csv.DictReader(io.StringIO(shown.stdout)))
     at_4x = next(line for line in table if line["eval_length"] == "128")
     assert [at_4x[name] for name in KEYS] == ["0.25", "3.5", "0.75"]
+    # Each number labelled with the settings that made it.
+    assert at_4x["protocol_label"].startswith("nonoverlapping; key tokens: short context")
     with transaction(settings.database) as session:
         run = session.scalars(select(Run)).one()
         points = session.scalars(select(Evaluation).where(Evaluation.run_id == run.id)).all()

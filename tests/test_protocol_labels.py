@@ -4,6 +4,8 @@ it scores (issue 21): ``EvalSpec.protocol_label``, and the label in `posbench re
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 
@@ -21,14 +23,22 @@ def test_each_protocol_is_labelled_with_what_changes_its_numbers() -> None:
         protocols=["nonoverlapping", "sliding", "document", "decode"],
         stride=16,
         min_document_bytes=4096,
-        cache_policy="rerotate",
         window=48,
         sinks=4,
     )
     assert spec.protocol_label("nonoverlapping") == "nonoverlapping"
     assert spec.protocol_label("sliding") == "sliding (stride 16)"
     assert spec.protocol_label("document") == "document (documents >= 4096 bytes)"
-    assert spec.protocol_label("decode") == "decode (rerotate cache, window 48, 4 sinks)"
+    assert spec.protocol_label("decode") == "decode (keep cache, window 48, 4 sinks)"
+    exact = EvalSpec(protocols=["decode"], cache_policy="rerotate")
+    assert exact.protocol_label("decode") == "decode (rerotate cache)"
+    keyed = EvalSpec(key_tokens={"short_context": 64, "beta": -2}, protocols=["sliding"], stride=8)
+    assert keyed.protocol_label("sliding") == (
+        "sliding (stride 8); key tokens: short context 64, alpha 2, beta -2"
+    )
+    assert EvalSpec(key_tokens={}).protocol_label("nonoverlapping") == (
+        "nonoverlapping; key tokens: short context L, alpha 2"
+    )
     plain = EvalSpec(protocols=["document", "decode"])
     assert plain.protocol_label("document") == "document"
     assert plain.protocol_label("decode") == "decode (keep cache)"
@@ -85,9 +95,7 @@ def test_results_name_each_protocol_with_its_settings(imported) -> None:
     env = isolated_env(imported.home)
     shown = posbench_cli("results", "--study", "1", "--format", "csv", env=env)
     assert shown.returncode == 0, shown.stderr
-    header, *lines = shown.stdout.splitlines()
-    columns = header.split(",")
-    labels = {dict(zip(columns, line.split(","), strict=True))["protocol_label"] for line in lines}
+    labels = {row["protocol_label"] for row in csv.DictReader(io.StringIO(shown.stdout))}
     assert labels == {"nonoverlapping", "sliding (stride 16)", "document"}
     table = posbench_cli("results", "--study", "1", env={**env, "COLUMNS": "200"})
     assert table.returncode == 0, table.stderr

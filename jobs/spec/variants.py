@@ -250,6 +250,16 @@ class KeyTokenSpec(_Strict):
         "LongPPL's ratio)",
     )
 
+    def label(self) -> str:
+        """The settings in words, as every number they produced is labelled."""
+        parts = [
+            f"short context {self.short_context or 'L'}",
+            f"alpha {self.alpha:g}",
+            *([f"beta {self.beta:g}"] if self.beta is not None else []),
+            *([f"stride {self.stride}"] if self.stride is not None else []),
+        ]
+        return f"key tokens: {', '.join(parts)}"
+
     @model_validator(mode="after")
     def _stride_fits(self) -> KeyTokenSpec:
         if (
@@ -413,7 +423,9 @@ class EvalSpec(_Strict):
     def protocol_label(self, protocol: str) -> str:
         """``protocol`` with the settings that change what it scores, as every number
         evaluated with it is labelled: ``sliding (stride 64)``, ``document (documents >=
-        4096 bytes, BOS)``, ``decode (rerotate, window 512, 4 sinks)``."""
+        4096 bytes, BOS)``, ``decode (rerotate cache, window 512, 4 sinks)``, and with
+        key-token metrics their settings (``nonoverlapping; key tokens: short context
+        64, alpha 2``; L: the training length)."""
         settings: list[str] = []
         if protocol == "sliding" and self.stride is not None:
             settings.append(f"stride {self.stride}")
@@ -428,7 +440,9 @@ class EvalSpec(_Strict):
                 settings.append(f"window {self.window}")
             if self.sinks:
                 settings.append(f"{self.sinks} sinks")
-        return f"{protocol} ({', '.join(settings)})" if settings else protocol
+        label = f"{protocol} ({', '.join(settings)})" if settings else protocol
+        # The key-token metrics of every protocol are what their settings make them.
+        return f"{label}; {self.key_tokens.label()}" if self.key_tokens else label
 
     def plan(self, scalable: bool) -> list[tuple[VariantSpec, str, int]]:
         """Every (variant, protocol, length) to evaluate for one run, shortest lengths
