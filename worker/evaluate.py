@@ -175,6 +175,8 @@ def _run_batches(
 
 
 def _rng_kept(device: torch.device) -> contextlib.AbstractContextManager:
+    """The random generators restored on leaving: the CPU's, and an accelerator's (CUDA,
+    MPS: a generator of its own)."""
     accelerator = device.type != "cpu"
     return torch.random.fork_rng(
         devices=[device] if accelerator else [], device_type=device.type if accelerator else None
@@ -188,16 +190,12 @@ def _seeded(point: str, device: torch.device) -> Iterator[None]:
     and the point of the plan): a rerun or a resumed run measures the same thing, and
     the generators training draws from are restored afterwards."""
     seed = zlib.crc32(point.encode())
-    # An accelerator (CUDA, MPS) has a generator of its own, forked and seeded with the CPU's.
-    accelerator = device.type != "cpu"
-    with torch.random.fork_rng(
-        devices=[device] if accelerator else [], device_type=device.type if accelerator else None
-    ):
+    with _rng_kept(device):
         torch.random.default_generator.manual_seed(seed)
         if device.type == "cuda":
             with torch.cuda.device(device):
                 torch.cuda.manual_seed(seed)
-        elif accelerator:
+        elif device.type != "cpu":
             torch.get_device_module(device.type).manual_seed(seed)
         yield
 

@@ -4,10 +4,12 @@ pick a free loopback port, wait for the server."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import time
 import urllib.request
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import pytest
@@ -15,7 +17,7 @@ import pytest
 from .conftest import IN_CI, ROOT
 
 if TYPE_CHECKING:
-    from playwright.sync_api import Browser, Playwright
+    from playwright.sync_api import Browser, Page, Playwright
 
 SCREENSHOTS = ROOT / ".posbench" / "screenshots"
 
@@ -51,6 +53,30 @@ def launch(playwright: Playwright, browser_path: str) -> Browser:
             "--no-first-run",
         ],
     )
+
+
+# How long actions and assertions wait on a page: on a loaded 2-core machine the plotly
+# bundle alone can take longer than expect()'s 5 s default.
+PATIENCE_MS = 60_000
+EXPECT_DEFAULT_MS = 5_000
+
+
+@contextlib.contextmanager
+def patient_page(browser_path: str) -> Iterator[Page]:
+    """A 1400 x 1000 page of a headless Chromium whose actions and expect() assertions
+    wait up to PATIENCE_MS; expect()'s default is restored and the browser closed after."""
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = launch(playwright, browser_path)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.set_default_timeout(PATIENCE_MS)
+            expect.set_options(timeout=PATIENCE_MS)
+            yield page
+        finally:
+            expect.set_options(timeout=EXPECT_DEFAULT_MS)
+            browser.close()
 
 
 def free_port() -> int:

@@ -19,7 +19,7 @@ from db import queries
 from db.migrate import upgrade
 from jobs.settings import get_settings
 
-from .browser import SCREENSHOTS, free_port, launch, require_chromium, wait_http
+from .browser import SCREENSHOTS, free_port, patient_page, require_chromium, wait_http
 from .conftest import ROOT
 
 APP = str(ROOT / "dashboard" / "app.py")
@@ -50,7 +50,7 @@ def test_a_valid_submit_writes_the_study_and_enqueues_its_runs(
 
 def test_browser_submit_watch_compare() -> None:
     browser_path = require_chromium()
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     home = Path(tempfile.mkdtemp(prefix="pb-ui-"))
     port = free_port()
@@ -67,13 +67,7 @@ def test_browser_submit_watch_compare() -> None:
     base = f"http://127.0.0.1:{port}"
     try:
         wait_http(f"{base}/_stcore/health", timeout=90)
-        with sync_playwright() as playwright:
-            browser = launch(playwright, browser_path)
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.set_default_timeout(60_000)
-            # Assertions wait as long as actions: on a loaded 2-core machine the
-            # plotly bundle alone can take longer than expect()'s 5 s default.
-            expect.set_options(timeout=60_000)
+        with patient_page(browser_path) as page:
             page.goto(base)
             expect(page.get_by_text("Submit a study")).to_be_visible()
             page.get_by_role("combobox", name="Start from").click()
@@ -97,9 +91,7 @@ def test_browser_submit_watch_compare() -> None:
             expect(page.locator(".js-plotly-plot").first).to_be_visible()
             expect(page.get_by_role("heading", name="Permutation equivariance")).to_be_visible()
             page.screenshot(path=SCREENSHOTS / "explore.png", full_page=True)
-            browser.close()
     finally:
-        expect.set_options(timeout=5_000)
         up.send_signal(signal.SIGINT)
         up.wait(timeout=60)
     assert (SCREENSHOTS / "compare.png").stat().st_size > 10_000
@@ -117,7 +109,7 @@ PAGE_URLS = {
 
 def test_every_page_answers_at_its_own_url(tmp_path: Path) -> None:
     browser_path = require_chromium()
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     database = f"sqlite:///{tmp_path}/posbench.db"
     upgrade(database)
@@ -146,11 +138,7 @@ def test_every_page_answers_at_its_own_url(tmp_path: Path) -> None:
     base = f"http://127.0.0.1:{port}"
     try:
         wait_http(f"{base}/_stcore/health", timeout=90)
-        with sync_playwright() as playwright:
-            browser = launch(playwright, browser_path)
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.set_default_timeout(60_000)
-            expect.set_options(timeout=60_000)
+        with patient_page(browser_path) as page:
             navigation = page.get_by_test_id("stSidebarNav").get_by_role("link")
             for path, (title, heading) in PAGE_URLS.items():
                 page.goto(base + path)
@@ -164,8 +152,6 @@ def test_every_page_answers_at_its_own_url(tmp_path: Path) -> None:
                 # Each page is listed once, and the one shown is marked.
                 expect(navigation).to_have_text(["Submit", "Queue", "Compare", "Explore"])
                 expect(navigation.and_(page.locator("[aria-current=page]"))).to_have_text(title)
-            browser.close()
     finally:
-        expect.set_options(timeout=5_000)
         dashboard.send_signal(signal.SIGINT)
         dashboard.wait(timeout=60)

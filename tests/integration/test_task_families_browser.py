@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 from jobs.service import submit
 from jobs.spec import parse_spec
 
-from .browser import SCREENSHOTS, free_port, launch, require_chromium, wait_http
+from .browser import SCREENSHOTS, free_port, patient_page, require_chromium, wait_http
 from .conftest import ROOT
 
 
@@ -73,7 +73,7 @@ def test_a_study_per_family_through_the_queue_onto_compare(
     cluster_factory, sqlite_url: str
 ) -> None:
     browser_path = require_chromium()
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     started = time.monotonic()
     cluster = cluster_factory(sqlite_url)
@@ -105,11 +105,7 @@ def test_a_study_per_family_through_the_queue_onto_compare(
         )
         trained = time.monotonic()
         wait_http(f"{base}/_stcore/health", timeout=90)
-        with sync_playwright() as playwright:
-            browser = launch(playwright, browser_path)
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.set_default_timeout(60_000)
-            expect.set_options(timeout=60_000)
+        with patient_page(browser_path) as page:
             for family, study_id in zip(FAMILIES, ids, strict=True):
                 page.goto(f"{base}/compare?studies={study_id}")
                 expect(page.get_by_test_id("stApp")).to_have_attribute(
@@ -135,9 +131,7 @@ def test_a_study_per_family_through_the_queue_onto_compare(
                     assert len(values) >= 2 * 2, values
                     assert all(re.fullmatch(r"0\.\d\d|1\.00", v) for v in values), values
                 page.screenshot(path=SCREENSHOTS / f"compare-{family.task}.png", full_page=True)
-            browser.close()
     finally:
-        expect.set_options(timeout=5_000)
         dashboard.send_signal(signal.SIGINT)
         dashboard.wait(timeout=60)
     print(

@@ -31,6 +31,7 @@ import sysconfig
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -97,6 +98,12 @@ class Corpus:
     fingerprint: str
     train: np.ndarray
     valid: np.ndarray
+
+    @cached_property
+    def documents(self) -> np.ndarray:
+        """``[n, 2]`` (start, end) of each validation document: the split scanned for
+        separators once, not at every length the document protocol scores."""
+        return document_spans(self.valid, DOC_SEPARATOR[0])
 
 
 def _content_hash(train: list[Document], valid: list[Document]) -> str:
@@ -361,7 +368,7 @@ class LanguageModelling(Task):
             yield Batch(inputs, targets, None if bool(scored.all()) else scored)
 
     def _documents(self, longest: int, tokens: int, min_bytes: int | None) -> np.ndarray:
-        spans = document_spans(self.data.valid, DOC_SEPARATOR[0])
+        spans = self.data.documents
         sizes = spans[:, 1] - spans[:, 0]
         return scored_documents(
             spans, sizes, longest=longest, tokens=tokens, prefixed=True, min_bytes=min_bytes
