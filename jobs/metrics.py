@@ -160,9 +160,11 @@ METRICS: dict[str, Metric] = {
             lower_is_better=False,
             fmt=".4f",
             column="key_token_fraction",
-            description="the fraction of scored targets that are key tokens: their loss "
-            "drops by more than eval.key_tokens.alpha with the full context instead of "
-            "short_context tokens of it (LongPPL's criterion)",
+            description="the fraction of scored targets that are key tokens: with the "
+            "model finder, those whose loss drops by more than eval.key_tokens.alpha with "
+            "the full context instead of short_context tokens of it (LongPPL's criterion); "
+            "with the repeats finder, those repeating what followed an earlier occurrence of "
+            "their context beyond short_context (the same targets for every run)",
             high=1.0,
         ),
         Metric(

@@ -5,9 +5,13 @@ full context helps by more than ``alpha``."""
 from __future__ import annotations
 
 import csv
+import importlib.util
 import io
 import json
 import math
+import random
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,11 +21,14 @@ from conftest import two_encodings_frame
 from torch import nn
 
 from jobs.metrics import METRICS, Kind, measured
-from jobs.spec import EvalSpec, SpecError, VariantSpec, parse_spec
+from jobs.spec import EvalSpec, SpecError, TrainSpec, VariantSpec, parse_spec
+from jobs.spec.key_tokens import KeyTokenSpec
+from worker.catalog.corpora import SourcePolicy
 from worker.data.lm import DOC_SEPARATOR, Corpus, LanguageModelling
 from worker.evaluate import evaluate_length
-from worker.key_tokens import KeyTokenTally, short_context_loss, sub_windows
+from worker.key_tokens import KeyTokenTally, repeat_keys, short_context_loss, sub_windows
 from worker.model import build_model
+from worker.training.trainer import Trainer
 
 CPU = torch.device("cpu")
 NONE = VariantSpec()
@@ -403,3 +410,149 @@ def test_only_scored_targets_are_scored_again() -> None:
     assert torch.equal(gains[:, :48], torch.zeros(2, 48))
     assert torch.allclose(gains[:, 48:], expected[:, 48:], atol=1e-5)
     assert tally.targets == 32
+
+
+def test_the_copy_finder_follows_the_most_recent_occurrence_beyond_the_short_context() -> None:
+    def keys(text: bytes, short: int, ngram: int = 2) -> list[int]:
+        data = torch.tensor([list(text)])
+        return repeat_keys(data[:, :-1], data[:, 1:], short, ngram)[0].nonzero().flatten().tolist()
+
+    #        0123456789012345
+    text = b"ab1x........ab1y"
+    # Target 13 (after "ab" ending at 13) repeats "1", which followed "ab" at 0-1; target
+    # 14 ("b1" -> "y") does not repeat "x"; the dots' last occurrence is within reach.
+    assert keys(text, short=4) == [13]
+    # With a short context of 14 tokens the first "ab" (starting at 0) is within reach.
+    assert keys(text, short=14) == []
+    # The most recent occurrence decides: here "ab" was last followed by "2".
+    assert keys(b"ab1xCDEFGab2yHIab1z", short=2) == []
+    assert keys(b"ab1xCDEFGab2yHIab2z", short=2) == [16]
+    # A longer n-gram asks for more matching context.
+    assert keys(b"xab1CDEFGHyab1", short=4, ngram=3) == []
+    assert keys(b"xab1CDEFGHxab1", short=4, ngram=3) == [12]
+
+
+def test_the_copy_finder_marks_the_planted_key_the_same_for_every_model() -> None:
+    train_length = 64
+    documents, repeat = planted_documents(12, train_length, seed=5)
+    task = toy_task(documents)
+    length = 4 * train_length
+    spec = KeyTokenSpec(finder="repeats", short_context=train_length)
+    seen = []
+    for encoding in ("rope", "alibi"):
+        model = build_model("tiny", encoding, train_length=train_length, seed=1).eval()
+        tally = KeyTokenTally.of(spec, train_length)
+        key_loss = []
+        with torch.inference_mode():
+            for batch in task.eval_batches(
+                length,
+                protocol="document",
+                batch_size=16,
+                tokens=1 << 16,
+                examples=1,
+                longest=length,
+            ):
+                logits = model(batch.inputs)
+                tally.add(model, batch.inputs, batch.targets, logits, batch.scored)
+                found = repeat_keys(batch.inputs, batch.targets, train_length, 4)
+                expected = torch.zeros_like(found)
+                expected[:, repeat : repeat + 16] = True
+                assert torch.equal(found, expected)  # the planted key, nothing else
+                loss = F.cross_entropy(
+                    logits.flatten(0, 1), batch.targets.flatten(), reduction="none"
+                )
+                key_loss.append(loss.view_as(found)[found])
+        assert tally.keys == 12 * 16
+        mean = float(torch.cat(key_loss).double().mean())
+        assert tally.perplexity == pytest.approx(math.exp(mean), rel=1e-6)
+        seen.append(tally.perplexity)
+    assert seen[0] != seen[1]  # one set of key tokens, each model's own losses on it
+
+
+def test_the_copy_finder_settings_are_checked_labelled_and_hashed() -> None:
+    def spec(keys: dict):
+        return parse_spec({**SPEC, "eval": {"lengths": [32, 64], "key_tokens": keys}})
+
+    with pytest.raises(SpecError, match="alpha applies to finder 'model'"):
+        spec({"finder": "repeats", "alpha": 1.0})
+    assert spec({"finder": "repeats", "alpha": 2.0}).eval.key_tokens.alpha == 2.0  # the default
+    with pytest.raises(SpecError, match="beta applies to finder 'model'"):
+        spec({"finder": "repeats", "beta": -2.0})
+    with pytest.raises(SpecError, match="ngram applies to finder 'repeats'"):
+        spec({"ngram": 8})
+    with pytest.raises(SpecError, match="finder"):
+        spec({"finder": "oracle"})
+    copy = spec({"finder": "repeats", "short_context": 16})
+    assert copy.eval.key_tokens.label() == "key tokens: short context 16, repeats finder, 4-gram"
+    assert spec({"finder": "repeats", "ngram": 8}).eval.key_tokens.label() == (
+        "key tokens: short context L, repeats finder, 8-gram"
+    )
+    model = spec({"short_context": 16})
+    encoding = model.encodings[0]
+    # The model finder hashes as before the finder existed (this value, computed then).
+    assert model.config_hash(encoding, 0) == "83a99052225c840b15b6c573"
+    assert spec({"finder": "model", "short_context": 16}).config_hash(encoding, 0) == (
+        model.config_hash(encoding, 0)
+    )
+    assert copy.config_hash(encoding, 0) != model.config_hash(encoding, 0)
+    eight = spec({"finder": "repeats", "short_context": 16, "ngram": 8})
+    assert eight.config_hash(encoding, 0) != copy.config_hash(encoding, 0)
+
+
+def planted_keys_module() -> Any:
+    """``studies/planted_keys.py``, the study's corpus writer (a script, not a package)."""
+    path = Path(__file__).resolve().parent.parent / "studies" / "planted_keys.py"
+    loader = importlib.util.spec_from_file_location("planted_keys", path)
+    module = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_a_trained_alibi_model_loses_the_planted_keys_past_its_training_length(
+    tmp_path: Path,
+) -> None:
+    """Issue 21's figure as a check: on the planted-key corpus (a 16-character key at a
+    document's start and again more than 3x the training length later, Python source
+    between) a model without scaling (ALiBi: no scaling exists for it) keeps its
+    perplexity at 4x while its key-token perplexity - the repeats finder's key tokens, the
+    same for every run - rises clearly. Measured (1,000 steps, 600 documents, seed 0):
+    perplexity 7.30 at 128 and 6.84 at 512; key-token perplexity 4.12 and 6.57 (key
+    tokens 5.2% and 19.3% of targets)."""
+    planted = planted_keys_module()
+    rng, lines = random.Random(0), planted.stdlib_lines()
+    folder = tmp_path / "corpora" / "planted-keys"
+    folder.mkdir(parents=True)
+    for i in range(600):
+        (folder / f"doc{i:04d}.txt").write_text(planted.document(lines, rng, 128))
+    task = LanguageModelling("text:planted-keys")
+    task.prepare(tmp_path / "cache", SourcePolicy(roots=(tmp_path / "corpora",)))
+    model = build_model("tiny", "alibi", train_length=128, seed=0)
+    spec = TrainSpec(length=128, steps=1000, batch_size=16, lr=3e-3, progress_every=500)
+    Trainer(model, task, spec, seed=0, device=CPU).fit()
+    evaluation = EvalSpec(
+        lengths=[128, 512],
+        protocols=["document"],
+        key_tokens=KeyTokenSpec(finder="repeats", short_context=32),
+    )
+    short, long = (
+        evaluate_length(
+            model,
+            task,
+            evaluation,
+            length=length,
+            protocol="document",
+            variant=NONE,
+            train_length=128,
+            device=CPU,
+        )
+        for length in (128, 512)
+    )
+    print(
+        f"perplexity {short.perplexity:.2f} -> {long.perplexity:.2f}, key-token perplexity "
+        f"{short.key_token_perplexity:.2f} -> {long.key_token_perplexity:.2f}, fraction "
+        f"{short.key_token_fraction:.3f} -> {long.key_token_fraction:.3f}"
+    )
+    assert short.key_token_fraction > 0.02 and long.key_token_fraction > 0.1
+    assert abs(long.perplexity / short.perplexity - 1) < 0.1  # moves little
+    assert long.key_token_perplexity > 1.4 * short.key_token_perplexity  # rises clearly

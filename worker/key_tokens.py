@@ -13,6 +13,14 @@ each with between ``short_context - stride + 1`` and ``short_context`` tokens of
 (itself included), so no short-context score reads more than ``short_context`` tokens.
 A target at a position below ``short_context`` sees the same tokens either way: its gain
 is 0 and it is not scored again.
+
+Which targets are key tokens is the finder's choice. ``model`` (LongPPL's criterion): the
+gain above, per run. ``repeats``: the text alone - a target that repeats what followed the
+most recent earlier occurrence of its ``ngram`` preceding tokens, where that occurrence
+starts before the short context does (so no short-context score can read it). The repeats
+finder marks the same targets for every run, so runs are compared on one set of key
+tokens, as LongPPL compares models under one evaluator; a model that cannot use context
+past its training length shows it as a key-token perplexity that rises with length.
 """
 
 from __future__ import annotations
@@ -22,11 +30,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from jobs.spec.variants import KeyTokenSpec
+    from jobs.spec.key_tokens import KeyTokenSpec
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
 
@@ -75,6 +84,38 @@ def short_context_loss(
     return loss
 
 
+def repeat_keys(
+    inputs: torch.Tensor, targets: torch.Tensor, short_context: int, ngram: int
+) -> torch.Tensor:
+    """``[B, T]`` booleans: target ``t`` continues the most recent earlier occurrence of
+    ``inputs[t - ngram + 1 : t + 1]`` (the occurrence ending at ``s < t`` whose next
+    target ``targets[s]`` equals ``targets[t]``), and that occurrence starts before the
+    short context of ``t`` (position ``t - short_context + 1``) does."""
+    rows, length = inputs.shape
+    keys = np.zeros((rows, length), dtype=bool)
+    if length <= ngram:
+        return torch.from_numpy(keys).to(inputs.device)
+    tokens = inputs.cpu().numpy().astype(np.uint64)
+    after = targets.cpu().numpy()
+    grams = np.lib.stride_tricks.sliding_window_view(tokens, ngram, axis=1)  # [B, T-n+1, n]
+    digest = np.zeros(grams.shape[:2], dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for i in range(ngram):  # a polynomial hash, wrapping; equal grams are checked below
+            digest = digest * np.uint64(1_000_003) + grams[:, :, i] + np.uint64(1)
+    ends = np.arange(ngram - 1, length)
+    for row in range(rows):
+        order = np.lexsort((ends, digest[row]))  # by hash, then position
+        same = digest[row][order[1:]] == digest[row][order[:-1]]
+        later, earlier = order[1:][same], order[:-1][same]
+        equal = (grams[row, later] == grams[row, earlier]).all(axis=1)
+        later, earlier = later[equal], earlier[equal]
+        t, s = ends[later], ends[earlier]
+        beyond = s - ngram + 1 < t - short_context + 1
+        repeats = after[row, s] == after[row, t]
+        keys[row, t[beyond & repeats]] = True
+    return torch.from_numpy(keys).to(inputs.device)
+
+
 @dataclass
 class KeyTokenTally:
     """The key-token sums of one evaluation point, batch by batch."""
@@ -83,6 +124,7 @@ class KeyTokenTally:
     stride: int
     alpha: float
     beta: float | None = None
+    ngram: int | None = None  # the repeats finder's; None: the model finder
     targets: int = 0  # scored targets
     keys: int = 0
     key_loss: float = 0.0  # the key tokens' full-context loss
@@ -94,7 +136,8 @@ class KeyTokenTally:
         if spec is None:
             return None
         short, stride = spec.resolved(train_length)
-        return cls(short, stride, spec.alpha, spec.beta)
+        ngram = spec.repeat_ngram if spec.finder == "repeats" else None
+        return cls(short, stride, spec.alpha, spec.beta, ngram)
 
     def reset(self) -> None:
         """Forget the sums (a retried attempt with smaller batches counts afresh)."""
@@ -126,9 +169,12 @@ class KeyTokenTally:
             rescored = ~short.isnan()
             gains[rescored] = short[rescored] - full[rescored]
         gains = gains * scored
-        key = scored & (gains > self.alpha)
-        if self.beta is not None:
-            key &= -full > self.beta  # the full-context log-probability
+        if self.ngram is not None:
+            key = scored & repeat_keys(inputs, targets, self.short_context, self.ngram)
+        else:
+            key = scored & (gains > self.alpha)
+            if self.beta is not None:
+                key &= -full > self.beta  # the full-context log-probability
         self.targets += int(scored.sum())
         self.keys += int(key.sum())
         self.key_loss += float((full * key).sum(dtype=torch.float64))

@@ -27,6 +27,7 @@ from jobs.spec.base import (
     _Strict,
 )
 from jobs.spec.hf import hf_defaults, hf_problems, model_source_problem, trained_problems
+from jobs.spec.key_tokens import key_token_problems
 from jobs.spec.parts import (
     EncodingSpec,
     HfEncoding,
@@ -34,11 +35,7 @@ from jobs.spec.parts import (
     TaskSpec,
     TrainSpec,
 )
-from jobs.spec.variants import (
-    EvalSpec,
-    VariantSpec,
-    key_token_problems,
-)
+from jobs.spec.variants import EvalSpec, VariantSpec
 from worker.catalog.corpora import SourcePolicy
 from worker.catalog.encodings import REGISTRY, SCALINGS, Fit, info
 from worker.catalog.hf_models import ModelPolicy
@@ -466,6 +463,8 @@ class StudySpec(_Strict):
             del evaluation["min_document_bytes"]
         if evaluation["key_tokens"] is None:
             del evaluation["key_tokens"]
+        elif evaluation["key_tokens"]["finder"] == "model":
+            del evaluation["key_tokens"]["finder"], evaluation["key_tokens"]["ngram"]
         if not evaluation["bos"]:
             del evaluation["bos"]
         if evaluation["cache_policy"] == "keep":
