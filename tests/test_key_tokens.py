@@ -412,7 +412,7 @@ def test_only_scored_targets_are_scored_again() -> None:
     assert tally.targets == 32
 
 
-def test_the_copy_finder_follows_the_most_recent_occurrence_beyond_the_short_context() -> None:
+def test_the_repeats_finder_follows_the_most_recent_occurrence_beyond_the_short_context() -> None:
     def keys(text: bytes, short: int, ngram: int = 2) -> list[int]:
         data = torch.tensor([list(text)])
         return repeat_keys(data[:, :-1], data[:, 1:], short, ngram)[0].nonzero().flatten().tolist()
@@ -432,7 +432,7 @@ def test_the_copy_finder_follows_the_most_recent_occurrence_beyond_the_short_con
     assert keys(b"xab1CDEFGHxab1", short=4, ngram=3) == [12]
 
 
-def test_the_copy_finder_marks_the_planted_key_the_same_for_every_model() -> None:
+def test_the_repeats_finder_marks_the_planted_key_the_same_for_every_model() -> None:
     train_length = 64
     documents, repeat = planted_documents(12, train_length, seed=5)
     task = toy_task(documents)
@@ -469,7 +469,7 @@ def test_the_copy_finder_marks_the_planted_key_the_same_for_every_model() -> Non
     assert seen[0] != seen[1]  # one set of key tokens, each model's own losses on it
 
 
-def test_the_copy_finder_settings_are_checked_labelled_and_hashed() -> None:
+def test_the_repeats_finder_settings_are_checked_labelled_and_hashed() -> None:
     def spec(keys: dict):
         return parse_spec({**SPEC, "eval": {"lengths": [32, 64], "key_tokens": keys}})
 
@@ -482,8 +482,8 @@ def test_the_copy_finder_settings_are_checked_labelled_and_hashed() -> None:
         spec({"ngram": 8})
     with pytest.raises(SpecError, match="finder"):
         spec({"finder": "oracle"})
-    copy = spec({"finder": "repeats", "short_context": 16})
-    assert copy.eval.key_tokens.label() == "key tokens: short context 16, repeats finder, 4-gram"
+    repeats = spec({"finder": "repeats", "short_context": 16})
+    assert repeats.eval.key_tokens.label() == "key tokens: short context 16, repeats finder, 4-gram"
     assert spec({"finder": "repeats", "ngram": 8}).eval.key_tokens.label() == (
         "key tokens: short context L, repeats finder, 8-gram"
     )
@@ -494,9 +494,12 @@ def test_the_copy_finder_settings_are_checked_labelled_and_hashed() -> None:
     assert spec({"finder": "model", "short_context": 16}).config_hash(encoding, 0) == (
         model.config_hash(encoding, 0)
     )
-    assert copy.config_hash(encoding, 0) != model.config_hash(encoding, 0)
+    assert repeats.config_hash(encoding, 0) != model.config_hash(encoding, 0)
     eight = spec({"finder": "repeats", "short_context": 16, "ngram": 8})
-    assert eight.config_hash(encoding, 0) != copy.config_hash(encoding, 0)
+    assert eight.config_hash(encoding, 0) != repeats.config_hash(encoding, 0)
+    # A stored spec (results.json, the database) spells every field, alpha's default too.
+    stored = parse_spec(eight.model_dump(mode="json"))
+    assert stored.config_hash(encoding, 0) == eight.config_hash(encoding, 0)
 
 
 def planted_keys_module() -> Any:
