@@ -66,6 +66,14 @@ def toy_task(documents: list[bytes]) -> LanguageModelling:
     return task
 
 
+def document_batches(task: LanguageModelling, length: int, longest: int) -> Any:
+    """The document protocol's batches of ``task`` at ``length`` (documents of at least
+    ``longest`` tokens), every document of the toy corpus in one plan."""
+    return task.eval_batches(
+        length, protocol="document", batch_size=16, tokens=1 << 16, examples=1, longest=longest
+    )
+
+
 MARKER = b"KEY:"
 
 
@@ -139,9 +147,7 @@ def test_key_tokens_at_4x_recover_the_planted_key() -> None:
     tally = KeyTokenTally(train_length, 16, alpha=2.0)
     length = 4 * train_length
     found = planted = false_keys = 0
-    for batch in task.eval_batches(
-        length, protocol="document", batch_size=16, tokens=1 << 16, examples=1, longest=length
-    ):
+    for batch in document_batches(task, length, longest=length):
         gains = tally.add(oracle, batch.inputs, batch.targets, oracle(batch.inputs), batch.scored)
         key = gains > tally.alpha
         # Target t of a document window is the document's byte t: the repeated key's
@@ -160,14 +166,7 @@ def test_key_tokens_at_4x_recover_the_planted_key() -> None:
     assert 1.0 <= tally.perplexity < 1.1
     # The same documents at 1x: the first copy is never in a window with the second.
     short = KeyTokenTally(train_length, 16, alpha=2.0)
-    for batch in task.eval_batches(
-        train_length,
-        protocol="document",
-        batch_size=16,
-        tokens=1 << 16,
-        examples=1,
-        longest=length,
-    ):
+    for batch in document_batches(task, train_length, longest=length):
         short.add(oracle, batch.inputs, batch.targets, oracle(batch.inputs), batch.scored)
     assert short.keys == 0
 
@@ -444,14 +443,7 @@ def test_the_repeats_finder_marks_the_planted_key_the_same_for_every_model() -> 
         tally = KeyTokenTally.of(spec, train_length)
         key_loss = []
         with torch.inference_mode():
-            for batch in task.eval_batches(
-                length,
-                protocol="document",
-                batch_size=16,
-                tokens=1 << 16,
-                examples=1,
-                longest=length,
-            ):
+            for batch in document_batches(task, length, longest=length):
                 logits = model(batch.inputs)
                 tally.add(model, batch.inputs, batch.targets, logits, batch.scored)
                 found = repeat_keys(batch.inputs, batch.targets, train_length, 4)
