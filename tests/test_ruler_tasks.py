@@ -14,10 +14,13 @@ import pytest
 import torch
 from conftest import digest_in_another_process
 
-from jobs.spec import EvalSpec
+from jobs.spec import EvalSpec, TrainSpec, VariantSpec
 from worker.catalog.tasks import TASKS
 from worker.data import build_task
 from worker.data.synthetic import PASSKEY_DEPTHS
+from worker.evaluate import evaluate_length
+from worker.model import build_model
+from worker.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -370,3 +373,37 @@ def test_the_text_haystack_reads_a_corpus_under_the_operators_rules(tmp_path: Pa
         assert all(line in lines for line in hay.splitlines()[1:])
     with pytest.raises(CorpusError, match="validation split has"):
         task.check_plan(EvalSpec(lengths=[512, 1 << 16]))
+
+
+@pytest.mark.slow
+def test_the_tiny_model_learns_multikey_niah_with_alibi() -> None:
+    """The task is learnable as generated: the tiny model (ALiBi) learns niah with
+    distractor needles (4 keys, 128 bytes) to at least 0.9 exact match at 1x, mean of 2
+    seeds, in 2,000 steps of 32 (lr 2e-3). Measured: 0.975 and 0.94 on the 200 evaluation
+    examples (1,500 steps: 0.0 and 0.355 - the retrieval is learnt in a jump, its step
+    varying by seed). The same model with RoPE does not learn it at this size (its 16-wide
+    heads are all rotated): 0.005 at 1,500 steps and 0.145 at 10,000 (one needle of the 5
+    at random, each then copied right), as an x-transformers model of the same shape does
+    (0.005 at 1,500 steps). About 95 s a seed on this 2-core machine, alone."""
+    length, cpu = 128, torch.device("cpu")
+    task = build_task("niah", haystack="needles", num_keys=4)
+    scores = []
+    for seed in (0, 1):
+        model = build_model("tiny", "alibi", train_length=length, seed=seed)
+        spec = TrainSpec(
+            length=length, steps=2000, batch_size=32, lr=2e-3, progress_every=500, val_every=0
+        )
+        Trainer(model, task, spec, seed=seed, device=cpu).fit()
+        scored = evaluate_length(
+            model,
+            task,
+            EvalSpec(lengths=[length], examples=200),
+            length=length,
+            protocol="nonoverlapping",
+            variant=VariantSpec(),
+            train_length=length,
+            device=cpu,
+        )
+        scores.append(scored.accuracy)
+    print(f"niah (needles, 4 keys, 128) after 2,000 steps, seeds 0 and 1: {scores}")
+    assert sum(scores) / 2 >= 0.9
