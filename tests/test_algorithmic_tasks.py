@@ -15,14 +15,13 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import digest_in_another_process
+from conftest import digest_in_another_process, scored_in_distribution
 from typer.testing import CliRunner
 
 from jobs.cli import app
-from jobs.spec import EvalSpec, SpecError, TrainSpec, VariantSpec, parse_spec
+from jobs.spec import SpecError, TrainSpec, parse_spec
 from worker.catalog.tasks import TASKS
 from worker.data import build_task
-from worker.evaluate import evaluate_length
 from worker.model import build_model
 from worker.training import Trainer
 
@@ -258,21 +257,9 @@ def test_the_tiny_model_learns_reverse_in_distribution() -> None:
     task = build_task("reverse", alphabet=4)
     model = build_model("tiny", "rope", train_length=length, seed=0)
 
-    def scored() -> Any:
-        return evaluate_length(
-            model,
-            task,
-            EvalSpec(lengths=[length], examples=200),
-            length=length,
-            protocol="nonoverlapping",
-            variant=VariantSpec(),
-            train_length=length,
-            device=cpu,
-        )
-
-    before = scored()
+    before = scored_in_distribution(model, task, length)
     assert before.accuracy < 0.05 and before.token_accuracy < 0.5
     spec = TrainSpec(length=length, steps=400, batch_size=32, lr=3e-3, progress_every=100)
     Trainer(model, task, spec, seed=0, device=cpu).fit()
-    after = scored()
+    after = scored_in_distribution(model, task, length)
     assert after.accuracy >= 0.75 and after.token_accuracy >= 0.95

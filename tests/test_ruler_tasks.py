@@ -12,13 +12,12 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import digest_in_another_process
+from conftest import digest_in_another_process, scored_in_distribution
 
-from jobs.spec import EvalSpec, TrainSpec, VariantSpec
+from jobs.spec import EvalSpec, TrainSpec
 from worker.catalog.tasks import TASKS
 from worker.data import build_task
 from worker.data.synthetic import PASSKEY_DEPTHS
-from worker.evaluate import evaluate_length
 from worker.model import build_model
 from worker.training.trainer import Trainer
 
@@ -394,16 +393,6 @@ def test_the_tiny_model_learns_multikey_niah_with_alibi() -> None:
             length=length, steps=2000, batch_size=32, lr=2e-3, progress_every=500, val_every=0
         )
         Trainer(model, task, spec, seed=seed, device=cpu).fit()
-        scored = evaluate_length(
-            model,
-            task,
-            EvalSpec(lengths=[length], examples=200),
-            length=length,
-            protocol="nonoverlapping",
-            variant=VariantSpec(),
-            train_length=length,
-            device=cpu,
-        )
-        scores.append(scored.accuracy)
+        scores.append(scored_in_distribution(model, task, length).accuracy)
     print(f"niah (needles, 4 keys, 128) after 2,000 steps, seeds 0 and 1: {scores}")
     assert sum(scores) / 2 >= 0.9
