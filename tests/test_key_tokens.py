@@ -472,6 +472,7 @@ def test_the_repeats_finder_settings_are_checked_labelled_and_hashed() -> None:
         spec({"finder": "repeats", "beta": -2.0})
     with pytest.raises(SpecError, match="ngram applies to finder 'repeats'"):
         spec({"ngram": 8})
+    assert spec({"ngram": 4}).eval.key_tokens.ngram == 4  # the default, as a stored spec has it
     with pytest.raises(SpecError, match="finder"):
         spec({"finder": "oracle"})
     repeats = spec({"finder": "repeats", "short_context": 16})
@@ -487,6 +488,9 @@ def test_the_repeats_finder_settings_are_checked_labelled_and_hashed() -> None:
         model.config_hash(encoding, 0)
     )
     assert repeats.config_hash(encoding, 0) != model.config_hash(encoding, 0)
+    # The default spelled is the same run as the default left out.
+    spelled = spec({"finder": "repeats", "short_context": 16, "ngram": 4})
+    assert spelled.config_hash(encoding, 0) == repeats.config_hash(encoding, 0)
     eight = spec({"finder": "repeats", "short_context": 16, "ngram": 8})
     assert eight.config_hash(encoding, 0) != repeats.config_hash(encoding, 0)
     # A stored spec (results.json, the database) spells every field, alpha's default too.

@@ -136,7 +136,7 @@ class KeyTokenTally:
         if spec is None:
             return None
         short, stride = spec.resolved(train_length)
-        ngram = spec.repeat_ngram if spec.finder == "repeats" else None
+        ngram = spec.ngram if spec.finder == "repeats" else None
         return cls(short, stride, spec.alpha, spec.beta, ngram)
 
     def reset(self) -> None:

@@ -32,11 +32,8 @@ class KeyTokenSpec(_Strict):
         "targets that repeat what followed an earlier occurrence of their preceding "
         "ngram tokens, beyond the short context",
     )
-    ngram: int | None = Field(
-        None,
-        ge=1,
-        le=64,
-        description="repeats finder: tokens of context a repeat must match (absent: 4)",
+    ngram: int = Field(
+        4, ge=1, le=64, description="repeats finder: tokens of context a repeat must match"
     )
 
     short_context: int | None = Field(
@@ -73,7 +70,7 @@ class KeyTokenSpec(_Strict):
     def label(self) -> str:
         """The settings in words, as every number they produced is labelled."""
         if self.finder == "repeats":
-            found = [f"repeats finder, {self.repeat_ngram}-gram"]
+            found = [f"repeats finder, {self.ngram}-gram"]
         else:
             found = [
                 f"alpha {self.alpha:g}",
@@ -86,19 +83,14 @@ class KeyTokenSpec(_Strict):
         ]
         return f"key tokens: {', '.join(parts)}"
 
-    @property
-    def repeat_ngram(self) -> int:
-        return self.ngram or 4
-
     @model_validator(mode="after")
     def _finder_settings(self) -> KeyTokenSpec:
+        # Compared with the defaults, not with what was spelled: a stored spec spells
+        # every field.
+        fields = type(self).model_fields
         if self.finder == "repeats":
-            # Compared with the defaults, not with what was spelled: a stored spec spells
-            # every field.
             given = [
-                name
-                for name in ("alpha", "beta")
-                if getattr(self, name) != type(self).model_fields[name].default
+                name for name in ("alpha", "beta") if getattr(self, name) != fields[name].default
             ]
             if given:
                 raise ValueError(
@@ -106,7 +98,7 @@ class KeyTokenSpec(_Strict):
                     "gains pick the key tokens); finder 'repeats' picks them from the text "
                     "(eval.key_tokens.ngram); remove it or use finder 'model'"
                 )
-        elif self.ngram is not None:
+        elif self.ngram != fields["ngram"].default:
             raise ValueError(
                 "eval.key_tokens.ngram applies to finder 'repeats'; add finder: repeats or "
                 "remove ngram"
