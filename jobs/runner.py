@@ -39,7 +39,9 @@ def _summary_grid(result) -> pd.DataFrame:
     rows = [
         {"label": run.label, "study_id": 0, **summary._asdict()}
         for run in result.runs
-        for summary in run.summarize(result.spec.train.length, result.metric)
+        for summary in run.summarize(
+            result.spec.train.length, result.metric, analysis.effective_setting(result.spec)
+        )
         if analysis.holds_for(summary.protocol, result.spec.eval.protocols[0])
     ]
     if not rows:

@@ -451,12 +451,12 @@ def backfill_summaries(url: str) -> int:
                 .having(func.count(RunSummary.name.distinct()) == len(keys))
             )
             pending = session.execute(
-                select(Run.id, Study.metric, Study.train_length)
+                select(Run.id, Study.metric, Study.train_length, Study.spec)
                 .join(Study, Study.id == Run.study_id)
                 .where(Run.status == RunStatus.DONE, Run.id.not_in(complete))
             ).all()
             filled = 0
-            for run_id, metric, train_length in pending:
+            for run_id, metric, train_length, spec in pending:
                 points = session.execute(run_points(run_id, metric)).all()
                 if not points:
                     continue
@@ -470,7 +470,11 @@ def backfill_summaries(url: str) -> int:
                 added = [
                     summary
                     for summary in analysis.summarize_points(
-                        points, train_length=train_length, metric=metric
+                        points,
+                        train_length=train_length,
+                        metric=metric,
+                        # The study's own threshold (stored specs spell it; None: default).
+                        effective=((spec or {}).get("eval") or {}).get("effective_length"),
                     )
                     if (summary.variant, summary.protocol, summary.name) not in stored
                 ]

@@ -343,3 +343,41 @@ def test_results_train_view_lists_every_point_and_one_row_per_run(settings: Sett
     table = posbench(settings, "results", "--study", str(study), "--view", "train")
     assert table.returncode == 0 and "final loss" in table.stdout and "lowest loss" in table.stdout
     assert "final val loss" in table.stdout
+
+
+def test_db_upgrade_summarises_a_run_under_its_study_s_own_effective_length_threshold(
+    settings: Settings,
+) -> None:
+    """A study with ``eval.effective_length`` set is re-summarised under that threshold
+    (its bound row included), not the default one."""
+    from db.models import Study
+    from jobs.service import backfill_summaries
+
+    seed_study(settings)
+    chosen = {"threshold": None, "relative": 0.9}  # as a stored spec spells it
+    with transaction(settings.database) as session:
+        study = session.scalars(select(Study)).one()
+        study.spec = {**study.spec, "eval": {**study.spec["eval"], "effective_length": chosen}}
+        session.execute(RunSummary.__table__.delete())
+    assert backfill_summaries(settings.database) == 4
+    with transaction(settings.database) as session:
+        rows = session.execute(
+            select(RunSummary.run_id, RunSummary.name, RunSummary.value).where(
+                RunSummary.name.in_(["effective_length", "effective_length_bound"])
+            )
+        ).all()
+    expected = {
+        (run_id, summary.name, summary.value)
+        for run_id in {row.run_id for row in rows}
+        for summary in summarize_points(
+            store.stored_points(settings.database, run_id, "perplexity"),
+            train_length=32,
+            metric="perplexity",
+            effective=chosen,
+        )
+        if summary.name in ("effective_length", "effective_length_bound")
+    }
+    assert {(r.run_id, r.name, r.value) for r in rows} == expected
+    assert sum(r.name == "effective_length_bound" for r in rows) == 4
+    # Held to 1x / 0.9 rather than 1.1 x 1x: rope (growing 0.02 nats a byte) fails at 64.
+    assert sorted(r.value for r in rows if r.name == "effective_length") == [32, 32, 128, 128]

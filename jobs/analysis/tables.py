@@ -315,6 +315,7 @@ SUMMARY_LABELS = {
 KEY_SUMMARIES = (
     *(f"ratio_{f:g}x" for f in FACTORS),
     "effective_length",
+    "effective_length_bound",  # only where the study set its own threshold
     "beyond_training",
     "short_context_ratio",
     "mean_log_ppl",
