@@ -305,6 +305,36 @@ def test_a_length_too_short_for_the_ranking_is_refused_though_the_longest_fits()
         parse_spec(study([640, 672, 1024]))
 
 
+@pytest.mark.parametrize(
+    ("task", "train", "message"),
+    [
+        # Not monotone: 640 and 1024 fit, 662 to 682 (inside the drawn range) do not.
+        (
+            {"name": "frequent_words", "params": {"alpha": 1.0, "num_top": 5}},
+            {"length": 1024, "min_length": 640},
+            r"draws lengths from \[640, 1024\], and .* at length 662 has no 5 words",
+        ),
+        (
+            {"name": "niah", "params": {"haystack": "needles", "num_keys": 4}},
+            {"length": 128, "min_length": 64},
+            r"draws lengths from \[64, 128\], and .* at least 98 bytes",
+        ),
+    ],
+)
+def test_every_training_length_the_range_draws_must_fit(
+    task: dict, train: dict, message: str
+) -> None:
+    """train.min_length: each step's length is drawn from [min_length, length], so a
+    length there that the task cannot fill is refused before training, not met in it."""
+    from jobs.spec import SpecError, parse_spec
+
+    study = {"name": "drawn", "encodings": ["rope"], "task": task, "eval": {"lengths": [1024]}}
+    with pytest.raises(SpecError, match=message):
+        parse_spec({**study, "train": {**train, "steps": 1}})
+    fits = {**train, "min_length": 98} if task["name"] == "niah" else {**train, "min_length": 704}
+    parse_spec({**study, "train": {**fits, "steps": 1}})
+
+
 # -- niah's text haystack -------------------------------------------------------------------
 
 

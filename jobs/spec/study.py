@@ -202,6 +202,16 @@ class StudySpec(_Strict):
             if problems:
                 break
             problems = task.length_problems(self.task.params, length)
+        if not problems and trained and self.train.min_length is not None:
+            # Training draws each step's length from [min_length, length]: every one of
+            # them must fit (at most 16,384 cheap checks; one second for frequent_words).
+            for length in range(max(self.train.min_length, task.min_length), self.train.length):
+                if drawn := task.length_problems(self.task.params, length):
+                    problems = [
+                        f"train.min_length = {self.train.min_length}: training draws lengths "
+                        f"from [{self.train.min_length}, {self.train.length}], and {drawn[0]}"
+                    ]
+                    break
         lengths = [*trained, ("eval.lengths", min(self.eval.lengths))]
         if self.train.min_length is not None:
             lengths.append(("train.min_length", self.train.min_length))
