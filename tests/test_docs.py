@@ -495,6 +495,24 @@ def test_the_tasks_page_is_generated_from_the_catalogue() -> None:
     assert all(f"### `{name}`: parameters" in block for name in TASKS)
 
 
+def test_the_written_task_samples_are_what_the_command_prints() -> None:
+    """A `posbench tasks sample ... --json` block followed by a json block (outside the
+    generated part) shows the command's first lines as it prints them today."""
+    from conftest import posbench_cli
+
+    blocks = re.findall(
+        r"```sh\n(posbench tasks sample [^\n]*--json)\n```\s*```json\n(.*?)```",
+        (DOCS / "tasks.md").read_text(),
+        re.DOTALL,
+    )
+    assert blocks, "docs/tasks.md: no written `posbench tasks sample` example found"
+    for command, shown in blocks:
+        done = posbench_cli(*shlex.split(command)[1:])
+        assert done.returncode == 0, done.stderr
+        lines = shown.strip().splitlines()
+        assert done.stdout.splitlines()[: len(lines)] == lines, f"docs/tasks.md: {command}"
+
+
 def test_the_details_tables_name_registered_encodings_and_parameters() -> None:
     from worker.encodings import REGISTRY, SCALINGS
 
