@@ -71,6 +71,7 @@ def _param_input(param: Param, key: str, given: Any = None) -> Any:
             step=1,
             key=key,
             min_value=int(param.low) if param.low is not None else None,
+            max_value=int(param.high) if param.high is not None else None,
             help=param.help + derived,
         )
         return None if start is None and value == shown else int(value)
@@ -82,6 +83,7 @@ def _param_input(param: Param, key: str, given: Any = None) -> Any:
             key=key,
             format="%g",
             min_value=float(param.low) if param.low is not None else None,
+            max_value=float(param.high) if param.high is not None else None,
             help=param.help + derived,
         )
         return None if start is None and value == shown else float(value)

@@ -398,3 +398,19 @@ def test_an_algorithmic_task_with_its_options_is_chosen_on_submit(settings) -> N
     yaml_view = app.code[0].value
     assert "name: addition" in yaml_view and "reverse: true" in yaml_view
     assert "index_hints" not in yaml_view  # left at its default
+
+
+def test_a_retrieval_task_s_numbers_are_bounded_by_the_catalogue_on_submit(settings) -> None:
+    """niah on Submit: its number inputs carry the catalogue's bounds (a value out of them
+    cannot be typed), and a multikey setting reaches the spec."""
+    from worker.catalog.tasks import TASKS
+
+    app = AppTest.from_file(APP, default_timeout=60).run()
+    app.selectbox(key="custom:task").set_value("niah").run()
+    bounds = {p.name: (p.low, p.high) for p in TASKS["niah"].params if p.type is int}
+    for name, (low, high) in bounds.items():
+        box = app.number_input(key=f"custom:niah.{name}")
+        assert (box.min, box.max) == (low, high), name
+    app.number_input(key="custom:niah.num_keys").set_value(4).run()
+    assert not app.error and app.button(key="submit").disabled is False
+    assert "num_keys: 4" in app.code[0].value
