@@ -4,6 +4,8 @@ one evaluation grid (what makes their tables comparable)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,3 +29,39 @@ def test_the_cpu_study_trains_every_task_alike() -> None:
     assert len({spec.task.name for spec in specs}) == len(specs)
     assert len({spec.train.model_dump_json() for spec in specs}) == 1
     assert len({tuple(spec.eval.lengths) for spec in specs}) == 1
+
+
+def test_the_learning_curve_script_scores_at_each_mark() -> None:
+    """``studies/learning_curve.py`` (the learning studies' runs) as a user runs it: a
+    line per mark, the last step included, training on another parameterisation than
+    the one scored when asked; a parameter the task does not take is refused."""
+    script = [sys.executable, str(ROOT / "studies" / "learning_curve.py"), "niah"]
+    common = ["--param", "haystack=needles", "--param", "num_keys=4", "--examples", "8"]
+    done = subprocess.run(
+        [*script, *common, "--steps", "5", "--every", "2", "--batch-size", "4"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    rows = [line.split() for line in done.stdout.splitlines()]
+    assert [int(row[0]) for row in rows] == [2, 4, 5]
+    for _, loss, score in rows:
+        assert 0 < float(loss) < 10 and 0 <= float(score) <= 1
+    shorter = ["--train-param", "num_keys=1", "--min-length", "64"]
+    done = subprocess.run(
+        [*script, *common, *shorter, "--steps", "2", "--every", "2", "--batch-size", "4"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert [line.split()[0] for line in done.stdout.splitlines()] == ["2"]
+    for wrong, named in (
+        (["--param", "depth=3"], "no parameter 'depth'"),
+        ([*common, "--min-length", "64"], "--min-length (a length of 64)"),
+    ):
+        refused = subprocess.run(
+            [*script, *wrong, "--steps", "1"], capture_output=True, text=True, timeout=300
+        )
+        assert refused.returncode != 0 and named in refused.stderr
