@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, float]]:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=2e-3)
+    for field in ("warmup", "min_lr_ratio", "weight_decay"):  # TrainSpec's defaults
+        default = TrainSpec.model_fields[field].default
+        parser.add_argument(f"--{field.replace('_', '-')}", type=float, default=default)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--every", type=int, default=100)
     parser.add_argument("--examples", type=int, default=100)
@@ -106,6 +109,9 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, float]]:
             steps=args.steps,
             batch_size=args.batch_size,
             lr=args.lr,
+            warmup=args.warmup,
+            min_lr_ratio=args.min_lr_ratio,
+            weight_decay=args.weight_decay,
             progress_every=args.every,
             val_every=0,
             checkpoint_every=max(1, args.steps),

@@ -60,6 +60,7 @@ def test_the_learning_curve_script_scores_at_each_mark() -> None:
     for wrong, named in (
         (["--param", "depth=3"], "no parameter 'depth'"),
         ([*common, "--min-length", "64"], "--min-length (a length of 64)"),
+        ([*common, "--warmup", "0.9"], "warmup: Input should be less than or equal to 0.5"),
     ):
         refused = subprocess.run(
             [*script, *wrong, "--steps", "1"], capture_output=True, text=True, timeout=300
