@@ -28,9 +28,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from jobs.spec import EvalSpec, TrainSpec, VariantSpec  # noqa: E402
+from jobs.spec import TrainSpec  # noqa: E402
 from worker.data import build_task, task_info  # noqa: E402
-from worker.evaluate import evaluate_length  # noqa: E402
+from worker.evaluate import evaluate_in_distribution  # noqa: E402
 from worker.model import build_model  # noqa: E402
 from worker.training.hooks import BaseHooks  # noqa: E402
 from worker.training.trainer import Trainer  # noqa: E402
@@ -58,21 +58,6 @@ def fits(name: str, params: dict[str, Any], lengths: Iterable[int], option: str)
             problems = [f"task {name!r} needs sequences of at least {entry.min_length} bytes"]
         if problems:
             raise ValueError(f"{option} (a length of {length}): {problems[0]}")
-
-
-def exact_match(model: torch.nn.Module, task: Any, length: int, examples: int) -> float:
-    """Exact match at ``length`` on the task's evaluation examples (CPU)."""
-    row = evaluate_length(
-        model,
-        task,
-        EvalSpec(lengths=[length], examples=examples),
-        length=length,
-        protocol="nonoverlapping",
-        variant=VariantSpec(),
-        train_length=length,
-        device=torch.device("cpu"),
-    )
-    return float(row.accuracy)
 
 
 def main(argv: list[str] | None = None) -> list[tuple[int, float, float]]:
@@ -130,7 +115,9 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, float]]:
         def on_progress(self, point: Any) -> None:
             if point.step % args.every and point.step != args.steps:
                 return
-            score = exact_match(model, task, args.length, args.examples)
+            score = float(
+                evaluate_in_distribution(model, task, args.length, examples=args.examples).accuracy
+            )
             model.train()
             marks.append((point.step, point.loss, score))
             print(f"{point.step:6d}  {point.loss:.3f}  {score:.3f}", flush=True)

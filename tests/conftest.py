@@ -231,16 +231,6 @@ def digest_in_another_process(module: str, argument: Any) -> str:
 def scored_in_distribution(model: Any, task: Any, length: int, examples: int = 200) -> Any:
     """The evaluation of ``model`` on ``task`` at its training ``length`` on the CPU (the
     trained model itself, ``examples`` examples): what the learnability tests score."""
-    from jobs.spec import EvalSpec, VariantSpec
-    from worker.evaluate import evaluate_length
+    from worker.evaluate import evaluate_in_distribution
 
-    return evaluate_length(
-        model,
-        task,
-        EvalSpec(lengths=[length], examples=examples),
-        length=length,
-        protocol="nonoverlapping",
-        variant=VariantSpec(),
-        train_length=length,
-        device=torch.device("cpu"),
-    )
+    return evaluate_in_distribution(model, task, length, examples=examples)

@@ -264,6 +264,24 @@ def _decode_scores(
     return scores
 
 
+def evaluate_in_distribution(
+    model: Transformer, task: Task, length: int, *, examples: int = 200
+) -> Evaluation:
+    """The trained model itself (no variant) on ``examples`` of the task's evaluation
+    examples at its training ``length``, non-overlapping windows, on the CPU: how well it
+    learnt the task (the learnability tests, ``studies/learning_curve.py``)."""
+    return evaluate_length(
+        model,
+        task,
+        EvalSpec(lengths=[length], examples=examples),
+        length=length,
+        protocol="nonoverlapping",
+        variant=VariantSpec(),
+        train_length=length,
+        device=torch.device("cpu"),
+    )
+
+
 def evaluate_length(
     model: Transformer,
     task: Task,
