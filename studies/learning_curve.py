@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from jobs.spec import TrainSpec  # noqa: E402
+from jobs.spec import EvalSpec, TrainSpec  # noqa: E402
 from worker.data import build_task, task_info  # noqa: E402
 from worker.evaluate import evaluate_in_distribution  # noqa: E402
 from worker.model import build_model  # noqa: E402
@@ -82,6 +82,9 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, float]]:
 
     params = pairs(args.param)
     try:  # the catalogue's and the spec's own checks, as one line each
+        if task_info(args.task).metric != "accuracy":
+            raise ValueError(f"task {args.task!r} is not scored by exact match (accuracy)")
+        EvalSpec(lengths=[args.length], examples=args.examples)
         task = build_task(args.task, **params)
         trained_params = {**params, **pairs(args.train_param)}
         trained_on = build_task(args.task, **trained_params)

@@ -35,7 +35,8 @@ def test_the_learning_curve_script_scores_at_each_mark() -> None:
     """``studies/learning_curve.py`` (the learning studies' runs) as a user runs it: a
     line per mark, the last step included, training on another parameterisation than
     the one scored when asked; a parameter the task does not take is refused."""
-    script = [sys.executable, str(ROOT / "studies" / "learning_curve.py"), "niah"]
+    command = [sys.executable, str(ROOT / "studies" / "learning_curve.py")]
+    script = [*command, "niah"]
     common = ["--param", "haystack=needles", "--param", "num_keys=4", "--examples", "8"]
     done = subprocess.run(
         [*script, *common, "--steps", "5", "--every", "2", "--batch-size", "4"],
@@ -57,12 +58,18 @@ def test_the_learning_curve_script_scores_at_each_mark() -> None:
         check=True,
     )
     assert [line.split()[0] for line in done.stdout.splitlines()] == ["2"]
-    for wrong, named in (
-        (["--param", "depth=3"], "no parameter 'depth'"),
-        ([*common, "--min-length", "64"], "--min-length (a length of 64)"),
-        ([*common, "--warmup", "0.9"], "warmup: Input should be less than or equal to 0.5"),
+    for task, wrong, named in (
+        ("niah", ["--param", "depth=3"], "no parameter 'depth'"),
+        ("niah", [*common, "--min-length", "64"], "--min-length (a length of 64)"),
+        ("lm", ["--length", "64"], "not scored by exact match"),
+        ("niah", [*common, "--warmup", "0.9"], "warmup: Input should be less than or equal to 0.5"),
+        (
+            "niah",
+            [*common, "--examples", "0"],
+            "examples: Input should be greater than or equal to 1",
+        ),
     ):
         refused = subprocess.run(
-            [*script, *wrong, "--steps", "1"], capture_output=True, text=True, timeout=300
+            [*command, task, *wrong, "--steps", "1"], capture_output=True, text=True, timeout=300
         )
         assert refused.returncode != 0 and named in refused.stderr
