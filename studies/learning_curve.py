@@ -60,7 +60,7 @@ def fits(name: str, params: dict[str, Any], lengths: Iterable[int], option: str)
             raise ValueError(f"{option} (a length of {length}): {problems[0]}")
 
 
-def main(argv: list[str] | None = None) -> list[tuple[int, float, float]]:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("task")
     parser.add_argument("--param", action="append", default=[], help="NAME=VALUE")
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, float]]:
         EvalSpec(lengths=[args.length], examples=args.examples)
         task = build_task(args.task, **params)
         trained_params = {**params, **pairs(args.train_param)}
-        trained_on = build_task(args.task, **trained_params)
+        trained_on = build_task(args.task, **trained_params) if args.train_param else task
         fits(args.task, params, [args.length], "--length")
         drawn = range(args.min_length or args.length, args.length + 1)
         fits(args.task, trained_params, drawn, "--min-length" if args.min_length else "--length")
@@ -112,7 +112,6 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, float]]:
             else str(err)
         )
         raise SystemExit(f"learning_curve.py: {message}") from None
-    marks: list[tuple[int, float, float]] = []
 
     class Marks(BaseHooks):
         def on_progress(self, point: Any) -> None:
@@ -122,13 +121,11 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, float]]:
                 evaluate_in_distribution(model, task, args.length, examples=args.examples).accuracy
             )
             model.train()
-            marks.append((point.step, point.loss, score))
             print(f"{point.step:6d}  {point.loss:.3f}  {score:.3f}", flush=True)
 
     Trainer(
         model, trained_on, spec, seed=args.seed, device=torch.device("cpu"), hooks=Marks()
     ).fit()
-    return marks
 
 
 if __name__ == "__main__":

@@ -226,11 +226,3 @@ def digest_in_another_process(module: str, argument: Any) -> str:
         check=True,
     )
     return other.stdout.strip()
-
-
-def scored_in_distribution(model: Any, task: Any, length: int, examples: int = 200) -> Any:
-    """The evaluation of ``model`` on ``task`` at its training ``length`` on the CPU (the
-    trained model itself, ``examples`` examples): what the learnability tests score."""
-    from worker.evaluate import evaluate_in_distribution
-
-    return evaluate_in_distribution(model, task, length, examples=examples)

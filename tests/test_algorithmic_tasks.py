@@ -15,13 +15,14 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import digest_in_another_process, scored_in_distribution
+from conftest import digest_in_another_process
 from typer.testing import CliRunner
 
 from jobs.cli import app
 from jobs.spec import SpecError, TrainSpec, parse_spec
 from worker.catalog.tasks import TASKS
 from worker.data import build_task
+from worker.evaluate import evaluate_in_distribution
 from worker.model import build_model
 from worker.training import Trainer
 
@@ -257,9 +258,9 @@ def test_the_tiny_model_learns_reverse_in_distribution() -> None:
     task = build_task("reverse", alphabet=4)
     model = build_model("tiny", "rope", train_length=length, seed=0)
 
-    before = scored_in_distribution(model, task, length)
+    before = evaluate_in_distribution(model, task, length)
     assert before.accuracy < 0.05 and before.token_accuracy < 0.5
     spec = TrainSpec(length=length, steps=400, batch_size=32, lr=3e-3, progress_every=100)
     Trainer(model, task, spec, seed=0, device=cpu).fit()
-    after = scored_in_distribution(model, task, length)
+    after = evaluate_in_distribution(model, task, length)
     assert after.accuracy >= 0.75 and after.token_accuracy >= 0.95

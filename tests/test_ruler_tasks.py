@@ -12,12 +12,13 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import digest_in_another_process, scored_in_distribution
+from conftest import digest_in_another_process
 
 from jobs.spec import EvalSpec, TrainSpec
 from worker.catalog.tasks import TASKS
 from worker.data import build_task
 from worker.data.synthetic import PASSKEY_DEPTHS
+from worker.evaluate import evaluate_in_distribution
 from worker.model import build_model
 from worker.training.trainer import Trainer
 
@@ -428,6 +429,6 @@ def test_the_tiny_model_learns_multikey_niah_with_alibi() -> None:
             length=length, steps=2000, batch_size=32, lr=2e-3, progress_every=500, val_every=0
         )
         Trainer(model, task, spec, seed=seed, device=cpu).fit()
-        scores.append(scored_in_distribution(model, task, length).accuracy)
+        scores.append(evaluate_in_distribution(model, task, length).accuracy)
     print(f"niah (needles, 4 keys, 128) after 2,000 steps, seeds 0 and 1: {scores}")
     assert sum(scores) / 2 >= 0.9

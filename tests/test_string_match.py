@@ -12,7 +12,7 @@ from typing import Any
 import pandas as pd
 import pytest
 import torch
-from conftest import scored_in_distribution, two_encodings_frame
+from conftest import two_encodings_frame
 
 import worker.evaluate
 from jobs.analysis import claim, pairwise_table, seed_summary, summarize_run
@@ -22,7 +22,7 @@ from jobs.spec import parse_spec
 from worker.catalog.ruler import SEPARATOR
 from worker.data import build_task
 from worker.data.synthetic import SyntheticTask, answer_batch, part_mask, parts_of
-from worker.evaluate import _Accumulator
+from worker.evaluate import _Accumulator, evaluate_in_distribution
 from worker.run import prepared_task, resolve_device, run_one
 
 CPU = torch.device("cpu")
@@ -155,7 +155,7 @@ class Oracle(torch.nn.Module):
 def evaluated(task: SyntheticTask, length: int, examples: int, forget: Any, monkeypatch) -> Any:
     monkeypatch.setattr(worker.evaluate, "eval_batch_size", lambda *_: 4)
     drawn = task.eval_examples(length, task.per_group(examples))
-    return drawn, scored_in_distribution(Oracle(drawn, forget), task, length, examples)
+    return drawn, evaluate_in_distribution(Oracle(drawn, forget), task, length, examples=examples)
 
 
 def test_an_evaluation_reports_the_fractions_worked_out_on_the_strings(monkeypatch) -> None:
