@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -47,17 +46,15 @@ def pairs(values: list[str]) -> dict[str, Any]:
     return out
 
 
-def fits(name: str, params: dict[str, Any], lengths: Iterable[int], option: str) -> None:
+def fits(name: str, params: dict[str, Any], lengths: range, option: str) -> None:
     """Refuses a length an example of the task cannot be built at (the catalogue's check),
     naming the ``option`` that asked for it."""
     entry = task_info(name)
-    resolved = entry.resolve(params)
-    for length in lengths:
-        problems = entry.length_problems(resolved, length)
-        if length < entry.min_length:
-            problems = [f"task {name!r} needs sequences of at least {entry.min_length} bytes"]
-        if problems:
-            raise ValueError(f"{option} (a length of {length}): {problems[0]}")
+    if lengths.start < entry.min_length:
+        problem = f"task {name!r} needs sequences of at least {entry.min_length} bytes"
+        raise ValueError(f"{option} (a length of {lengths.start}): {problem}")
+    if misfit := entry.first_misfit(entry.resolve(params), lengths):
+        raise ValueError(f"{option} (a length of {misfit[0]}): {misfit[1][0]}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -88,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         task = build_task(args.task, **params)
         trained_params = {**params, **pairs(args.train_param)}
         trained_on = build_task(args.task, **trained_params) if args.train_param else task
-        fits(args.task, params, [args.length], "--length")
+        fits(args.task, params, range(args.length, args.length + 1), "--length")
         drawn = range(args.min_length or args.length, args.length + 1)
         fits(args.task, trained_params, drawn, "--min-length" if args.min_length else "--length")
         spec = TrainSpec(

@@ -194,24 +194,21 @@ class StudySpec(_Strict):
         longest_read = max(
             [*self.eval.lengths, *(n for _, n in trained), *(t.length for t in tuned)]
         )
-        problems = task.length_problems(self.task.params, longest_read)
         # Each length an example is built at, not only the longest: a task whose room is
         # not monotone in the length (frequent_words' strict ranking) must not fail at a
         # shorter evaluation length after training.
-        for length in sorted({*self.eval.lengths, *(t.length for t in tuned)}, reverse=True):
-            if problems:
-                break
-            problems = task.length_problems(self.task.params, length)
+        read = sorted({*self.eval.lengths, *(t.length for t in tuned)}, reverse=True)
+        misfit = task.first_misfit(self.task.params, [longest_read, *read])
+        problems = misfit[1] if misfit else []
         if not problems and trained and self.train.min_length is not None:
             # Training draws each step's length from [min_length, length]: every one of
             # them must fit (at most 16,384 cheap checks; one second for frequent_words).
-            for length in range(max(self.train.min_length, task.min_length), self.train.length):
-                if drawn := task.length_problems(self.task.params, length):
-                    problems = [
-                        f"train.min_length = {self.train.min_length}: training draws lengths "
-                        f"from [{self.train.min_length}, {self.train.length}], and {drawn[0]}"
-                    ]
-                    break
+            drawn = range(max(self.train.min_length, task.min_length), self.train.length)
+            if misfit := task.first_misfit(self.task.params, drawn):
+                problems = [
+                    f"train.min_length = {self.train.min_length}: training draws lengths "
+                    f"from [{self.train.min_length}, {self.train.length}], and {misfit[1][0]}"
+                ]
         lengths = [*trained, ("eval.lengths", min(self.eval.lengths))]
         if self.train.min_length is not None:
             lengths.append(("train.min_length", self.train.min_length))

@@ -4,7 +4,7 @@ raises; the entries are in :mod:`worker.catalog.tasks` (and, for the algorithmic
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +69,17 @@ class TaskInfo:
     def length_problems(self, params: Mapping[str, Any], longest: int) -> list[str]:
         """What keeps this task's examples from being built at ``longest`` bytes."""
         return self.fits(params, longest) if self.fits else []
+
+    def first_misfit(
+        self, params: Mapping[str, Any], lengths: Iterable[int]
+    ) -> tuple[int, list[str]] | None:
+        """The first of ``lengths`` (in their order) whose examples cannot be built, with
+        what keeps them from it; None when every one fits. Below the task's
+        ``min_length`` is the caller's to say (in bytes, or an hf: model's tokens)."""
+        for length in lengths:
+            if problems := self.length_problems(params, length):
+                return length, problems
+        return None
 
     def source_problem(self, params: Mapping[str, Any], policy: SourcePolicy) -> str | None:
         """Why this service may not read the data ``params`` name, or None."""
