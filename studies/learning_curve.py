@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     for field in ("warmup", "min_lr_ratio", "weight_decay"):  # TrainSpec's defaults
         default = TrainSpec.model_fields[field].default
         parser.add_argument(f"--{field.replace('_', '-')}", type=float, default=default)
+    parser.add_argument("--optimizer", default=TrainSpec.model_fields["optimizer"].default)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--every", type=int, default=100)
     parser.add_argument("--examples", type=int, default=100)
@@ -97,6 +98,7 @@ def main(argv: list[str] | None = None) -> None:
             warmup=args.warmup,
             min_lr_ratio=args.min_lr_ratio,
             weight_decay=args.weight_decay,
+            optimizer=args.optimizer,
             progress_every=args.every,
             val_every=0,
             checkpoint_every=max(1, args.steps),

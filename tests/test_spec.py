@@ -439,6 +439,12 @@ def test_config_hashes_change_only_with_what_a_run_measures() -> None:
     assert custom.runs()[0].config_hash == "5943b26d723893af344d3e0e"
     accumulated = parse_spec({**BASE, "train": {"length": 32, "grad_accum": 2}})
     assert accumulated.runs()[0].config_hash != parse_spec(BASE).runs()[0].config_hash
+    # AdamW, the default, named or not: the same run; Muon trains another model.
+    plain = parse_spec(BASE).runs()[0]
+    named = parse_spec({**BASE, "train": {"length": 32, "optimizer": "adamw"}}).runs()[0]
+    assert named.config_hash == plain.config_hash and named.train_hash == plain.train_hash
+    muon = parse_spec({**BASE, "train": {"length": 32, "optimizer": "muon"}}).runs()[0]
+    assert muon.train_hash != plain.train_hash
 
 
 def test_evaluation_lengths_default_to_multiples_of_the_training_length() -> None:

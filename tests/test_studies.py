@@ -34,7 +34,8 @@ def test_the_cpu_study_trains_every_task_alike() -> None:
 def test_the_learning_curve_script_scores_at_each_mark() -> None:
     """``studies/learning_curve.py`` (the learning studies' runs) as a user runs it: a
     line per mark, the last step included, training on another parameterisation than
-    the one scored when asked; a parameter the task does not take is refused."""
+    the one scored when asked, with Muon when asked; a parameter the task does not take, or
+    an optimizer posbench has not, is refused."""
     command = [sys.executable, str(ROOT / "studies" / "learning_curve.py")]
     script = [*command, "niah"]
     common = ["--param", "haystack=needles", "--param", "num_keys=4", "--examples", "8"]
@@ -49,7 +50,7 @@ def test_the_learning_curve_script_scores_at_each_mark() -> None:
     assert [int(row[0]) for row in rows] == [2, 4, 5]
     for _, loss, score in rows:
         assert 0 < float(loss) < 10 and 0 <= float(score) <= 1
-    shorter = ["--train-param", "num_keys=1", "--min-length", "64"]
+    shorter = ["--train-param", "num_keys=1", "--min-length", "64", "--optimizer", "muon"]
     done = subprocess.run(
         [*script, *common, *shorter, "--steps", "2", "--every", "2", "--batch-size", "4"],
         capture_output=True,
@@ -63,6 +64,7 @@ def test_the_learning_curve_script_scores_at_each_mark() -> None:
         ("niah", [*common, "--min-length", "64"], "--min-length (a length of 64)"),
         ("lm", ["--length", "64"], "not scored by exact match"),
         ("niah", [*common, "--warmup", "0.9"], "warmup: Input should be less than or equal to 0.5"),
+        ("niah", [*common, "--optimizer", "sgd"], "optimizer: Input should be 'adamw' or 'muon'"),
         (
             "niah",
             [*common, "--examples", "0"],

@@ -115,6 +115,46 @@ def test_position_encoding_parameters_are_never_decayed(encoding: str) -> None:
     assert any(p is model.token_embedding.weight for p in decayed["params"])
 
 
+@pytest.mark.parametrize("encoding", ["alibi", "fire"])
+def test_muon_takes_the_blocks_matrices_and_adamw_the_rest(encoding: str) -> None:
+    model = build_model("tiny", encoding, train_length=16)
+    optimizer = make_optimizer(model, TrainSpec(optimizer="muon", weight_decay=0.2))
+    hidden = [(name, p) for name, p in model.named_parameters() if name.startswith("blocks.")]
+    matrices = {id(p) for _, p in hidden if p.dim() == 2}
+    assert len(matrices) == 4 * 2  # qkv, proj, up, down in each of the 2 blocks
+    (muon,) = optimizer.muon.param_groups
+    assert {id(p) for p in muon["params"]} == matrices and muon["weight_decay"] == 0.2
+    decayed, kept = optimizer.adamw.param_groups
+    assert [id(p) for p in decayed["params"]] == [id(model.token_embedding.weight)]
+    assert decayed["weight_decay"] == 0.2 and kept["weight_decay"] == 0.0
+    own = {id(p) for p in model.encoding.parameters()}
+    assert own <= {id(p) for p in kept["params"]}  # FIRE's MLP matrices: AdamW, no decay
+    # Every parameter in exactly one group.
+    grouped = [id(p) for group in optimizer.param_groups for p in group["params"]]
+    assert sorted(grouped) == sorted(id(p) for p in model.parameters())
+
+
+def test_muon_trains_and_resumes_exactly(task, tmp_path: Path) -> None:
+    spec = TrainSpec(
+        length=32, steps=12, batch_size=4, checkpoint_every=3, progress_every=2, optimizer="muon"
+    )
+
+    def fresh():
+        return build_model("tiny", "alibi", train_length=32, seed=3)
+
+    straight = fresh()
+    train(straight, task, spec, seed=3, device=CPU)
+    untrained = fresh().blocks[0].attn.qkv.weight
+    assert not torch.equal(straight.blocks[0].attn.qkv.weight, untrained)  # Muon's step
+    checkpoint = tmp_path / "run.pt"
+    train(fresh(), task, spec, seed=3, device=CPU, checkpoint=checkpoint, stop_after=6)
+    assert set(load_checkpoint(checkpoint, CPU)["optimizer"]) == {"muon", "adamw"}
+    resumed = fresh()
+    assert train(resumed, task, spec, seed=3, device=CPU, checkpoint=checkpoint).resumed_from == 6
+    for key, value in straight.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[key]), key
+
+
 @pytest.mark.parametrize("encoding", ["rope", "randomized", "t5"])
 def test_resume_continues_exactly(encoding: str, task, tmp_path: Path) -> None:
     spec = TrainSpec(length=32, steps=12, batch_size=4, checkpoint_every=3, progress_every=2)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import (
     Field,
@@ -180,6 +180,12 @@ class TrainSpec(_Strict):
     min_lr_ratio: float = Field(0.1, ge=0, le=1.0, description="final lr / peak lr")
     warmup: float = Field(0.05, ge=0, le=0.5, description="fraction of steps spent warming up")
     weight_decay: float = Field(0.1, ge=0, le=1.0)
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw",
+        description="adamw: AdamW on every parameter; muon: Muon (momentum orthogonalised by "
+        "Newton-Schulz, its lr scaled to AdamW's update size) on the blocks' weight matrices "
+        "and AdamW on the embedding, the gains and the encoding's own parameters",
+    )
     grad_clip: float = Field(1.0, gt=0, le=100.0)
     checkpoint_every: int = Field(200, ge=1, le=MAX_STEPS)
     progress_every: int = Field(10, ge=1, le=MAX_STEPS)

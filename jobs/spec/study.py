@@ -438,6 +438,8 @@ class StudySpec(_Strict):
             del train["grad_accum"]
         if train["min_length"] is None:
             del train["min_length"]
+        if train["optimizer"] == "adamw":
+            del train["optimizer"]
         if self.model.hf is not None:  # nothing trained: the model's original context
             train = {"length": self.train.length}
         return {
