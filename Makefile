@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # itself accepts any torch >= 2.4.
 TORCH  ?= torch==2.13.0
 
-.PHONY: run test lint docs install clean
+.PHONY: run test test-cluster lint docs install clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,12 @@ docs: $(STAMP)
 
 test: $(STAMP) lint
 	$(PY) -m pytest -n 2 -q
+
+# The compose stack for real (docs/cluster.md#how-the-cluster-is-tested): installs and
+# starts a Docker engine where none runs (root, apt), builds the images and brings the
+# stack up. .ci/run calls it after `make test`.
+test-cluster: $(STAMP)
+	$(PY) -m pytest -q -m cluster tests/cluster
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

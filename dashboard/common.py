@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import streamlit as st
 
-from jobs.safe_text import error_summary, redact_urls
+from jobs.safe_text import error_summary, markdown, redact_urls
 from jobs.settings import get_settings
 
 log = logging.getLogger("posbench.dashboard")
@@ -81,3 +81,21 @@ def imported_captions(studies) -> None:
     for row in studies.itertuples():
         if counts.get(int(row.id)):
             st.caption(imported_note(int(row.id), counts[int(row.id)], int(row.runs)))
+
+
+@st.cache_data(ttl=10, show_spinner=False)
+def served_queues() -> dict[str, int] | None:
+    """The queues live workers serve, and how many serve each (asked of the broker at
+    most every 10 s: each asking waits a second for the workers' answers)."""
+    from jobs.routing import live_queues
+
+    return live_queues()
+
+
+def queue_warning(queue: str) -> None:
+    """A warning when no live worker serves ``queue``, naming the queues that have some."""
+    from jobs.routing import Routing
+
+    warning = Routing(queue, chosen=False, served=served_queues()).warning()
+    if warning:
+        st.warning(markdown(warning[0].upper() + warning[1:] + "."))

@@ -15,6 +15,8 @@ from typing import Any, get_args
 import streamlit as st
 from pydantic import BaseModel
 
+from dashboard.common import queue_warning, served_queues
+from jobs.routing import preferred_queue
 from jobs.spec import PROTOCOLS, QUEUES, EvalSpec, ModelSpec, TrainSpec
 from worker.catalog.encodings import REGISTRY, SCALINGS
 from worker.catalog.models import MODEL_PRESETS
@@ -108,17 +110,22 @@ def spec_bounds(model: type[BaseModel], name: str) -> dict[str, Any]:
 
 
 def header(base: dict[str, Any], key: Keys) -> dict[str, Any]:
+    """The study's name and queue: the base's queue, else the first with live workers
+    (gpu, then cpu), with a warning while no live worker serves the one chosen."""
     name_column, queue_column = st.columns([3, 1])
-    return {
+    queue = base.get("queue") or preferred_queue(served_queues())
+    spec = {
         "name": name_column.text_input("Study name", base.get("name", "study"), key=key("name")),
         "queue": queue_column.selectbox(
             "Queue",
             QUEUES,
-            index=QUEUES.index(base.get("queue", "gpu")),
+            index=QUEUES.index(queue),
             key=key("queue"),
             help="the workers that train it (posbench worker --queues)",
         ),
     }
+    queue_warning(spec["queue"])
+    return spec
 
 
 def task_inputs(

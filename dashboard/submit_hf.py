@@ -103,7 +103,7 @@ def hf_form(policy: ModelPolicy) -> tuple[dict[str, Any] | None, list[str]]:
         return None, [f"model.hf {folder.spec_name!r}: not a local folder"]
     st.caption(markdown(described(facts)))
     context = facts.context
-    base = {"name": f"{folder.name} at long contexts", "queue": "gpu"}
+    base = {"name": f"{folder.name} at long contexts"}
     spec: dict[str, Any] = header(base, key)
     left, right = st.columns(2)
     with left:

@@ -11,7 +11,7 @@ import streamlit as st
 import yaml
 
 from dashboard.auth import actor, can_operate
-from dashboard.common import schema_ready
+from dashboard.common import queue_warning, schema_ready
 from dashboard.submit_form import form
 from dashboard.submit_hf import hf_form
 from jobs.safe_text import markdown
@@ -112,6 +112,8 @@ def render() -> None:
                 "The broker could not be reached; the runs stay queued and are sent "
                 "when a worker's reconciler next runs."
             )
+        else:
+            queue_warning(spec.queue)
         from dashboard import queue_page
 
         st.page_link(

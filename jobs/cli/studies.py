@@ -124,7 +124,9 @@ def submit(
     queue: Annotated[
         str | None,
         typer.Option(
-            "--queue", help="gpu or cpu: the workers that train it (default: the spec's)."
+            "--queue",
+            help="gpu or cpu: the workers that train it (default: the spec's; a spec "
+            "that names none goes to a queue with live workers, gpu first).",
         ),
     ] = None,
 ) -> None:
@@ -137,17 +139,23 @@ def submit(
             fail(f"--queue must be {' or '.join(QUEUES)}, got {queue!r}", code=2)
         spec = spec.model_copy(update={"queue": queue})
     _database()
+    from jobs.routing import live_queues, route
     from jobs.service import Refused
     from jobs.service import submit as submit_study
 
+    routing = route(spec, live_queues())
     try:
         submitted = submit_study(
-            spec, actor=cli_actor(), force=force, reuse_imported=reuse_imported
+            routing.apply(spec), actor=cli_actor(), force=force, reuse_imported=reuse_imported
         )
     except Refused as err:
         fail(str(err), code=2)
+    for prefix, line in (("note", routing.note()), ("warning", routing.warning())):
+        if line:
+            typer.echo(f"{prefix}: {line}", err=True)
     payload = {
         "study": submitted.study_id,
+        "queue": routing.queue,
         RunStatus.QUEUED.value: submitted.queued,
         "reused": submitted.reused,
         "unsent": submitted.unsent,
