@@ -8,14 +8,16 @@
 #   PIP_INDEX_URL, PIP_EXTRA_INDEX_URL, PIP_TRUSTED_HOST   pip's own settings
 #   PIP_CA_CERT         a CA bundle to trust, named by its path inside the build context
 #   TORCH_CPU_INDEX     where the slim image's CPU build of torch comes from
+# An empty argument means its default (docker-compose 1.29 passes every argument the
+# compose file lists, set or not), so each default is written where it is used.
 # No `# syntax=` line: the Dockerfile frontend built into the engine serves, so a build
 # pulls nothing but BASE_IMAGE. The stages are ordered so that the classic builder
 # (DOCKER_BUILDKIT=0, docker-compose 1.x), which builds every stage up to its target,
 # never builds the CUDA stages for --target slim.
 
-ARG BASE_IMAGE=python:3.11.11-slim
+ARG BASE_IMAGE=""
 
-FROM ${BASE_IMAGE} AS base
+FROM ${BASE_IMAGE:-python:3.11.11-slim} AS base
 # The commit the image is built from (the build context has no .git): recorded in
 # every run's provenance. docker compose build --build-arg GIT_COMMIT=$(git rev-parse HEAD)
 ARG GIT_COMMIT=""
@@ -54,8 +56,9 @@ FROM base AS deps-cpu
 ARG PIP_INDEX_URL=""
 ARG PIP_EXTRA_INDEX_URL=""
 ARG PIP_TRUSTED_HOST=""
-ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
-RUN pip install --no-deps --index-url "${TORCH_CPU_INDEX}" "torch>=2.4"
+ARG TORCH_CPU_INDEX=""
+RUN pip install --no-deps --index-url "${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}" \
+    "torch>=2.4"
 
 FROM deps-cpu AS slim
 ARG PIP_INDEX_URL=""

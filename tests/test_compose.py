@@ -437,12 +437,26 @@ def test_no_syntax_directive_so_a_build_pulls_no_frontend() -> None:
 
 
 def test_the_base_image_is_a_build_argument_defaulting_to_the_pinned_slim() -> None:
-    assert re.search(r"^ARG BASE_IMAGE=python:3\.11\.\d+-slim$", DOCKERFILE, flags=re.MULTILINE)
+    assert re.search(r'^ARG BASE_IMAGE=""$', DOCKERFILE, flags=re.MULTILINE)
     stages = dockerfile_stages()
-    assert stages[0][:2] == ("base", "${BASE_IMAGE}")
+    name, parent, _ = stages[0]
+    assert name == "base" and re.fullmatch(r"\$\{BASE_IMAGE:-python:3\.11\.\d+-slim\}", parent)
     # Every other stage starts from this file's own stages (or nothing).
     names = {name for name, _, _ in stages}
     assert all(parent in names | {"scratch"} for _, parent, _ in stages[1:])
+
+
+def test_an_empty_build_argument_means_its_default() -> None:
+    # docker-compose 1.29 passes every argument the compose file lists, empty when unset:
+    # each argument with a default is declared empty and defaulted where it is used.
+    for argument in ("BASE_IMAGE", "TORCH_CPU_INDEX"):
+        assert re.search(rf'^ARG {argument}=""$', DOCKERFILE, flags=re.MULTILINE), argument
+        uses = re.findall(rf"\$\{{{argument}(:?-?)", DOCKERFILE)
+        assert uses and set(uses) == {":-"}, argument
+    listed = SERVICES["migrate"]["build"]["args"]
+    assert SERVICES["worker"]["build"]["args"] == listed
+    declared = set(re.findall(r"^\s*ARG (\w+)", DOCKERFILE, flags=re.MULTILINE))
+    assert set(listed) <= declared and isinstance(listed, list)
 
 
 def test_every_stage_that_runs_pip_takes_the_index_arguments() -> None:
@@ -478,4 +492,4 @@ def test_the_classic_builders_plan_for_slim_has_no_cuda_torch() -> None:
     for name, _, instructions in planned:
         for instruction in instructions:
             if re.search(r"pip install[^&;|]*[\"\s]torch", instruction):
-                assert "${TORCH_CPU_INDEX}" in instruction, f"{name}: {instruction}"
+                assert "${TORCH_CPU_INDEX:-" in instruction, f"{name}: {instruction}"

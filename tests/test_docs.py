@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import ipaddress
+import itertools
 import re
 import shlex
 import sqlite3
@@ -208,6 +209,20 @@ def compose_problems(args: list[str]) -> list[str]:
     return problems + [f"no service {name!r}" for name in named if name not in services]
 
 
+def build_problems(args: list[str]) -> list[str]:
+    """``docker build ARGS``: its target is a stage, its build arguments are declared."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    stages = set(re.findall(r"^FROM \S+ AS (\S+)$", dockerfile, flags=re.MULTILINE))
+    declared = set(re.findall(r"^ARG (\w+)", dockerfile, flags=re.MULTILINE))
+    problems = []
+    for option, value in itertools.pairwise(args):
+        if option == "--target" and value not in stages:
+            problems.append(f"no stage {value!r}")
+        if option == "--build-arg" and value.split("=")[0] not in declared:
+            problems.append(f"no build argument {value.split('=')[0]!r}")
+    return problems
+
+
 def shell_problems(argv: list[str]) -> list[str]:
     program, args = argv[0], argv[1:]
     if program == "posbench":
@@ -228,6 +243,8 @@ def shell_problems(argv: list[str]) -> list[str]:
             return [f"{module} has no option {flag}" for flag in sorted(flags - known)]
     elif program == "docker" and args[:1] == ["compose"]:
         return compose_problems(args[1:])
+    elif program == "docker" and args[:1] == ["build"]:
+        return build_problems(args[1:])
     elif program == "docker" and args[:1] == ["run"]:
         image = next((i for i, a in enumerate(args) if a.startswith("posbench:")), None)
         if image is not None:  # the image's entry point is the posbench CLI
@@ -258,6 +275,9 @@ def test_the_shell_checks_catch_mistakes() -> None:
     assert shell_problems(["python", "-m", "benchmarks.train_step", "--no-such-flag"])
     assert shell_problems(["docker", "compose", "--profile", "nope", "up", "-d"])
     assert shell_problems(["docker", "compose", "up", "-d", "no-such-service"])
+    assert shell_problems(["docker", "build", "--target", "slim", "--build-arg", "NOPE=1", "."])
+    assert shell_problems(["docker", "build", "--target", "nope", "."])
+    assert not shell_problems(["docker", "build", "--build-arg", "BASE_IMAGE=x", "."])
     piped = Block(README, 0, "sh", "GIT=1 posbench status 3 --json > out.json  # note\n")
     assert shell_commands(piped) == [["posbench", "status", "3", "--json"]]
 

@@ -26,7 +26,7 @@ from tests.cluster.engine import (
     ROOT,
     Engine,
     EngineUnavailable,
-    build_slim,
+    build_arguments,
     build_standins,
     start_engine,
 )
@@ -44,12 +44,18 @@ class Stack:
     build_log: str
 
     def compose(
-        self, *args: str, timeout: float = 600, check: bool = True, input: str | None = None
+        self,
+        *args: str,
+        timeout: float = 600,
+        check: bool = True,
+        input: str | None = None,
+        program: tuple[str, ...] = (DOCKER, "compose"),
+        **env: str,
     ) -> subprocess.CompletedProcess:
-        """``docker compose ARGS`` on the project's own compose file."""
+        """``docker compose ARGS`` on the project's own compose file and the stack's .env
+        (``program``: another compose; ``env``: more environment)."""
         command = [
-            DOCKER,
-            "compose",
+            *program,
             "--project-name",
             PROJECT,
             "--env-file",
@@ -64,7 +70,7 @@ class Stack:
             text=True,
             timeout=timeout,
             input=input,
-            env=self.engine.env(),
+            env=self.engine.env(**env),
         )
         if check and done.returncode != 0:
             raise AssertionError(
@@ -125,25 +131,28 @@ def stack() -> Iterator[Stack]:
             pytest.fail(f"no Docker engine: {err}")
         pytest.skip(f"no Docker engine: {err}")
     env_file = Path(tempfile.mkdtemp(prefix="pb-cluster-")) / "cluster.env"
-    # The variables an operator's .env holds, and the image overrides (nothing else).
-    env_file.write_text(
-        "".join(
-            f"{name}={value}\n"
-            for name, value in {
-                "POSTGRES_PASSWORD": secrets.token_hex(16),
-                "REDIS_PASSWORD": secrets.token_hex(16),
-                "POSBENCH_DASHBOARD_PASSWORD": secrets.token_hex(16),
-                "POSBENCH_REDIS_IMAGE": REDIS_IMAGE,
-                "POSBENCH_POSTGRES_IMAGE": POSTGRES_IMAGE,
-                "POSBENCH_IMAGE": IMAGE,
-            }.items()
-        )
-    )
-    env_file.chmod(0o600)
+    # What an operator's .env holds: the passwords, the images (stand-ins for Docker
+    # Hub's, and a tag of our own), and the build arguments of a closed network.
+    settings = {
+        "POSTGRES_PASSWORD": secrets.token_hex(16),
+        "REDIS_PASSWORD": secrets.token_hex(16),
+        "POSBENCH_DASHBOARD_PASSWORD": secrets.token_hex(16),
+        "POSBENCH_REDIS_IMAGE": REDIS_IMAGE,
+        "POSBENCH_POSTGRES_IMAGE": POSTGRES_IMAGE,
+        "POSBENCH_IMAGE": IMAGE,
+        "POSBENCH_WORKER_IMAGE": IMAGE,  # only created (docker-compose 1.29), never run
+    }
     stack = None
     try:
         build_standins(engine)
-        stack = Stack(engine, env_file, build_slim(engine, IMAGE))
+        with build_arguments() as arguments:
+            env_file.write_text("".join(f"{k}={v}\n" for k, v in {**settings, **arguments}.items()))
+            env_file.chmod(0o600)
+            stack = Stack(engine, env_file, build_log="")
+            # The project's Dockerfile through the compose file's build section, by the
+            # classic builder (what docker-compose 1.x uses too).
+            built = stack.compose("build", "migrate", timeout=1500, DOCKER_BUILDKIT="0")
+            stack.build_log = built.stdout + built.stderr
         # docs/cluster.md's CPU-only command, with a second CPU worker.
         stack.compose(
             "up",

@@ -36,7 +36,11 @@ PYTHON_IMAGE = "posbench-standin/python:3.11"
 REDIS_IMAGE = "posbench-standin/redis:7"
 POSTGRES_IMAGE = "posbench-standin/postgres:15"
 PACKAGES = "ca-certificates,python3,python3-venv,redis-server,postgresql-15"
-APT_PACKAGES = ["docker.io", "containerd", "runc", "debootstrap"]
+# The engine, debootstrap for the stand-ins, and Debian's docker-compose 1.29 (the
+# compose that bookworm ships, checked beside Compose v2).
+APT_PACKAGES = ["docker.io", "containerd", "runc", "debootstrap", "docker-compose"]
+COMPOSE_V1 = "/usr/bin/docker-compose"
+INDEX_PORT = 48765
 # Where the build finds the extra CA bundle: inside the context (the build must see it),
 # ignored by git, removed after the build.
 CA_IN_CONTEXT = ".cluster-build-ca.pem"
@@ -134,7 +138,7 @@ def _compose_plugin(config: Path) -> None:
 
 def start_engine() -> Engine:
     """The engine, installed and started as needed; ``EngineUnavailable`` otherwise."""
-    if not (Path(DOCKER).exists() and shutil.which("dockerd")):
+    if not all(map(shutil.which, ("dockerd", "debootstrap", DOCKER, COMPOSE_V1))):
         _install()
     engine = Engine(docker_config=Path(tempfile.mkdtemp(prefix="pb-docker-config-")))
     _compose_plugin(engine.docker_config)
@@ -227,7 +231,7 @@ def build_standins(engine: Engine) -> None:
         )
 
 
-def bridge_address(engine: Engine) -> str:
+def bridge_address() -> str:
     """The host's address on the default bridge (docker0): what a build can reach."""
     shown = run(["ip", "-4", "-o", "address", "show", "docker0"]).stdout
     match = re.search(r"inet (\d+\.\d+\.\d+\.\d+)/", shown)
@@ -259,7 +263,10 @@ def torch_index(address: str, wheel: Path) -> Iterator[str]:
         def log_message(self, *args) -> None:
             pass
 
-    server = http.server.ThreadingHTTPServer((address, 0), Quiet)
+    try:  # one port each time, so that the build's layers stay cached between runs
+        server = http.server.ThreadingHTTPServer((address, INDEX_PORT), Quiet)
+    except OSError:
+        server = http.server.ThreadingHTTPServer((address, 0), Quiet)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -279,26 +286,23 @@ def extra_ca_bundle() -> str | None:
     return CA_IN_CONTEXT
 
 
-def build_slim(engine: Engine, tag: str) -> str:
-    """The project's Dockerfile, target slim, by the classic builder, with build
-    arguments only; returns the build's output."""
+@contextlib.contextmanager
+def build_arguments() -> Iterator[dict[str, str]]:
+    """The Dockerfile's build arguments for a closed network (what an operator's .env
+    would set): the stand-in base image, the extra CA bundle, and the CPU torch wheel
+    from this disk served on docker0 (all in place while open)."""
     arguments = {"BASE_IMAGE": PYTHON_IMAGE}
     ca = extra_ca_bundle()
     if ca:
         arguments["PIP_CA_CERT"] = ca
     wheel = local_torch_wheel()
-    with contextlib.ExitStack() as stack:
-        if wheel is not None:
-            address = bridge_address(engine)
-            arguments["TORCH_CPU_INDEX"] = stack.enter_context(torch_index(address, wheel))
-            arguments["PIP_TRUSTED_HOST"] = address
-        command = ["build", "--target", "slim", "-t", tag]
-        for name, value in arguments.items():
-            command += ["--build-arg", f"{name}={value}"]
-        try:
-            return engine.docker(
-                *command, str(ROOT), timeout=1500, env=engine.env(DOCKER_BUILDKIT="0")
-            ).stdout
-        finally:
-            if ca:
-                (ROOT / ca).unlink(missing_ok=True)
+    try:
+        with contextlib.ExitStack() as stack:
+            if wheel is not None:
+                address = bridge_address()
+                arguments["TORCH_CPU_INDEX"] = stack.enter_context(torch_index(address, wheel))
+                arguments["PIP_TRUSTED_HOST"] = address
+            yield arguments
+    finally:
+        if ca:
+            (ROOT / ca).unlink(missing_ok=True)
