@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from tests.cluster.conftest import CPU_WORKERS, Stack, wait_for
+from tests.cluster.conftest import CPU_WORKERS, IMAGE, Stack, wait_for
 from tests.cluster.engine import COMPOSE_V1
 
 pytestmark = pytest.mark.cluster
@@ -41,7 +41,14 @@ def test_the_classic_builder_builds_slim_without_the_cuda_stages(stack: Stack) -
     steps = re.findall(r"^Step \d+/\d+ : (.*)$", stack.build_log, re.MULTILINE)
     assert any(step.startswith("FROM base AS deps-cpu") for step in steps), steps
     assert not any("deps-cuda" in step or "AS worker" in step for step in steps), steps
-    assert "torch-2" in stack.build_log and "+cpu" in stack.build_log
+    # And the image holds a CPU build of torch, with no CUDA libraries beside it.
+    probe = (
+        "import importlib.metadata as m, torch; "
+        "print(torch.version.cuda, sorted(d.name for d in m.distributions() "
+        "if d.name.startswith('nvidia')))"
+    )
+    shown = stack.engine.docker("run", "--rm", "--entrypoint", "python", IMAGE, "-c", probe)
+    assert shown.stdout.split() == ["None", "[]"], shown.stdout
 
 
 def test_the_cpu_only_stack_is_healthy(stack: Stack) -> None:
