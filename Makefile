@@ -25,6 +25,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports --no-cache
+	$(PY) -m lint.terminal_output
 
 # The generated parts of the docs (the catalogue tables of docs/encodings.md and
 # docs/tasks.md).

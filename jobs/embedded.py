@@ -20,7 +20,7 @@ from rich.console import Console
 
 from jobs.broker import start_redis, stop
 from jobs.files import PRIVATE_FOLDER, PRIVATE_UMASK, open_private_log, private_folder
-from jobs.safe_text import markup, redact_url
+from jobs.safe_text import redact_url
 from jobs.settings import get_settings
 
 DASHBOARD_APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
@@ -65,7 +65,7 @@ def serve(*, dashboard: bool, port: int, console: Console) -> int:
     private_folder(settings.home)
     loosened = owner_only(settings.home)
     if loosened is not None:
-        console.print(f"made {markup(settings.home)} owner-only (it was {loosened:o})")
+        console.print(f"made {settings.home} owner-only (it was {loosened:o})")
     env = os.environ.copy()
     children: list[tuple[str, subprocess.Popen[bytes]]] = []
     logs = settings.home / "logs"
@@ -94,22 +94,23 @@ def serve(*, dashboard: bool, port: int, console: Console) -> int:
         backfill_summaries(settings.database)
         spawn("worker", [sys.executable, "-m", "jobs.cli", "worker"])
         urls = [
-            f"broker    {markup(redact_url(settings.broker))}",
-            f"database  {markup(redact_url(settings.database))}",
+            f"broker    {redact_url(settings.broker)}",
+            f"database  {redact_url(settings.database)}",
         ]
         if dashboard and DASHBOARD_APP.exists():
             spawn("dashboard", dashboard_command(port, address="127.0.0.1"))
             urls.insert(0, f"dashboard http://localhost:{port}")
-        console.print("[bold]posbench is up[/]\n  " + "\n  ".join(urls))
+        console.print("posbench is up", style="bold")
+        console.print("  " + "\n  ".join(urls))
         console.print(
-            f"  logs      {markup(logs)}\nsubmit a study:  posbench submit --preset smoke "
+            f"  logs      {logs}\nsubmit a study:  posbench submit --preset smoke "
             "--wait\nCtrl-C stops everything."
         )
         while True:
             for name, process in children:
                 if process.poll() is not None:
                     console.print(
-                        f"[red]{name} exited with {process.returncode}; see {markup(logs)}[/]"
+                        f"{name} exited with {process.returncode}; see {logs}", style="red"
                     )
                     return 1
             time.sleep(0.5)

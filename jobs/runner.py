@@ -12,15 +12,15 @@ from typing import NoReturn
 import pandas as pd
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from jobs import analysis
 from jobs.files import private_folder, read_bounded, write_atomic
 from jobs.metrics import kind_of, reported
 from jobs.render.report import plot_curves, seed_bands
 from jobs.render.tables import CurveTable, curve_table, markdown_frame
+from jobs.render.terminal import console as terminal
+from jobs.render.terminal import run_progress, styled
 from jobs.results_schema import MAX_RESULTS_BYTES, StudyResults
-from jobs.safe_text import markup
 from jobs.spec import DEFAULT_NAME, StudySpec
 from jobs.status import RunStatus
 from worker.catalog.params import short_repr
@@ -61,7 +61,7 @@ def folder_name(name: str) -> str:
 
 
 def _fail(message: str) -> NoReturn:
-    Console(stderr=True).print(f"[bold red]error:[/] {message}", soft_wrap=True)
+    terminal(stderr=True).print(styled(("error:", "bold red"), " ", message), soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -137,14 +137,7 @@ class _StudyView:
 
     def __init__(self, spec: StudySpec, runs: list, console: Console) -> None:
         self.steps, self.console, self.plain = spec.train.steps, console, not console.is_terminal
-        self.progress = Progress(
-            TextColumn("{task.description:<28}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[status]}"),
-            TimeElapsedColumn(),
-            console=console,
-        )
+        self.progress = run_progress(console, label_width=28)
         self.bars = {
             run.config_hash: self.progress.add_task(
                 f"{run.encoding.label} seed {run.seed}",
@@ -233,17 +226,20 @@ def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: 
     from worker.training import TrainingDiverged
 
     flush_denormals()  # before torch's first parallel operation starts its threads
-    console = Console(stderr=as_json)
+    console = terminal(stderr=as_json)
     out, private, checkpoints, torch_device, task = _prepare(spec, out, device)
     runs = spec.runs()
     work = (
         f"{len(runs)} runs x {spec.train.steps} steps"
         if spec.model.hf is None
-        else f"{markup(runs[0].encoding.label)} as it is (no training)"
+        else f"{runs[0].encoding.label} as it is (no training)"
     )
     console.print(
-        f"study [bold]{spec.name}[/]: {work} on "
-        f"{torch_device}, evaluated at {', '.join(map(str, spec.eval.lengths))}"
+        styled(
+            "study ",
+            (spec.name, "bold"),
+            f": {work} on {torch_device}, evaluated at {', '.join(map(str, spec.eval.lengths))}",
+        )
     )
     view = _StudyView(spec, runs, console)
     try:
@@ -257,7 +253,7 @@ def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: 
                 models=get_settings().models,
             )
     except TrainingDiverged as err:
-        Console(stderr=True).print(f"[bold red]run failed:[/] {err}")
+        terminal(stderr=True).print(styled(("run failed:", "bold red"), " ", str(err)))
         raise typer.Exit(1) from None
     _report(result, out, console, as_json=as_json, private=private)
 

@@ -2,8 +2,9 @@
 failure reason, a parameter) as text, never as Rich markup or Markdown, and every URL
 without its password (DESIGN.md, the security contract).
 
-The one place the CLI, the dashboard and the services escape and redact: torch-free
-and Streamlit-free, so any layer above may use it.
+The one place the dashboard and the services escape and redact: torch-free and
+Streamlit-free, so any layer above may use it. The terminal needs no escaping: its
+consoles never read markup (``jobs.render.terminal``).
 """
 
 from __future__ import annotations
@@ -34,14 +35,6 @@ _USERINFO = re.compile(
 _QUERY_KEY = r"(?P<key>[?&][A-Za-z0-9_.\-]*pass(?:word|wd)?=)"
 _QUERY_PASSWORD = re.compile(_QUERY_KEY + r"[^&#]*", re.IGNORECASE)
 _QUERY_PASSWORD_IN_TEXT = re.compile(_QUERY_KEY + r"[^&#\s'\"]*", re.IGNORECASE)
-
-
-def markup(value: object) -> str:
-    """``value`` as a string Rich prints literally inside markup (an f-string given to
-    ``console.print``, a table's title): ``[bold]`` stays ``[bold]``."""
-    from rich.markup import escape
-
-    return escape(str(value))
 
 
 def text(value: object) -> Text:

@@ -16,9 +16,14 @@ from conftest import ROOT, dashboard_settings, isolated_env, posbench_cli
 from markdown_it import MarkdownIt
 from rich.console import Console
 
-from jobs.safe_text import error_summary, markdown, markup, redact_url, redact_urls
+from jobs.render.terminal import console, run_progress, styled
+from jobs.safe_text import error_summary, markdown, redact_url, redact_urls
 
-HOSTILE_NAMES = ["oops [/] x", "[link=http://evil]x[/link]"]
+HOSTILE_NAMES = [
+    "oops [/] x",
+    "[link=http://evil]x[/link]",
+    "oops [/] x [link=file:///etc]b[/link]",
+]
 BEACON = "![x](http://host/beacon.png)"
 OSC8 = "\x1b]8;"
 SGR = re.compile(r"\x1b\[[0-9;]*m")
@@ -27,12 +32,60 @@ SGR = re.compile(r"\x1b\[[0-9;]*m")
 # --- the helpers -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("value", [*HOSTILE_NAMES, BEACON, "**bold**", "[bold red]x[/]"])
-def test_markup_prints_the_string_itself(value: str) -> None:
+TERMINAL_HOSTILE = [*HOSTILE_NAMES, BEACON, "**bold**", "[bold red]x[/]", ":warning: x", "[/]"]
+
+
+def _terminal(out: io.StringIO):
+    """The project's console, writing to ``out`` as a wide terminal would."""
+    shown = console()
+    shown.file, shown.width = out, 200
+    shown._force_terminal = True
+    return shown
+
+
+@pytest.mark.parametrize("value", TERMINAL_HOSTILE)
+def test_the_terminal_prints_the_string_itself(value: str) -> None:
     out = io.StringIO()
-    Console(file=out, width=200, force_terminal=True).print(f"name {markup(value)}")
-    assert SGR.sub("", out.getvalue()).strip() == f"name {value}"
+    shown = _terminal(out)
+    shown.print(f"name {value}")
+    shown.print(styled(("name", "bold"), f" {value}"))
+    progress = run_progress(shown, label_width=30)
+    progress.add_task(value, total=1, status=f"failed: {value}")
+    shown.print(progress.get_renderable())
+    lines = SGR.sub("", out.getvalue()).splitlines()
+    assert lines[:2] == [f"name {value}"] * 2
+    assert lines[2].startswith(f"{value:<30}") and f"failed: {value}" in lines[2]
     assert OSC8 not in out.getvalue()
+
+
+PLANTED = """\
+from rich import print
+from rich.console import Console
+from rich.markup import escape
+from rich.text import Text
+import rich
+
+Console().print("x")
+console = Console(markup=False, emoji=False)
+console.print(f"study {name}", markup=True)
+Text.from_markup(name)
+rich.print(name)
+"""
+
+
+def test_the_lint_finds_every_way_back_to_markup(tmp_path: Path) -> None:
+    from lint.terminal_output import findings, main
+
+    planted = tmp_path / "planted.py"
+    planted.write_text(PLANTED)
+    found = [line.split(": ", 1)[1] for line in findings(planted)]
+    assert found.count("Console(...) built outside jobs/render/terminal.py") == 2
+    assert "markup= other than False" in found
+    assert "from_markup(...) reads markup" in found
+    assert "rich's print reads markup" in found and "rich.print reads markup" in found
+    assert "rich.markup" in found
+    assert main([str(planted)]) == 1
+    assert main([]) == 0  # the project's own code
 
 
 @pytest.mark.parametrize(
@@ -146,7 +199,29 @@ def test_a_study_named_with_markup_is_shown_literally(tmp_path: Path, name: str)
         done = posbench_cli(*args, env=env)
         assert done.returncode == 0, (args, done.stderr)
         assert OSC8 not in done.stdout, args
-        assert shown in SGR.sub("", done.stdout), (args, done.stdout)
+        # A narrow table wraps its title at spaces: compare the words.
+        words = " ".join(SGR.sub("", done.stdout).split())
+        assert " ".join(shown.split()) in words, (args, done.stdout)
+
+
+def test_posbench_run_shows_a_hostile_name_literally(tmp_path: Path) -> None:
+    # Before: `posbench run` printed spec.name as markup: a MarkupError traceback, exit 1.
+    name = HOSTILE_NAMES[-1]
+    spec = {
+        "name": name,
+        "model": "tiny",
+        "train": {"length": 32, "steps": 4, "batch_size": 2, "progress_every": 2},
+        "encodings": ["nope"],
+        "eval": {"lengths": [32], "tokens": 256, "variants": ["none"]},
+    }
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump(spec))
+    done = posbench_cli(
+        "run", str(spec_file), "--out", str(tmp_path / "out"), env=_cli_env(tmp_path)
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr and OSC8 not in done.stdout
+    assert f"study {name}: 1 runs x 4 steps" in SGR.sub("", done.stdout)
 
 
 # --- posbench up (finding 7) ------------------------------------------------------

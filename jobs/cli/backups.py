@@ -10,7 +10,7 @@ import typer
 
 from jobs.cli.common import console, fail
 from jobs.cli.serving import db_app
-from jobs.safe_text import markup, redact_url
+from jobs.safe_text import redact_url
 
 T = TypeVar("T")
 
@@ -43,8 +43,7 @@ def db_backup(
     copied = _carried_out(lambda: backup(url, out, force=force))
     revision = f" (schema {copied.revision})" if copied.revision else ""
     console.print(
-        f"backed up {markup(redact_url(url))}{revision} to {markup(copied.path)}: "
-        f"{markup(copied.describe())}",
+        f"backed up {redact_url(url)}{revision} to {copied.path}: {copied.describe()}",
         soft_wrap=True,
     )
 
@@ -67,7 +66,7 @@ def db_restore(
     restored, revision = _carried_out(lambda: restore(url, backup_file, force=force))
     schema = f"schema {restored.revision}" if restored.revision else "its schema"
     console.print(
-        f"restored {markup(backup_file)} into {markup(redact_url(url))} ({schema}, now at "
-        f"{markup(revision)}): {markup(restored.describe())}",
+        f"restored {backup_file} into {redact_url(url)} ({schema}, now at "
+        f"{revision}): {restored.describe()}",
         soft_wrap=True,
     )

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
-from rich.console import Console
 
+from jobs.render.terminal import console as terminal
 from jobs.safe_text import redact_url, redact_urls
 
 app = typer.Typer(
@@ -21,7 +21,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
-console = Console()
+console = terminal()  # markup off: jobs.render.terminal
 MAX_ID = 2**63 - 1  # the database's integer ids
 
 

@@ -21,7 +21,7 @@ from jobs.cli.common import (
     console,
     fail,
 )
-from jobs.safe_text import markup, redact_url
+from jobs.safe_text import redact_url
 from jobs.status import ACTIVE
 
 
@@ -213,7 +213,7 @@ def results(
     _print_results(frame, row, view, output, title)
     if note:  # after the table; on stderr beside csv and json, which stay parseable
         if output == "table":
-            console.print(note, markup=False, highlight=False)
+            console.print(note, highlight=False)
         else:
             typer.echo(f"note: {note}", err=True)
 
@@ -298,12 +298,12 @@ def _print_results(frame, row, view: str, output: str, title: str) -> None:
     elif frame.empty:
         if sum(int(row[status] or 0) for status in ACTIVE) == 0:
             console.print(
-                f"study {study} ({markup(row['name'])}): no {view}: every run has ended and none "
+                f"study {study} ({row['name']}): no {view}: every run has ended and none "
                 "could be computed (see posbench status)"
             )
         else:
             console.print(
-                f"study {study} ({markup(row['name'])}): no {view} yet (they come as runs finish)"
+                f"study {study} ({row['name']}): no {view} yet (they come as runs finish)"
             )
     else:
         if view == "summaries":  # the key ones; --format json has them all

@@ -15,7 +15,7 @@ from jobs.cli.common import (
     console,
     fail,
 )
-from jobs.safe_text import markup, redact_url
+from jobs.safe_text import redact_url
 
 db_app = typer.Typer(help="The results database.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
@@ -33,7 +33,7 @@ def db_upgrade() -> None:
         upgrade(url)
     except Exception as err:
         fail(f"cannot upgrade the database {redact_url(url)}: {_first_line(err)}", code=1)
-    console.print(f"database {markup(redact_url(url))} is at the latest schema")
+    console.print(f"database {redact_url(url)} is at the latest schema")
     filled = backfill_summaries(url)
     if filled:
         console.print(f"summarised {filled} runs finished before summaries were stored")

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from jobs.cli.common import (
@@ -24,7 +23,8 @@ from jobs.cli.common import (
     console,
     fail,
 )
-from jobs.safe_text import markup
+from jobs.render.terminal import console as terminal
+from jobs.render.terminal import styled
 from jobs.status import ACTIVE, RUN_STATUSES, STOPPING, RunStatus
 
 
@@ -164,25 +164,29 @@ def submit(
     if as_json:
         typer.echo(json.dumps(payload))
     else:
+        imported = (
+            f" ({len(submitted.imported)} of them imported, not trained here)"
+            if submitted.imported
+            else ""
+        )
         console.print(
-            f"study [bold]{submitted.study_id}[/] ({markup(spec.name)}): "
-            f"{len(submitted.queued)} runs queued, {len(submitted.reused)} reused from "
-            "earlier results"
-            + (
-                f" ({len(submitted.imported)} of them imported, not trained here)"
-                if submitted.imported
-                else ""
+            styled(
+                "study ",
+                (str(submitted.study_id), "bold"),
+                f" ({spec.name}): {len(submitted.queued)} runs queued, "
+                f"{len(submitted.reused)} reused from earlier results{imported}",
             )
         )
         if submitted.unsent:
             console.print(
-                "[yellow]the broker could not be reached; the runs stay queued and "
-                "are sent when a worker's reconciler next runs[/]"
+                "the broker could not be reached; the runs stay queued and are sent when "
+                "a worker's reconciler next runs",
+                style="yellow",
             )
     if wait:
         from jobs.render.watch import watch
 
-        code = watch(submitted.study_id, console=Console(stderr=as_json))
+        code = watch(submitted.study_id, console=terminal(stderr=as_json))
         raise typer.Exit(code)
 
 

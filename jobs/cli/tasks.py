@@ -11,7 +11,8 @@ import typer
 from rich.table import Table
 
 from jobs.cli.common import app, console, fail
-from jobs.safe_text import markup, text
+from jobs.render.terminal import styled
+from jobs.safe_text import text
 
 tasks_app = typer.Typer(
     help="The tasks: what a model learns and how it is scored; `tasks sample` prints "
@@ -160,8 +161,8 @@ def sample(
         if as_json:
             typer.echo(json.dumps(item.to_json(), ensure_ascii=False))
             continue
-        group = "" if item.group is None else f" ({markup(item.group)})"
-        console.print(f"[bold]example {index}[/bold]{group}", highlight=False)
+        group = "" if item.group is None else f" ({item.group})"
+        console.print(styled((f"example {index}", "bold"), group), highlight=False)
         console.print(text(item.prompt), soft_wrap=True, highlight=False)
         for answer in item.answers:
             console.print(text(f"answer: {answer}"), soft_wrap=True, highlight=False)

@@ -6,12 +6,12 @@ import time
 
 import pandas as pd
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from db import queries
 from jobs.render.tables import seed_means
-from jobs.safe_text import markup, text
+from jobs.render.terminal import run_progress
+from jobs.safe_text import text
 from jobs.settings import get_settings
 from jobs.status import FINISHED, RunStatus
 
@@ -47,14 +47,7 @@ def watch(study_id: int, *, console: Console, every: float = 1.0) -> int:
     are done, 1 when any failed or was cancelled."""
 
     url = get_settings().database
-    progress = Progress(
-        TextColumn("{task.description:<30}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[status]}"),
-        TimeElapsedColumn(),
-        console=console,
-    )
+    progress = run_progress(console, label_width=30)
     bars: dict[int, int] = {}
     with progress:
         while True:
@@ -62,13 +55,13 @@ def watch(study_id: int, *, console: Console, every: float = 1.0) -> int:
             for run in runs.itertuples(index=False):
                 if run.id not in bars:
                     bars[run.id] = progress.add_task(
-                        markup(f"{run.label} seed {run.seed}"), total=run.total_steps, status=""
+                        f"{run.label} seed {run.seed}", total=run.total_steps, status=""
                     )
-                note = markup(run.status)
+                note = run.status
                 if run.status == RunStatus.RUNNING and not pd.isna(run.latest_loss):
                     note = f"running  loss {run.latest_loss:.3f}"
                 if run.status == RunStatus.FAILED:
-                    note = f"failed: {markup(run.failure_reason)}"
+                    note = f"failed: {run.failure_reason}"
                 progress.update(bars[run.id], completed=run.step, status=note)
             if len(runs) and runs["status"].isin(FINISHED).all():
                 break

@@ -1,0 +1,86 @@
+"""`make lint`'s check that no terminal output reads user text as markup.
+
+posbench prints through ``jobs.render.terminal`` only: consoles and progress bars with
+markup and emoji codes off. This check refuses, in the project's own code, whatever
+would bring markup back:
+
+- a Rich ``Console``, ``Progress``, ``TextColumn``, ``Live`` or ``Status`` built outside
+  ``jobs/render/terminal.py``;
+- ``markup=True`` or ``emoji=True`` given to anything;
+- Rich's markup readers: ``rich.print``, ``rich.markup``, ``Text.from_markup``.
+
+Run: ``python -m lint.terminal_output [PATH ...]`` (default: the project's packages);
+it prints one line per finding and exits 1 when there is any.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ["jobs", "worker", "db", "dashboard", "benchmarks", "studies", "lint"]
+THE_LAYER = ROOT / "jobs" / "render" / "terminal.py"
+BUILT_THERE_ONLY = {"Console", "Progress", "TextColumn", "Live", "Status"}
+MARKUP_READERS = {"from_markup", "render_markup"}
+
+
+def _called_name(node: ast.Call) -> str | None:
+    function = node.func
+    if isinstance(function, ast.Name):
+        return function.id
+    if isinstance(function, ast.Attribute):
+        return function.attr
+    return None
+
+
+def findings(path: Path) -> Iterator[str]:
+    """What in ``path`` could print user text as markup, one line each."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    for node in ast.walk(tree):
+        line = f"{where}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, ast.Call):
+            name = _called_name(node)
+            if name in BUILT_THERE_ONLY and path.resolve() != THE_LAYER:
+                yield f"{line}: {name}(...) built outside jobs/render/terminal.py"
+            if name in MARKUP_READERS:
+                yield f"{line}: {name}(...) reads markup"
+            for keyword in node.keywords:
+                off = isinstance(keyword.value, ast.Constant) and keyword.value.value is False
+                if keyword.arg in ("markup", "emoji") and not off:
+                    yield f"{line}: {keyword.arg}= other than False"
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = {alias.name for alias in node.names}
+            if node.module == "rich" and "print" in names:
+                yield f"{line}: rich's print reads markup"
+            if node.module == "rich.markup" or (node.module == "rich" and "markup" in names):
+                yield f"{line}: rich.markup"
+        elif (
+            isinstance(node, ast.Attribute)
+            and node.attr == "print"
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "rich"
+        ):
+            yield f"{line}: rich.print reads markup"
+
+
+def sources(arguments: list[str]) -> list[Path]:
+    roots = [Path(a) for a in arguments] or [ROOT / package for package in PACKAGES]
+    files: list[Path] = []
+    for root in roots:
+        files += [root] if root.is_file() else sorted(root.rglob("*.py"))
+    return files
+
+
+def main(arguments: list[str]) -> int:
+    found = [finding for path in sources(arguments) for finding in findings(path)]
+    for finding in found:
+        print(finding)
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
