@@ -26,6 +26,7 @@ from sqlalchemy.engine import make_url
 
 from db.engine import SQLITE_BUSY_TIMEOUT_S, forget, normalize_url
 from db.migrate import current, head, known_revisions, upgrade
+from jobs.errors import UnavailableError, UserError
 from jobs.files import private_folder, replacing
 from jobs.safe_text import redact_url, redact_urls
 
@@ -35,12 +36,12 @@ POSBENCH_TABLES = ("alembic_version", "studies", "runs", "evaluations")
 COPY_CHUNK = 1 << 20
 
 
-class BackupRefused(ValueError):
+class BackupRefused(UserError, ValueError):
     """Bad input (an out file that exists, a link, a file that is no posbench backup):
     one line saying why; nothing was written."""
 
 
-class BackupFailed(RuntimeError):
+class BackupFailed(UnavailableError, RuntimeError):
     """The database or a tool failed: one line saying why (every URL without its password)."""
 
 

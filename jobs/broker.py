@@ -13,10 +13,11 @@ import subprocess
 import time
 from pathlib import Path
 
+from jobs.errors import UnavailableError
 from jobs.files import PRIVATE_UMASK, open_private_log, private_folder
 
 
-class BrokerError(RuntimeError):
+class BrokerError(UnavailableError, RuntimeError):
     pass
 
 

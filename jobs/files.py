@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from jobs.errors import UserError
+
 PRIVATE_FOLDER = 0o700
 PRIVATE_FILE = 0o600
 # The umask of the processes `posbench up` starts (Redis, the worker, the dashboard):
@@ -33,7 +35,7 @@ _KINDS = (
 )
 
 
-class FileRefused(ValueError):
+class FileRefused(UserError, ValueError):
     """A file posbench will not read or write: one line saying why."""
 
 

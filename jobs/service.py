@@ -38,6 +38,7 @@ from db.queries import run_points
 from jobs import analysis, audit, lifecycle, quotas
 from jobs.audit import Action, actor_name, deleted_message, record, stamp
 from jobs.celery_app import TRAIN_RUN, producer
+from jobs.errors import UserError
 from jobs.safe_text import redact_urls
 from jobs.settings import Settings, get_settings
 from jobs.spec import StudySpec
@@ -48,11 +49,11 @@ log = logging.getLogger(__name__)
 Send = Callable[[int], None]
 
 
-class NotFound(LookupError):
+class NotFound(UserError, LookupError):
     """A study or run id that does not exist, or a study that is deleted."""
 
 
-class Refused(ValueError):
+class Refused(UserError, ValueError):
     """A spec this service's rules refuse: a corpus it may not read, or over a quota
     (``jobs.quotas``)."""
 

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from jobs.errors import UserError
 from jobs.files import write_atomic
 from worker.catalog.scalings import ORIGINAL, Rotary, scaling_info
 from worker.data.lm import DOC_SEPARATOR
@@ -62,7 +63,7 @@ CHECK_TOLERANCE = 1e-4
 CHECK_SEED = 0
 
 
-class ExportRefused(ValueError):
+class ExportRefused(UserError, ValueError):
     """What keeps a model from being exported where asked (the caller's input)."""
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from jobs import analysis
+from jobs.errors import UserError
 from jobs.metrics import Kind, kind_of
 from jobs.results_schema import Evaluation
 from jobs.spec import RunSpec, StudySpec
@@ -47,7 +48,7 @@ from worker.training import (
 from worker.training.finetune import FineTuner
 
 
-class DeviceError(ValueError):
+class DeviceError(UserError, ValueError):
     """A device that is not a torch device, or not on this machine."""
 
 

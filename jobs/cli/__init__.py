@@ -12,10 +12,11 @@ from jobs.cli import results  # isort: skip
 from jobs.cli import tasks  # isort: skip
 from jobs.cli import serving  # isort: skip
 from jobs.cli import backups  # isort: skip
-from jobs.cli.common import app  # isort: skip
+from jobs.cli.common import app, run  # isort: skip
 
 __all__ = ["app", "audit", "backups", "main", "results", "serving", "studies", "tasks"]
 
 
 def main() -> None:
-    app()
+    """The `posbench` command: every command behind one error boundary."""
+    run()

@@ -1,16 +1,20 @@
 """What every command shares: the Typer app, the console, id and port checks, the
-database a command reads, who acts (for the audit trail), and the one way a command
-fails (a line on stderr, exit 2 for bad input, 1 for a failure)."""
+database a command reads, who acts (for the audit trail), the one way a command fails (a
+line on stderr, exit 2 for bad input, 1 for a failure), and the error boundary around
+every command (``run``)."""
 
 from __future__ import annotations
 
 import getpass
 import os
+import sys
+import traceback
 from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
 
+from jobs.errors import UserError
 from jobs.render.terminal import console as terminal
 from jobs.safe_text import redact_url, redact_urls
 
@@ -20,6 +24,8 @@ app = typer.Typer(
     "training length, compare extrapolation curves.",
     no_args_is_help=True,
     add_completion=False,
+    # No rich tracebacks (they print local variables: settings, URLs): `run` decides.
+    pretty_exceptions_enable=False,
 )
 console = terminal()  # markup off: jobs.render.terminal
 MAX_ID = 2**63 - 1  # the database's integer ids
@@ -36,6 +42,47 @@ def _settings() -> None:
         get_settings()
     except ValidationError as err:
         fail("invalid settings: " + describe_settings_error(err), code=2)
+
+
+# A file the user named that is not there or not theirs: their input (exit 2).
+_INPUT_FILE_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+
+def run(argv: list[str] | None = None) -> None:
+    """Run the command ``argv`` names (default: the process's arguments) behind the one
+    error boundary: what a person caused (``jobs.errors.UserError``, a file they named,
+    an unreachable database) is one line on stderr and exit 2 (1 for what failed around
+    them); anything else is a bug, printed with its traceback (URLs without passwords)
+    and a request to report it, exit 1."""
+    try:
+        app(args=argv, prog_name="posbench")
+    except UserError as err:
+        _one_line(str(err), err.exit_code)
+    except _INPUT_FILE_ERRORS as err:
+        _one_line(f"{err.strerror or type(err).__name__}: {err.filename or err}", 2)
+    except OSError as err:
+        _one_line(f"{type(err).__name__}: {err}", 1)
+    except Exception as err:
+        if _is_database_error(err):
+            _one_line(f"cannot reach or read the database: {_first_line(err)}", 1)
+        shown = redact_urls("".join(traceback.format_exception(err)))
+        sys.stderr.write(shown)
+        _one_line(
+            f"this is a bug in posbench ({type(err).__name__}); please report it with the "
+            "command and the traceback above",
+            1,
+        )
+
+
+def _one_line(message: str, code: int) -> NoReturn:
+    typer.echo(f"error: {' '.join(redact_urls(message).split())}", err=True)
+    sys.exit(code)
+
+
+def _is_database_error(err: BaseException) -> bool:
+    """A driver's error (unreachable, refused, locked) that reached no command's check."""
+    exc = sys.modules.get("sqlalchemy.exc")
+    return exc is not None and isinstance(err, exc.DBAPIError | exc.TimeoutError)
 
 
 def fail(message: str, code: int) -> NoReturn:

@@ -57,7 +57,8 @@ def tasks(
 def _params(pairs: list[str], declared: dict[str, Any]) -> dict[str, Any]:
     """``k=v`` pairs as parameters: a value in YAML's scalar form (``digits=7`` is an
     int), a string parameter's value as written."""
-    import yaml
+    from jobs.spec import SpecError
+    from jobs.spec.loading import read_scalar
 
     out: dict[str, Any] = {}
     for pair in pairs:
@@ -72,10 +73,9 @@ def _params(pairs: list[str], declared: dict[str, Any]) -> dict[str, Any]:
             out[name] = raw
             continue
         try:
-            value = yaml.safe_load(raw)
-        except yaml.YAMLError:
-            value = raw
-        out[name] = value if isinstance(value, bool | int | float | str) else raw
+            out[name] = read_scalar(raw)
+        except SpecError as err:
+            fail(f"--param {name}: {err.problems[0]}", code=2)
     return out
 
 

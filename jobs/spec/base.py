@@ -10,6 +10,8 @@ from pydantic import (
     ConfigDict,
 )
 
+from jobs.errors import UserError
+
 # The version of what a run's numbers mean, part of every config hash: bumped when
 # training or evaluation changes what a run with the same spec measures, so results of
 # the old code are never reused as if they were the new code's. 2 (2026-11-30): the
@@ -47,7 +49,7 @@ def exact(number: float) -> str:
     return short if float(short) == float(number) else repr(float(number))
 
 
-class SpecError(ValueError):
+class SpecError(UserError, ValueError):
     """A spec that cannot run; the message lists every problem, one per line."""
 
     def __init__(self, problems: list[str]) -> None:

@@ -23,6 +23,7 @@ from sqlalchemy import select
 
 from db.engine import transaction
 from db.models import Evaluation, Run
+from jobs.errors import UnavailableError, UserError
 from jobs.safe_text import markdown
 from jobs.spec import SpecError, StudySpec, VariantSpec, parse_spec
 from jobs.spec.loading import describe
@@ -36,11 +37,11 @@ if TYPE_CHECKING:
     from worker.export_hf import HfScaling
 
 
-class ExportRefused(ValueError):
+class ExportRefused(UserError, ValueError):
     """A run that cannot be exported as asked: the message says why (exit 2)."""
 
 
-class ExportFailed(RuntimeError):
+class ExportFailed(UnavailableError, RuntimeError):
     """The export was written but does not compute what posbench does (exit 1)."""
 
 

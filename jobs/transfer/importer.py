@@ -34,6 +34,7 @@ from db.models import (
 )
 from jobs.analysis import ANY_PROTOCOL, effective_setting, summarize_points
 from jobs.audit import Action, record, run_count
+from jobs.errors import UserError
 from jobs.files import FileRefused, read_bounded
 from jobs.lifecycle import import_run
 from jobs.metrics import METRICS, measured, metric_named
@@ -47,7 +48,7 @@ from worker.catalog.encodings import REGISTRY
 from worker.catalog.params import short_repr
 
 
-class ImportProblem(ValueError):
+class ImportProblem(UserError, ValueError):
     """The file cannot be imported: what is wrong with it, and nothing was written."""
 
 

@@ -44,6 +44,7 @@ from db.engine import transaction
 from db.models import Evaluation, Run, RunSummary, Study, TrainPoint, as_utc
 from jobs.analysis import ANY_PROTOCOL, line_name
 from jobs.audit import deleted_message
+from jobs.errors import UserError
 from jobs.metrics import METRICS
 from jobs.spec import PROTOCOLS, protocol_title
 from jobs.status import RunStatus
@@ -54,7 +55,7 @@ BATCH = 900  # MLflow accepts at most 1000 metrics in one log_batch call
 _UNSAFE = re.compile(r"[^A-Za-z0-9_\-./]")
 
 
-class ExportError(ValueError):
+class ExportError(UserError, ValueError):
     """The export cannot be made as asked (unknown study, no MLflow client, ...)."""
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jobs.errors import UserError
 from jobs.files import FileRefused, read_bounded
 from worker.catalog.corpora import ALLOW_SETTING, HF_SETTING, HUB_NAME, forbidden, inside
 from worker.catalog.encodings import REGISTRY
@@ -38,7 +39,7 @@ MAX_CONFIG_BYTES = 1 << 20
 MAX_NAME = 160  # characters of model.hf (a run's label is "hf:" + it, VARCHAR(200))
 
 
-class HfModelError(ValueError):
+class HfModelError(UserError, ValueError):
     """An hf: model that may not or cannot be evaluated here: one readable line."""
 
 

@@ -7,12 +7,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from jobs.errors import UserError
+
 # The most values a list parameter holds: one per rotated pair of the widest head
 # (head_dim <= 4096).
 MAX_LIST_VALUES = 2048
 
 
-class EncodingConfigError(ValueError):
+class EncodingConfigError(UserError, ValueError):
     """A user asked for an encoding, parameter or scaling that does not exist or is out of range."""
 
 
