@@ -5,7 +5,7 @@ from __future__ import annotations
 import streamlit as st
 
 from dashboard import auth, compare_page, explore_page, queue_page, submit_page
-from dashboard.common import database_errors
+from dashboard.common import page_errors
 
 st.set_page_config(page_title="posbench", page_icon="📐", layout="wide")
 
@@ -28,5 +28,5 @@ if auth.gate():
         st.Page(compare_page.render, title="Compare", url_path="compare"),
         st.Page(explore_page.render, title="Explore", url_path="explore"),
     ]
-    with database_errors():
+    with page_errors():
         st.navigation(pages).run()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import traceback
 from collections.abc import Iterator
 
 import streamlit as st
@@ -60,15 +61,31 @@ def database_error(err: BaseException) -> None:
 
 
 @contextlib.contextmanager
-def database_errors() -> Iterator[None]:
-    """Around a page (or a fragment): a database error becomes ``database_error``'s
-    summary instead of Streamlit's traceback with the raw message."""
+def page_errors() -> Iterator[None]:
+    """The dashboard's error boundary, around every page (and each fragment, which reruns
+    on its own): a database error becomes ``database_error``'s summary, what a person
+    caused (``jobs.errors.UserError``) its one line, and anything else a note that this
+    is a bug, with the traceback in the server log only (URLs without passwords), never
+    Streamlit's traceback on the page."""
     from sqlalchemy.exc import SQLAlchemyError
+
+    from jobs.errors import UserError
 
     try:
         yield
     except SQLAlchemyError as err:
         database_error(err)
+    except UserError as err:
+        st.error(markdown(str(err)))
+    except Exception as err:  # Streamlit's own stop and rerun are BaseExceptions
+        log.error(
+            "dashboard page failed: %s",
+            redact_urls("".join(traceback.format_exception(err))),
+        )
+        st.error(
+            f"This page hit a bug in posbench ({type(err).__name__}); the server log has "
+            "the details. Please report it."
+        )
 
 
 def imported_captions(studies) -> None:

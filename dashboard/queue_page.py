@@ -11,8 +11,8 @@ import streamlit as st
 from dashboard.auth import actor, can_operate
 from dashboard.common import (
     database,
-    database_errors,
     imported_captions,
+    page_errors,
     query_ints,
     schema_ready,
     set_query,
@@ -62,7 +62,7 @@ def runs_view(study_id: int, tokens_per_step: int) -> tuple[pd.DataFrame, pd.Dat
 
 @st.fragment(run_every=REFRESH_SECONDS)
 def live_runs(study_id: int, tokens_per_step: int) -> None:
-    with database_errors():  # a fragment reruns on its own, outside the page's guard
+    with page_errors():  # a fragment reruns on its own, outside the page's guard
         _live_runs(study_id, tokens_per_step)
 
 

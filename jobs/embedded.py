@@ -34,6 +34,9 @@ def dashboard_command(port: int, address: str = "127.0.0.1") -> list[str]:
         "server.headless": "true",
         "browser.gatherUsageStats": "false",
         "client.toolbarMode": "viewer",
+        # What escapes every page's boundary (dashboard.common.page_errors) shows its kind
+        # only: a traceback names files, settings and sometimes a password.
+        "client.showErrorDetails": "type",
     }
     command = [sys.executable, "-m", "streamlit", "run", str(DASHBOARD_APP)]
     for key, value in options.items():

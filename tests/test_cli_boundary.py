@@ -219,3 +219,22 @@ def test_hostile_values_behind_the_parser_get_one_line(home, capsys, kind) -> No
         code, output = _answered(argv, capsys)
         _assert_handled(argv, code, output)
         assert code == 2, (argv[:4], output[-2000:])
+
+
+# -- the worker's recorded failure reasons -----------------------------------------------
+
+
+def test_a_failed_run_records_one_line_without_passwords() -> None:
+    from jobs.service import Refused
+    from worker.runtime.execute import MAX_REASON_CHARS, failure_reason
+
+    assert failure_reason(Refused("model.hf 'x':\nits tokenizer is slow")) == (
+        "model.hf 'x': its tokenizer is slow"
+    )
+    try:
+        {}["postgresql://me:s3cret@db/x"]
+    except KeyError as err:
+        bug = failure_reason(err)
+    assert bug.startswith("a bug in posbench: KeyError: 'postgresql://me:***@db/x' at ")
+    assert bug.endswith("(please report it; the worker's log has the traceback)")
+    assert len(failure_reason(ValueError("x" * 10**6))) == MAX_REASON_CHARS

@@ -343,9 +343,9 @@ def _plain(value: str) -> str:
 
 def _queue_behind_the_guard() -> None:
     from dashboard import queue_page
-    from dashboard.common import database_errors
+    from dashboard.common import page_errors
 
-    with database_errors():  # what dashboard/app.py puts around every page
+    with page_errors():  # what dashboard/app.py puts around every page
         queue_page.render()
 
 
@@ -375,6 +375,38 @@ def test_a_database_error_is_summarised_on_the_dashboard_and_logged_in_full(
         assert "OperationalError" in _plain(text)
     assert "dbhost" in caplog.text and "alice" in caplog.text
     assert "s3cret" not in caplog.text
+
+
+def test_a_page_s_bug_is_a_note_on_the_page_and_a_traceback_in_the_log(
+    settings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from streamlit.testing.v1 import AppTest
+
+    def broken(*args, **kwargs):
+        raise KeyError("postgresql://alice:s3cret@dbhost/x")
+
+    monkeypatch.setattr("db.queries.studies", broken)
+    with caplog.at_level(logging.ERROR, logger="posbench.dashboard"):
+        app = AppTest.from_function(_queue_behind_the_guard, default_timeout=60).run()
+    assert not app.exception  # no Streamlit traceback on the page
+    (error,) = [_plain(e.value) for e in app.error]
+    assert error.startswith("This page hit a bug in posbench (KeyError)") and "s3cret" not in error
+    assert "Traceback (most recent call last)" in caplog.text and "broken" in caplog.text
+    assert "alice:***@dbhost" in caplog.text and "s3cret" not in caplog.text
+
+
+def test_what_a_person_caused_is_its_line_on_the_page(settings, monkeypatch) -> None:
+    from streamlit.testing.v1 import AppTest
+
+    from jobs.service import Refused
+
+    def refuse(*args, **kwargs):
+        raise Refused("over the quota: **1e22** FLOPs")
+
+    monkeypatch.setattr("db.queries.studies", refuse)
+    app = AppTest.from_function(_queue_behind_the_guard, default_timeout=60).run()
+    assert not app.exception
+    assert [_plain(e.value) for e in app.error] == ["over the quota: **1e22** FLOPs"]
 
 
 @pytest.fixture

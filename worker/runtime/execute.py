@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING
 
 from db.models import as_utc, utcnow
 from jobs import lifecycle
+from jobs.errors import UserError
 from jobs.files import private_folder
 from jobs.lifecycle import ClaimedRun, LeaseLost
 from jobs.quotas import deadline_reason
+from jobs.safe_text import redact_urls
 from jobs.settings import Settings, get_settings
 from jobs.status import RunStatus
 from worker.runtime import artifacts, cache, store
@@ -253,13 +255,23 @@ def matching_run(spec, run):
     raise ValueError(f"run {run.id} ({run.label}, seed {run.seed}) is not in its study's spec")
 
 
+# A failure reason is shown in tables and on the dashboard: one line, this long at most.
+MAX_REASON_CHARS = 2000
+
+
 def failure_reason(err: BaseException) -> str:
-    """The reason a failed run shows: the error's own words for the failures a user can
-    cause, and where it happened for the rest (bugs)."""
+    """The reason a failed run shows, one line without passwords: the error's own words
+    for what a user can cause (``jobs.errors.UserError``, a diverged loss, memory, a bad
+    value), and for the rest (bugs) that it is one, what and where, to be reported."""
     from worker.training import TrainingDiverged
 
-    if isinstance(err, TrainingDiverged | MemoryError | ValueError):
-        return str(err)
-    last = traceback.extract_tb(err.__traceback__)[-1:]
-    where = f" at {last[0].filename}:{last[0].lineno}" if last else ""
-    return f"internal error: {type(err).__name__}: {err}{where}"
+    if isinstance(err, UserError | TrainingDiverged | MemoryError | ValueError):
+        reason = str(err)
+    else:
+        last = traceback.extract_tb(err.__traceback__)[-1:]
+        where = f" at {last[0].filename}:{last[0].lineno}" if last else ""
+        reason = (
+            f"a bug in posbench: {type(err).__name__}: {err}{where} (please report it; the "
+            "worker's log has the traceback)"
+        )
+    return " ".join(redact_urls(reason).split())[:MAX_REASON_CHARS]
