@@ -25,6 +25,7 @@ from jobs.access import (
     Role,
     Secrets,
     closed_open_message,
+    login_forgets_failures,
     oidc_role,
     password_configured,
     password_role,
@@ -167,7 +168,8 @@ def _password_gate() -> bool:
                 log.warning("dashboard login failed from %s (%d wrong in a row)", address, failures)
                 st.error("Wrong password.")
                 return False
-            THROTTLE.succeeded(keys)
+            if login_forgets_failures(found):
+                THROTTLE.succeeded(keys)
             log.info("dashboard login from %s as %s", address, found)
             st.session_state[ROLE] = found
             st.session_state[LOGGED_IN_AT] = time.time()

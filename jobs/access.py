@@ -263,3 +263,10 @@ class Throttle:
 
 
 THROTTLE = Throttle()
+
+
+def login_forgets_failures(role: Role) -> bool:
+    """Whether logging in as ``role`` forgets the wrong passwords before it: only the
+    operator's, the highest role. A viewer who knows the viewer password must not reset
+    the back-off on guesses at the operator's (or the guesses would run unthrottled)."""
+    return role == OPERATOR

@@ -31,6 +31,7 @@ from jobs.access import (
     backoff_seconds,
     closed_open_message,
     is_loopback,
+    login_forgets_failures,
     oidc_role,
     password_role,
     read_secrets,
@@ -476,6 +477,29 @@ def test_repeated_wrong_passwords_are_slowed_and_logged(
     failed = [r for r in caplog.records if "login failed" in r.getMessage()]
     assert len(failed) == FREE_ATTEMPTS
     assert "backing off" in caplog.text
+
+
+def test_a_viewer_login_does_not_reset_the_back_off_on_operator_guesses(
+    settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Audit F2: two wrong operator guesses, then the viewer password, repeated, gave 30
+    # operator guesses and no back-off in 37 s.
+    passwords(monkeypatch, "op-s3cret", viewer="view-pass")
+    guesses = 0
+    for _ in range(3):
+        app = AppTest.from_file(APP, default_timeout=60).run()
+        for _ in range(FREE_ATTEMPTS - 1):
+            errors = [e.value for e in log_in(app, "guess").error]
+            if errors and errors[0].startswith("Too many wrong passwords"):
+                break
+            guesses += 1
+        else:
+            log_in(app, "view-pass")
+            continue
+        break
+    # The back-off started at the third guess, as for one client guessing alone.
+    assert guesses == FREE_ATTEMPTS
+    assert not login_forgets_failures(VIEWER) and login_forgets_failures(OPERATOR)
 
 
 def test_logout_returns_to_the_login(settings, monkeypatch: pytest.MonkeyPatch) -> None:
