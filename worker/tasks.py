@@ -41,15 +41,41 @@ def gpu_for_pool_process(index: int, visible: str | None) -> str:
     return devices[index % len(devices)] if devices else str(index)
 
 
+# Whoever holds the broker may ask a worker what it serves and runs (posbench submit
+# asks which queues have live workers; Flower shows tasks), never tell it what to do:
+# shutdown, pool restarts, consumers, rate limits, revokes and the configuration dumps
+# (which hold the broker URL) are taken out of the worker's remote control (audit F7).
+READ_ONLY_CONTROL = frozenset(
+    {"ping", "active_queues", "active", "reserved", "scheduled", "registered", "clock"}
+)
+
+
+def _read_only_remote_control() -> None:
+    from celery.worker.control import Panel
+
+    for name in set(Panel.data) - READ_ONLY_CONTROL:
+        del Panel.data[name]
+        Panel.meta.pop(name, None)
+
+
+_read_only_remote_control()
+
+
 @worker_init.connect
 def _init_worker(**_: object) -> None:
     shutdown.ignore()  # until a pool process installs its handler
+    # Celery's built-in tasks (celery.map, celery.chord_unlock, ...) are not posbench's:
+    # a message naming one is refused as unregistered, like any other name.
+    app.finalize()
+    for name in [name for name in app.tasks if not name.startswith("posbench.")]:
+        app.tasks.unregister(name)
 
 
 class HandBack(bootsteps.StartStopStep):
     """A worker step that stops before the pool does, on every warm shutdown (SIGTERM,
-    the first Ctrl-C, ``celery control shutdown``, a SIGHUP restart): it asks every pool
-    process to hand its run back, and the pool's own stop then waits for them. A cold
+    the first Ctrl-C, a SIGHUP restart): it asks every pool
+    process to hand its run back, and the pool's own stop then waits for them (remote
+    control cannot shut a worker down: READ_ONLY_CONTROL). A cold
     shutdown terminates the pool instead (``terminate``, a no-op here): the reconciler
     requeues those runs."""
 
