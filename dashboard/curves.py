@@ -6,6 +6,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from jobs import analysis
+from jobs.safe_text import plot_text
 
 
 def summarize(frame: pd.DataFrame, metric: str) -> pd.DataFrame:
@@ -77,11 +78,12 @@ def curve_figure(
                 x=group["eval_length"],
                 y=group["mean"],
                 mode="lines+markers",
-                name=line,
+                name=plot_text(line),
                 line={"color": color},
                 legendgroup=line,
                 customdata=group[["low", "high", "seeds"]],
-                hovertemplate=f"{line}<br>length %{{x}}<br>{metric} %{{y:.4g}}"
+                hovertemplate=f"{plot_text(line)}<br>length %{{x}}<br>"
+                f"{plot_text(metric)} %{{y:.4g}}"
                 "<br>95% bootstrap CI [%{customdata[0]:.4g}, %{customdata[1]:.4g}]"
                 "<br>seeds %{customdata[2]}<extra></extra>",
             )
@@ -89,11 +91,11 @@ def curve_figure(
     lengths = sorted(summary["eval_length"].unique())
     figure.update_xaxes(
         type="log",
-        title=f"evaluation length ({unit})",
+        title=plot_text(f"evaluation length ({unit})"),
         tickvals=lengths,
-        ticktext=[str(n) for n in lengths],
+        ticktext=[plot_text(n) for n in lengths],
     )
-    figure.update_yaxes(type="log" if log_y else "linear", title=metric)
+    figure.update_yaxes(type="log" if log_y else "linear", title=plot_text(metric))
     # A trace, not a layout shape: shapes on a log axis take log10 coordinates.
     low, high = summary["low"].min(), summary["high"].max()
     for length in sorted(set(train_lengths)):
@@ -102,13 +104,13 @@ def curve_figure(
                 x=[length, length],
                 y=[low, high],
                 mode="lines",
-                name=f"train length {length}",
+                name=plot_text(f"train length {length}"),
                 line={"color": "grey", "dash": "dash", "width": 1},
                 hoverinfo="name",
             )
         )
     figure.update_layout(
-        title=title,
+        title=plot_text(title),
         height=520,
         legend={"orientation": "v"},
         margin={"l": 60, "r": 20, "t": 60, "b": 50},
@@ -126,12 +128,12 @@ def position_figure(bins: pd.DataFrame, colors: dict[str, str], per: str = "byte
                 x=middle,
                 y=group["loss"],
                 mode="lines+markers",
-                name=line,
+                name=plot_text(line),
                 line={"color": colors.get(line, COLORS[index % len(COLORS)])},
             )
         )
     figure.update_xaxes(type="log", title="position in the window (1-based, log bins)")
-    figure.update_yaxes(title=f"loss (nats / {per})")
+    figure.update_yaxes(title=plot_text(f"loss (nats / {per})"))
     figure.update_layout(height=420, margin={"l": 60, "r": 20, "t": 30, "b": 50})
     return figure
 
@@ -151,11 +153,11 @@ def training_figure(curves: pd.DataFrame, colors: dict[str, str]) -> go.Figure:
                 x=by_step.index.tolist(),
                 y=by_step["mean"].tolist(),
                 mode="lines",
-                name=line,
+                name=plot_text(line),
                 line={"color": color},
                 legendgroup=line,
                 customdata=by_step[["count"]].to_numpy().tolist(),
-                hovertemplate=f"{line}<br>step %{{x}}<br>loss %{{y:.4g}}"
+                hovertemplate=f"{plot_text(line)}<br>step %{{x}}<br>loss %{{y:.4g}}"
                 "<br>seeds %{customdata[0]}<extra></extra>",
             )
         )
@@ -167,11 +169,11 @@ def training_figure(curves: pd.DataFrame, colors: dict[str, str]) -> go.Figure:
                     x=val.index.tolist(),
                     y=val["mean"].tolist(),
                     mode="lines+markers",
-                    name=f"{line} (validation)",
+                    name=plot_text(f"{line} (validation)"),
                     line={"color": color, "dash": "dash"},
                     legendgroup=line,
                     customdata=val[["count"]].to_numpy().tolist(),
-                    hovertemplate=f"{line}<br>step %{{x}}<br>validation loss %{{y:.4g}}"
+                    hovertemplate=f"{plot_text(line)}<br>step %{{x}}<br>validation loss %{{y:.4g}}"
                     "<br>seeds %{customdata[0]}<extra></extra>",
                 )
             )

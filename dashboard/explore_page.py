@@ -11,6 +11,7 @@ import numpy as np
 import plotly.graph_objects as go
 import streamlit as st
 
+from jobs.safe_text import plot_text
 from worker.catalog.encodings import REGISTRY, SCALINGS
 
 
@@ -98,9 +99,9 @@ def _line_figure(
 ) -> go.Figure:
     figure = go.Figure()
     for name, values in curves.items():
-        figure.add_trace(go.Scatter(x=x, y=values, mode="lines", name=name))
-    figure.update_xaxes(title=x_title, type="log" if log_x else "linear")
-    figure.update_yaxes(title=y_title, type="log" if log_y else "linear")
+        figure.add_trace(go.Scatter(x=x, y=values, mode="lines", name=plot_text(name)))
+    figure.update_xaxes(title=plot_text(x_title), type="log" if log_x else "linear")
+    figure.update_yaxes(title=plot_text(y_title), type="log" if log_y else "linear")
     figure.update_layout(height=420, margin={"l": 60, "r": 20, "t": 30, "b": 50})
     return figure
 

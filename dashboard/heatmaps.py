@@ -2,8 +2,9 @@
 (``jobs.analysis.group_grid``), one Plotly figure per line (no Streamlit here).
 
 A figure's title and axes are the page's own words; the line it belongs to is shown
-beside it as escaped text, never inside the figure, where Plotly would read a name's
-tags and ``%{...}`` as its own markup.
+beside it as escaped text. Every text that enters a figure (titles, axis labels, cell
+labels, the hover template) goes through ``jobs.safe_text.plot_text``, since Plotly
+reads tags and ``%{...}`` in all of them.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from jobs.metrics import Kind, headline
+from jobs.safe_text import plot_text
 
 COLOR_SCALE = "Viridis"  # perceptually uniform, readable without colour vision
 CELL_PIXELS = 34
@@ -36,8 +38,11 @@ def heatmap_figure(
     (depth 0, the start of the context)."""
     accuracy = headline(Kind.ANSWER).name
     z = [[None if math.isnan(value) else float(value) for value in row] for row in table.to_numpy()]
-    x = [_tick(value) + (" (train)" if value == train_length else "") for value in table.columns]
-    y = [_tick(value) for value in table.index]
+    x = [
+        plot_text(_tick(value) + (" (train)" if value == train_length else ""))
+        for value in table.columns
+    ]
+    y = [plot_text(_tick(value)) for value in table.index]
     figure = go.Figure(
         go.Heatmap(
             z=z,
@@ -46,16 +51,19 @@ def heatmap_figure(
             zmin=0,
             zmax=1,
             colorscale=COLOR_SCALE,
-            colorbar={"title": {"text": accuracy}},
+            colorbar={"title": {"text": plot_text(accuracy)}},
             texttemplate="%{z:.2f}",
             xgap=1,
             ygap=1,
-            hovertemplate=f"{y_title} %{{y}}<br>{x_title} %{{x}}<br>{accuracy} %{{z:.3f}}"
+            hovertemplate=f"{plot_text(y_title)} %{{y}}<br>{plot_text(x_title)} %{{x}}<br>"
+            f"{plot_text(accuracy)} %{{z:.3f}}"
             "<extra></extra>",
         )
     )
-    figure.update_xaxes(type="category", title=x_title)
-    figure.update_yaxes(type="category", title=y_title, autorange="reversed" if reverse_y else True)
+    figure.update_xaxes(type="category", title=plot_text(x_title))
+    figure.update_yaxes(
+        type="category", title=plot_text(y_title), autorange="reversed" if reverse_y else True
+    )
     if train_length is not None:
         # Category axes count cells from 0: the edge after the last length <= training.
         edge = sum(1 for value in table.columns if value <= train_length) - 0.5
@@ -69,7 +77,7 @@ def heatmap_figure(
             line={"color": "#d62728", "dash": "dash", "width": 2},
         )
     figure.update_layout(
-        title=title,
+        title=plot_text(title),
         height=160 + CELL_PIXELS * len(y),
         margin={"l": 60, "r": 20, "t": 50, "b": 50},
     )

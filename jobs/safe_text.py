@@ -53,6 +53,20 @@ def markdown(value: object) -> str:
     return _MARKDOWN_SPECIAL.sub(r"\\\1", one_line)
 
 
+def plot_text(value: object) -> str:
+    """``value`` for any text of a Plotly figure (a trace's name, a title, an axis label,
+    a hover template): Plotly reads ``<a href>``, ``<b>`` and the like in all of them, and
+    ``%{...}`` in a hover template. Escaped as entities, which it shows as the characters
+    they stand for: the text exactly as written."""
+    return (
+        str(value)
+        .replace("&", "&amp;")
+        .replace("<", "&lt;")
+        .replace(">", "&gt;")
+        .replace("%", "&#37;")
+    )
+
+
 def redact_url(url: str) -> str:
     """``url`` with its password hidden: ``redis://:secret@host/0`` ->
     ``redis://:***@host/0``, ``postgresql://me:secret@db/x`` -> ``postgresql://me:***@db/x``,

@@ -149,6 +149,10 @@ def _edited(payload: dict, change) -> dict:
             lambda p: p["spec"]["train"].update(length=4),
             "its spec: train.length = 4: must be greater than or equal to 8",
         ),
+        (  # audit F6: it became a live link in Compare's legend
+            lambda p: p["spec"].update(model={"hf": "<a href=https://evil>click</a>"}),
+            "model.hf may not contain < >",
+        ),
         (
             lambda p: p["runs"][1].update(config_hash="0" * 24),
             "runs[1] (alibi, seed 0) is not a run of its spec as this posbench version hashes",

@@ -25,6 +25,9 @@ from worker.catalog.models import MODEL_PRESETS
 from worker.catalog.params import short_repr
 from worker.catalog.tasks import DEFAULT_TASK, TASKS, task_info
 
+# Characters no model folder name or hub id has, and markup does.
+NOT_IN_MODEL_NAMES = "<>\"'`{}%|\\"
+
 
 def _name_and_params(value: Any, default_name: str | None = None) -> Any:
     """The shorthands of a named entry with parameters: "rope" for {"name": "rope"}, and
@@ -126,6 +129,14 @@ class ModelSpec(_Strict):
         """An hf: model brings its own size: no preset, dimensions left at their defaults."""
         if not self.hf or not self.hf.strip() or any(not ch.isprintable() for ch in self.hf):
             raise ValueError("model.hf must be a printable folder name or hub id, not blank")
+        markup = sorted(set(self.hf) & set(NOT_IN_MODEL_NAMES))
+        if markup:
+            # No folder name or hub id has them; markup does (audit F6: an imported
+            # model.hf of <a href=...> became a link in Compare's figures).
+            raise ValueError(
+                f"model.hf may not contain {' '.join(markup)} (a folder name or a hub id has "
+                f"none of {' '.join(NOT_IN_MODEL_NAMES)})"
+            )
         given = [
             name
             for name, field in type(self).model_fields.items()
