@@ -380,3 +380,47 @@ def test_a_fine_tuning_curve_no_run_could_have_recorded_is_refused(
     assert "runs[0].provenance.finetune.'yarn:2+ft3'.curve: " in str(refused.value)
     assert message in str(refused.value)
     assert queries.studies(settings.database).empty
+
+
+# -- audit F8: per-group accuracies are bounded -------------------------------------------
+
+PASSKEY = {
+    "name": "groups",
+    "model": "tiny",
+    "task": "passkey",
+    "train": {"length": 128, "steps": 2, "batch_size": 2},
+    "encodings": ["rope"],
+    "eval": {"lengths": [128], "examples": 8, "variants": ["none"]},
+}
+
+
+@pytest.fixture(scope="module")
+def grouped() -> dict:
+    spec, settings = parse_spec(PASSKEY), get_settings()
+    task = prepared_task(spec, settings.corpus_cache)
+    return run_study(spec, task=task, device=resolve_device(default=settings.device)).to_dict()
+
+
+def test_groups_are_imported_within_their_bounds(
+    settings: Settings, grouped: dict, payload: dict, tmp_path: Path
+) -> None:
+    groups = grouped["runs"][0]["evaluations"][0]["groups"]
+    assert 1 < len(groups) <= PASSKEY["eval"]["examples"]  # the depths a passkey is hidden at
+
+    def with_groups(base: dict, value: dict) -> dict:
+        return _edited(base, lambda p: p["runs"][0]["evaluations"][0].update(groups=value))
+
+    refused = {
+        "lm": (with_groups(payload, {"depth=0.5": 0.5}), "task lm scores no groups"),
+        "count": (
+            with_groups(grouped, {f"g{i}": 0.5 for i in range(9)}),
+            "9 groups; an evaluation has at most 8",
+        ),
+        "label": (with_groups(grouped, {"x" * 100_000: 0.5}), "is not a label"),
+    }
+    for name, (edited, message) in refused.items():
+        done = posbench(settings, "import", str(write(tmp_path, edited, f"{name}.json")))
+        assert done.returncode == 2 and message in done.stderr, (name, done.stderr)
+    assert queries.studies(settings.database).empty
+    done = posbench(settings, "import", str(write(tmp_path, grouped)))
+    assert done.returncode == 0, done.stderr

@@ -37,7 +37,7 @@ from jobs.audit import Action, record, run_count
 from jobs.errors import UserError
 from jobs.files import FileRefused, read_bounded
 from jobs.lifecycle import import_run
-from jobs.metrics import METRICS, measured, metric_named
+from jobs.metrics import METRICS, Kind, measured, metric_named
 from jobs.results_schema import MAX_RESULTS_BYTES, RunRecord, parse_results
 from jobs.results_schema import Evaluation as Row
 from jobs.service import new_study
@@ -66,6 +66,8 @@ PROBE_SUMMARIES = ("order_ordered_loss", "order_shuffled_loss", "order_sensitivi
 MAX_COUNT = 1 << 53  # tokens, bytes: exact in a float, far past any real run
 MAX_SECONDS = 10 * 365 * 86400
 MAX_PROVENANCE_BYTES = 1 << 20
+MAX_GROUPS = 1000  # a task's groups (depths, operand sizes): dozens at most
+MAX_GROUP_LABEL = 80  # "depth=0.5", "digits=(3, 7)": a few words
 MAX_IMPORT_BYTES = MAX_RESULTS_BYTES
 
 
@@ -131,8 +133,7 @@ def _check_values(where: str, run: RunRecord, spec) -> None:
                 raise ImportProblem(f"{at}: not applicable, yet has a {given[0]}")
             continue
         _check_metrics(at, row, spec.task, byte_level=spec.model.hf is None)
-        if any(_bad(value, 0, 1) for value in row.groups.values()):
-            raise ImportProblem(f"{at}: group accuracies must be within 0..1")
+        _check_groups(at, row, spec)
         if _bad(row.tokens, 0, MAX_COUNT) or _bad(row.peak_memory_bytes, 0, MAX_COUNT):
             raise ImportProblem(f"{at}: tokens and peak_memory_bytes must be 0..2^53")
         if _bad(row.tokens_per_second, 0) or _bad(row.factor, 1e-9):
@@ -217,6 +218,29 @@ def _check_curve(at: str, curve: Any, steps: int) -> None:
                 f"increasing within 1..{steps:,}, the loss 0..2^53"
             )
         last = point[0]
+
+
+def _check_groups(at: str, row: Row, spec) -> None:
+    """Per-group accuracies as an evaluation has them (audit F8: 1,200 groups of 100 KB
+    were accepted, for lm too, and slowed every Compare page): only for a task scored on
+    answers, at most one group per scored example (and MAX_GROUPS), each label a short
+    line of text, each accuracy within 0..1."""
+    groups = row.groups
+    if not groups:
+        return
+    if spec.task.kind is not Kind.ANSWER:
+        raise ImportProblem(f"{at}: groups: task {spec.task.name} scores no groups")
+    most = min(MAX_GROUPS, spec.eval.examples)
+    if len(groups) > most:
+        raise ImportProblem(f"{at}: {len(groups):,} groups; an evaluation has at most {most}")
+    label = next((g for g in groups if len(g) > MAX_GROUP_LABEL or not g.isprintable()), None)
+    if label is not None:
+        raise ImportProblem(
+            f"{at}: group {short_repr(label)} is not a label (printable, at most "
+            f"{MAX_GROUP_LABEL} characters)"
+        )
+    if any(_bad(value, 0, 1) for value in groups.values()):
+        raise ImportProblem(f"{at}: group accuracies must be within 0..1")
 
 
 def _check_metrics(at: str, row: Row, task, *, byte_level: bool = True) -> None:
