@@ -19,6 +19,7 @@ import shutil
 import sqlite3
 import stat
 import subprocess
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -242,7 +243,54 @@ def _checked(copy: Path, source: Path) -> Copied:
     if missing:
         raise BackupRefused(f"{source} is not a posbench database (no table {missing[0]})")
     _check_revision(contents.revision, source)
+    connection = sqlite3.connect(_existing(copy), uri=True)
+    try:
+        objects = _sqlite_objects(connection)
+    finally:
+        connection.close()
+    _refuse_foreign(objects - migrated_objects(contents.revision), source)
     return contents
+
+
+def _sqlite_objects(connection: sqlite3.Connection) -> set[tuple[str, str]]:
+    """(type, name) of every table, index, view and trigger a SQLite database defines
+    (SQLite's own, sqlite_*, left out)."""
+    rows = connection.execute("SELECT type, name FROM sqlite_master WHERE name NOT LIKE 'sqlite_%'")
+    return {(kind, name) for kind, name in rows}
+
+
+_MIGRATED: dict[str, frozenset[tuple[str, str]]] = {}
+
+
+def migrated_objects(revision: str | None) -> frozenset[tuple[str, str]]:
+    """What posbench's migrations create, up to ``revision``: (type, name) of each table
+    and index of a new SQLite database migrated there (made once per revision)."""
+    key = revision or "base"
+    if key not in _MIGRATED:
+        folder = Path(tempfile.mkdtemp(prefix="posbench-schema-"))
+        try:
+            url = f"sqlite:///{folder / 'schema.db'}"
+            if revision:
+                upgrade(url, revision)
+            forget(url)
+            with contextlib.closing(sqlite3.connect(folder / "schema.db")) as connection:
+                _MIGRATED[key] = frozenset(_sqlite_objects(connection))
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+    return _MIGRATED[key]
+
+
+def _refuse_foreign(extra: set[tuple[str, str]], source: Path) -> None:
+    """Audit F5: a backup with a trigger restored fine, and the trigger rewrote results
+    later. Whatever the migrations did not create is refused, named."""
+    if extra:
+        shown = ", ".join(f"{kind} {name!r}" for kind, name in sorted(extra)[:3])
+        more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
+        raise BackupRefused(
+            f"{source} holds schema objects posbench's migrations did not create ({shown}"
+            f"{more}): triggers, views, tables and indexes of its own could rewrite or hide "
+            "results; restore only a backup posbench wrote"
+        )
 
 
 def _check_revision(revision: str | None, source: Path) -> None:
@@ -334,6 +382,8 @@ def _restore_postgres(url: str, source: Path, *, force: bool) -> Copied:
     if found is None:
         raise BackupRefused(f"{source} is not a posbench database (no alembic_version)")
     _check_revision(found[1], source)
+    contents = _run([pg_restore, "--list", str(source)], env, f"reading {source}", BackupRefused)
+    _refuse_foreign(_foreign_in_archive(contents, found[1]), source)
     try:
         existing = current(url)
     except Exception as err:
@@ -348,6 +398,55 @@ def _restore_postgres(url: str, source: Path, *, force: bool) -> Copied:
     command += ["--clean", "--if-exists"] if existing is not None else []
     _run([*command, f"--dbname={target}", str(source)], env, f"pg_restore into {redact_url(url)}")
     return Copied(source, source.stat().st_size, found[1])
+
+
+# What a dump of posbench's schema holds besides its tables and indexes: their data,
+# the sequences behind integer keys, defaults and constraints (of posbench's tables).
+_ARCHIVE_KINDS = {
+    "TABLE",
+    "TABLE DATA",
+    "VIEW",
+    "INDEX",
+    "SEQUENCE",
+    "SEQUENCE OWNED BY",
+    "SEQUENCE SET",
+    "DEFAULT",
+    "CONSTRAINT",
+    "FK CONSTRAINT",
+    "SCHEMA",
+    "COMMENT",
+}
+
+
+def _foreign_in_archive(listing: str, revision: str) -> set[tuple[str, str]]:
+    """The entries of ``pg_restore --list`` that posbench's migrations did not create:
+    any kind but the above (TRIGGER, FUNCTION, VIEW, RULE, POLICY, ...), a table or an
+    index of another name, and a constraint of another table."""
+    migrated = migrated_objects(revision)
+    tables = {name for kind, name in migrated if kind == "table"}
+    indexes = {name for kind, name in migrated if kind == "index"}
+    views = {name for kind, name in migrated if kind == "view"}
+    kinds = sorted(_ARCHIVE_KINDS, key=len, reverse=True)  # "TABLE DATA" before "TABLE"
+    foreign: set[tuple[str, str]] = set()
+    for line in listing.splitlines():
+        # "215; 1259 16386 TABLE public runs posbench": id; catalog oid, KIND schema NAME owner
+        entry = re.match(r"^\d+; \d+ \d+ (.+)$", line)
+        if entry is None:
+            continue
+        rest = entry[1]
+        kind = next((k for k in kinds if rest.startswith(k + " ")), None)
+        if kind is None:
+            foreign.add((rest.split()[0].lower(), " ".join(rest.split()[1:-1])))
+            continue
+        words = rest[len(kind) :].split()  # schema, the name (for a constraint: its table
+        name = words[1] if len(words) > 2 else ""  # first), owner
+        if kind in ("TABLE", "TABLE DATA", "CONSTRAINT", "FK CONSTRAINT") and name not in tables:
+            foreign.add((kind.lower(), " ".join(words[1:-1])))
+        elif kind == "INDEX" and name not in indexes:
+            foreign.add(("index", name))
+        elif kind == "VIEW" and name not in views:
+            foreign.add(("view", name))
+    return foreign
 
 
 def _line(err: BaseException) -> str:

@@ -274,8 +274,32 @@ def _plain_sqlite(tmp_path: Path) -> Path:
             ("schema revision 'f00d', which this posbench does not know", "the posbench that"),
         ),
         (lambda home, tmp: _pg_dump(tmp), ("is a PostgreSQL dump",)),
+        (  # audit F5: it restored, and later rewrote imported perplexities to 1.0
+            lambda home, tmp: _planted(home, tmp, PLANTED_TRIGGER),
+            ("schema objects posbench's migrations did not create (trigger 'rewrite')",),
+        ),
+        (
+            lambda home, tmp: _planted(home, tmp, "CREATE VIEW shown AS SELECT 1"),
+            ("(view 'shown')",),
+        ),
+        (
+            lambda home, tmp: _planted(
+                home, tmp, "CREATE TABLE notes (x); CREATE INDEX n ON notes (x)"
+            ),
+            ("(index 'n', table 'notes')",),
+        ),
     ],
-    ids=["missing", "text", "fifo", "other schema", "unknown revision", "postgres dump"],
+    ids=[
+        "missing",
+        "text",
+        "fifo",
+        "other schema",
+        "unknown revision",
+        "postgres dump",
+        "trigger",
+        "view",
+        "table and index",
+    ],
 )
 def test_restore_refuses_what_is_no_posbench_backup_and_writes_nothing(
     home: Path, tmp_path: Path, make, expected: tuple[str, ...]
@@ -285,6 +309,21 @@ def test_restore_refuses_what_is_no_posbench_backup_and_writes_nothing(
     done = cli(home, "db", "restore", str(source))
     refused(done, *expected)
     assert list(home.iterdir()) == []  # no database, no half copy
+
+
+PLANTED_TRIGGER = (
+    "CREATE TRIGGER rewrite AFTER INSERT ON evaluations BEGIN "
+    "UPDATE evaluations SET perplexity = 1.0 WHERE id = NEW.id; END"
+)
+
+
+def _planted(home: Path, tmp_path: Path, statements: str) -> Path:
+    """A real backup of the seeded database with schema objects of someone else's."""
+    out = tmp_path / "planted.db"
+    assert cli(home, "db", "backup", "--out", str(out)).returncode == 0
+    with database(out) as connection:
+        connection.executescript(statements)
+    return out
 
 
 def _text(tmp_path: Path) -> Path:

@@ -103,6 +103,31 @@ def test_a_sqlite_file_or_another_dump_is_refused_before_postgresql_is_touched(
     assert current(target) is None  # untouched: still empty
 
 
+def test_a_dump_with_a_trigger_or_a_function_is_refused_before_postgresql_is_touched(
+    postgres_server: str, pg_bin: Path, tmp_path: Path
+) -> None:
+    # Audit F5: an AFTER INSERT trigger restored fine, then rewrote results.
+    source = _postgres_database(postgres_server)
+    upgrade(source)
+    with psycopg.connect(source) as connection:
+        connection.execute(
+            "CREATE FUNCTION rewrite() RETURNS trigger LANGUAGE plpgsql AS "
+            "$$ BEGIN NEW.perplexity := 1.0; RETURN NEW; END $$"
+        )
+        connection.execute(
+            "CREATE TRIGGER rewrite BEFORE INSERT ON evaluations "
+            "FOR EACH ROW EXECUTE FUNCTION rewrite()"
+        )
+    dump = tmp_path / "planted.dump"
+    assert cli(source, pg_bin, tmp_path, "db", "backup", "--out", str(dump)).returncode == 0
+    target = _postgres_database(postgres_server)
+    done = cli(target, pg_bin, tmp_path, "db", "restore", str(dump))
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    planted = "(function 'public rewrite()', trigger 'public evaluations rewrite')"
+    assert f"migrations did not create {planted}" in done.stderr
+    assert current(target) is None  # untouched: still empty
+
+
 def test_the_password_goes_to_pg_dump_in_its_environment_not_its_arguments(
     postgres_server: str, pg_bin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
