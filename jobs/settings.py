@@ -25,6 +25,7 @@
 | POSBENCH_HF_DATASETS | false | whether hf: corpora and hub models (model.hf) may be loaded |
 | POSBENCH_HF_ALLOW | unset | when set, the only hf: datasets and hub models allowed (',') |
 | POSBENCH_MODELS_ROOTS | <home>/models | folders a model.hf folder may come from (':'-separated) |
+| POSBENCH_MAX_HF_PARAMETERS | 8000000000 | a model.hf of more parameters (its config) is refused |
 | POSBENCH_MAX_STUDY_FLOPS | 1e19 | a study estimated above this (6 x params x tokens) is refused |
 | POSBENCH_MAX_ACTIVE_RUNS | 32 | most runs queued or running; a study over it is refused |
 | POSBENCH_MAX_ACTIVE_RUNS_PER_SUBMITTER | 16 | the same, for the runs of one submitter's studies |
@@ -107,6 +108,12 @@ class Settings(BaseSettings):
     )
     models_roots: Annotated[list[Path] | None, NoDecode] = Field(
         None, description="folders a model.hf folder may come from (default: <home>/models)"
+    )
+    max_hf_parameters: int = Field(
+        8_000_000_000,
+        ge=1,
+        le=10**13,
+        description="largest model.hf, in parameters its config describes (read before loading)",
     )
 
     # Quotas: what one accepted spec may cost the service (jobs.quotas, the worker).
@@ -280,6 +287,7 @@ class Settings(BaseSettings):
             roots=tuple(dict.fromkeys(root.expanduser().resolve() for root in roots)),
             hub_enabled=self.hf_datasets,
             hub_allow=tuple(self.hf_allow),
+            max_parameters=self.max_hf_parameters,
         )
 
     @property

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +37,12 @@ from worker.catalog.scaling_entry import Rotary
 HF_ENCODING = "hf"
 ROOTS_SETTING = "POSBENCH_MODELS_ROOTS"
 CONFIG_FILE = "config.json"
+TOKENIZER_FILE = "tokenizer.json"  # a fast tokenizer's: posbench reads its offsets
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"  # sharded weights: which file holds what
 MAX_CONFIG_BYTES = 1 << 20
+MAX_INDEX_BYTES = 16 << 20
+MAX_HEADER_BYTES = 100 << 20  # a safetensors file's JSON header (names, shapes, offsets)
 MAX_NAME = 160  # characters of model.hf (a run's label is "hf:" + it, VARCHAR(200))
 
 
@@ -51,6 +58,7 @@ class ModelPolicy:
     roots: tuple[Path, ...] = ()  # resolved folders
     hub_enabled: bool = False
     hub_allow: tuple[str, ...] = ()  # empty: any hub id, once enabled
+    max_parameters: int = 8_000_000_000  # what a config may describe (POSBENCH_MAX_HF_PARAMETERS)
 
     def roots_shown(self) -> str:
         return ", ".join(map(str, self.roots)) or "none"
@@ -68,14 +76,26 @@ class HfFamily:
     encoding: str  # the catalogue's name for what the family does: learned or rope
     summary: str
     rotary_fraction: float = 1.0
+    gated_mlp: bool = True  # three matrices in each MLP (gate, up, down), not two
+    ties_embeddings: bool = False  # tie_word_embeddings when the config does not say
 
 
 HF_FAMILIES: dict[str, HfFamily] = {
     family.model_type: family
     for family in (
-        HfFamily("gpt2", "learned", "GPT-2: a learned table of n_positions positions"),
         HfFamily(
-            "gpt_neox", "rope", "GPT-NeoX / Pythia: RoPE on part of each head", rotary_fraction=0.25
+            "gpt2",
+            "learned",
+            "GPT-2: a learned table of n_positions positions",
+            gated_mlp=False,
+            ties_embeddings=True,
+        ),
+        HfFamily(
+            "gpt_neox",
+            "rope",
+            "GPT-NeoX / Pythia: RoPE on part of each head",
+            rotary_fraction=0.25,
+            gated_mlp=False,
         ),
         HfFamily("llama", "rope", "Llama: RoPE, rope_parameters / rope_scaling"),
         HfFamily("mistral", "rope", "Mistral: RoPE"),
@@ -95,6 +115,8 @@ class ModelFacts:
     max_positions: int | None  # the last position + 1 it can represent (None: no end)
     rotary: Rotary | None  # base, rotated dimensions, original length (RoPE models)
     partial_rotary_factor: float = 1.0
+    parameters: int = 0  # what the config describes (config_parameters); 0: not counted
+    layers: int = 0  # its transformer blocks
 
     @property
     def scalable(self) -> bool:
@@ -140,7 +162,17 @@ def model_facts(config: Mapping[str, Any]) -> ModelFacts:
         positions = _positive_int(config, "n_positions")
         if positions is None:
             raise HfModelError(f"the {model_type} config has no n_positions")
-        return ModelFacts(model_type, family.encoding, positions, "n_positions", positions, None)
+        parameters, layers = config_parameters(config, family)
+        return ModelFacts(
+            model_type,
+            family.encoding,
+            positions,
+            "n_positions",
+            positions,
+            None,
+            parameters=parameters,
+            layers=layers,
+        )
     rope = _rope_parameters(config)
     heads = _positive_int(config, "num_attention_heads")
     hidden = _positive_int(config, "hidden_size")
@@ -162,9 +194,44 @@ def model_facts(config: Mapping[str, Any]) -> ModelFacts:
     context_key = "original_max_position_embeddings" if original else "max_position_embeddings"
     context = original or longest
     rotary = Rotary(base or 10000.0, int(head_dim * (fraction or 1.0)), context)
+    parameters, layers = config_parameters(config, family)
     return ModelFacts(
-        model_type, family.encoding, context, context_key, None, rotary, fraction or 1.0
+        model_type,
+        family.encoding,
+        context,
+        context_key,
+        None,
+        rotary,
+        fraction or 1.0,
+        parameters=parameters,
+        layers=layers,
     )
+
+
+def _size(config: Mapping[str, Any], *keys: str) -> int | None:
+    return next((v for v in (_positive_int(config, k) for k in keys) if v is not None), None)
+
+
+def config_parameters(config: Mapping[str, Any], family: HfFamily) -> tuple[int, int]:
+    """The parameters (the matrices: embeddings, attention, MLP; norms and biases left
+    out) and the blocks a config describes, from its sizes alone: read before anything
+    is loaded, so that ``n_layer: 1000000`` is refused, not allocated. (0, 0) for a config
+    that does not give them all."""
+    hidden = _size(config, "hidden_size", "n_embd")
+    layers = _size(config, "num_hidden_layers", "n_layer")
+    vocab = _size(config, "vocab_size")
+    heads = _size(config, "num_attention_heads", "n_head")
+    if not (hidden and layers and vocab and heads):
+        return 0, 0  # not counted: checked_folder refuses a folder's config without them
+    kv_heads = _size(config, "num_key_value_heads") or heads
+    head_dim = _size(config, "head_dim") or max(1, hidden // heads)
+    inner = _size(config, "intermediate_size", "n_inner") or 4 * hidden
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, k, v and the output
+    mlp = (3 if family.gated_mlp else 2) * hidden * inner
+    tied = config.get("tie_word_embeddings", family.ties_embeddings)
+    embeddings = vocab * hidden * (1 if tied is True else 2)
+    positions = (_size(config, "n_positions") or 0) * hidden if family.encoding == "learned" else 0
+    return embeddings + positions + layers * (attention + mlp), layers
 
 
 # -- where a model comes from ---------------------------------------------------------------
@@ -255,8 +322,9 @@ def _hub_id(name: str, policy: ModelPolicy) -> str:
 
 
 def folder_problem(folder: Path, root: Path) -> str | None:
-    """What keeps a located folder from being read as a model: no config.json, or a file
-    that links out of the roots (named by its name in the folder, never its target)."""
+    """What keeps a located folder from being read as a model: no config.json, a file
+    that links out of the roots (named by its name in the folder, never its target), or
+    one that is no regular file (a pipe would hang the load)."""
     if not (folder / CONFIG_FILE).is_file():
         return f"model.hf {folder}: no {CONFIG_FILE} (a HuggingFace model folder has one)"
     for parent, folders, names in os.walk(folder, followlinks=False):
@@ -264,10 +332,116 @@ def folder_problem(folder: Path, root: Path) -> str | None:
         for entry in [*folders, *names]:
             path = Path(parent) / entry
             target = _resolved(path)
+            shown = path.relative_to(folder).as_posix()
             if target is None or not inside(target, root) or forbidden(target):
-                shown = path.relative_to(folder).as_posix()
                 return f"model.hf {folder}: {shown} links outside the models roots"
+            if entry in names and not _regular(path):
+                return f"model.hf {folder}: {shown} is not a regular file"
     return None
+
+
+def _regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(path.stat().st_mode)
+    except OSError:
+        return False
+
+
+def weights_files(folder: Path) -> list[Path]:
+    """The safetensors files ``from_pretrained`` reads from ``folder``: model.safetensors,
+    else each file its index names, every one a plain file of the folder (audit F3: an
+    index naming ``/abs/path`` or ``../x`` was loaded from outside the roots)."""
+    single = folder / WEIGHTS_FILE
+    if single.exists():
+        return [single]
+    index = folder / WEIGHTS_INDEX
+    if not index.exists():
+        raise HfModelError(f"model.hf {folder}: no {WEIGHTS_FILE} and no {WEIGHTS_INDEX}")
+    try:
+        data = json.loads(read_bounded(index, MAX_INDEX_BYTES, "a weights index"))
+    except (FileRefused, OSError, ValueError) as err:
+        raise HfModelError(f"model.hf {folder}: {WEIGHTS_INDEX} cannot be read ({err})") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise HfModelError(f"model.hf {folder}: {WEIGHTS_INDEX} has no weight_map")
+    files = []
+    for shard in sorted({str(value) for value in weight_map.values()}):
+        plain = shard == Path(shard).name and shard not in ("", ".", "..")
+        if not plain or not shard.endswith(".safetensors"):
+            raise HfModelError(
+                f"model.hf {folder}: {WEIGHTS_INDEX} names {shard[:80]!r}, not a .safetensors "
+                "file of the folder"
+            )
+        if not _regular(folder / shard):
+            raise HfModelError(f"model.hf {folder}: {shard} (of {WEIGHTS_INDEX}) is missing")
+        files.append(folder / shard)
+    return files
+
+
+_LAYER = re.compile(r"\.(?:layers|h)\.(\d+)\.")
+
+
+def weight_layers(files: list[Path]) -> int:
+    """How many transformer blocks the weights hold (1 + the highest block index their
+    tensor names carry), read from the safetensors headers alone."""
+    highest = -1
+    for path in files:
+        with path.open("rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            if not 0 < size <= MAX_HEADER_BYTES:
+                raise HfModelError(f"model.hf {path.parent}: {path.name} is not safetensors")
+            try:
+                names = json.loads(handle.read(size))
+            except ValueError:
+                raise HfModelError(
+                    f"model.hf {path.parent}: {path.name} is not safetensors"
+                ) from None
+        for name in names if isinstance(names, dict) else ():
+            found = _LAYER.search(f".{name}")
+            if found:
+                highest = max(highest, int(found[1]))
+    return highest + 1
+
+
+def checked_folder(folder: Path, root: Path, policy: ModelPolicy) -> ModelFacts:
+    """A local model folder's facts once everything that can be known before loading it
+    holds: the folder's files (folder_problem), its config and size within the policy's
+    cap (audit F4), and weights that hold every block the config describes (a missing
+    block would be initialised at random and evaluated as the named model)."""
+    problem = folder_problem(folder, root)
+    if problem:
+        raise HfModelError(problem)
+    try:
+        facts = model_facts(read_config(folder))
+    except HfModelError as err:
+        raise HfModelError(f"model.hf {folder}: {err}") from None
+    if not facts.layers:
+        raise HfModelError(
+            f"model.hf {folder}: its {CONFIG_FILE} lacks its sizes (hidden_size or n_embd, "
+            "num_hidden_layers or n_layer, vocab_size, num_attention_heads or n_head)"
+        )
+    size_problem(facts, policy, folder)
+    if not (folder / TOKENIZER_FILE).is_file():
+        raise HfModelError(
+            f"model.hf {folder}: its tokenizer is not a fast one (no {TOKENIZER_FILE}); "
+            "posbench counts the bytes each token covers from a fast tokenizer's offsets"
+        )
+    held = weight_layers(weights_files(folder))
+    if held != facts.layers:
+        raise HfModelError(
+            f"model.hf {folder}: its config describes {facts.layers} blocks, its weights hold "
+            f"{held}; posbench evaluates a model only as its weights are"
+        )
+    return facts
+
+
+def size_problem(facts: ModelFacts, policy: ModelPolicy, name: object) -> None:
+    """HfModelError when the config describes more parameters than the policy allows."""
+    if facts.parameters > policy.max_parameters:
+        raise HfModelError(
+            f"model.hf {name}: its config describes {facts.parameters:,} parameters, more than "
+            f"this service evaluates ({policy.max_parameters:,}, POSBENCH_MAX_HF_PARAMETERS)"
+        )
 
 
 def read_config(folder: Path) -> dict[str, Any]:
@@ -287,13 +461,7 @@ def local_facts(name: str, policy: ModelPolicy) -> tuple[Located, ModelFacts | N
     located = locate_model(name, policy)
     if located.folder is None or located.root is None:
         return located, None
-    problem = folder_problem(located.folder, located.root)
-    if problem:
-        raise HfModelError(problem)
-    try:
-        return located, model_facts(read_config(located.folder))
-    except HfModelError as err:
-        raise HfModelError(f"model.hf {located.folder}: {err}") from None
+    return located, checked_folder(located.folder, located.root, policy)
 
 
 # -- the model folders a root holds (the Submit page's list) --------------------------------

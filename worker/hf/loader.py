@@ -26,9 +26,11 @@ from worker.catalog.hf_models import (
     Located,
     ModelFacts,
     ModelPolicy,
-    folder_problem,
+    checked_folder,
     locate_model,
     model_facts,
+    size_problem,
+    weights_files,
 )
 from worker.hf.model import HfCausalLM
 
@@ -54,12 +56,11 @@ def _sha256(paths: list[Path]) -> str:
 
 
 def locate(name: str, policy: ModelPolicy) -> Located:
-    """Where ``name`` comes from, checked here (the worker's file system)."""
+    """Where ``name`` comes from, checked here (the worker's file system) as at submit:
+    ``checked_folder``."""
     located = locate_model(name, policy)
     if located.folder is not None and located.root is not None:
-        problem = folder_problem(located.folder, located.root)
-        if problem:
-            raise HfModelError(problem)
+        checked_folder(located.folder, located.root, policy)
     return located
 
 
@@ -70,9 +71,7 @@ def _source(located: Located, name: str) -> tuple[str, dict[str, Any]]:
     record: dict[str, Any] = {"hf": name, "transformers_version": transformers.__version__}
     if located.folder is None:
         return located.hub_id or name, record | {"hub_id": located.hub_id}
-    weights = sorted(located.folder.glob("*.safetensors"))
-    if not weights:
-        raise HfModelError(f"model.hf {located.folder}: no *.safetensors weights")
+    weights = weights_files(located.folder)  # what from_pretrained reads, and nothing else
     record |= {
         "folder": str(located.folder),
         "config_sha256": _sha256([located.folder / CONFIG_FILE]),
@@ -82,26 +81,59 @@ def _source(located: Located, name: str) -> tuple[str, dict[str, Any]]:
     return str(located.folder), record
 
 
+def _check_weights(name: str, loading: dict[str, Any]) -> None:
+    """Audit F4: weights the architecture lacks would be initialised at random (and
+    evaluated as the named model); weights it has no place for, silently dropped. Either
+    refuses the model, naming a few."""
+    for kind, what in (
+        ("missing_keys", "lacks weights its config needs"),
+        ("unexpected_keys", "holds weights its config has no place for"),
+        ("mismatched_keys", "holds weights of other shapes than its config's"),
+    ):
+        keys = sorted(str(key) for key in loading.get(kind) or [])
+        if keys:
+            shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+            raise HfModelError(f"model.hf {name!r} {what}: {shown}")
+
+
 def load_model(name: str, policy: ModelPolicy) -> LoadedModel:
     """``model.hf`` = ``name`` loaded on the CPU in float32, in evaluation mode, with its
     fast tokenizer; HfModelError for one that may not or cannot be loaded here."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as transformers_logging
+
+    # Its progress bars and load report go to stderr: what matters is refused here instead
+    # (_check_weights), in one line.
+    transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()
 
     located = locate(name, policy)
     source, record = _source(located, name)
     hub = located.folder is None
     common = {"trust_remote_code": False, "local_files_only": not hub}
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            source, attn_implementation="sdpa", dtype=torch.float32, use_safetensors=True, **common
+        if hub:  # a local folder's size was checked from its config.json
+            size_problem(
+                model_facts(AutoConfig.from_pretrained(source, **common).to_dict()), policy, name
+            )
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            source,
+            attn_implementation="sdpa",
+            dtype=torch.float32,
+            use_safetensors=True,
+            output_loading_info=True,
+            **common,
         )
         tokenizer = AutoTokenizer.from_pretrained(source, **common)
+    except HfModelError:
+        raise
     except Exception as err:  # the libraries raise many types; report any of them plainly
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         # A library's words may name its cache or the working folder: paths outside the
         # roots are not shown.
         reason = scrub(first, SourcePolicy(roots=policy.roots))[:300]
         raise HfModelError(f"model.hf {name!r} could not be loaded: {reason}") from None
+    _check_weights(name, loading)
     if not getattr(tokenizer, "is_fast", False):
         raise HfModelError(
             f"model.hf {name!r}: its tokenizer is not a fast one (tokenizer.json); posbench "
