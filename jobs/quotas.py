@@ -3,7 +3,9 @@ anything is written (``jobs.service.submit`` raises its ``Refused`` with the lin
 these return).
 
 - ``POSBENCH_MAX_STUDY_FLOPS``: the study's estimated compute
-  (``StudySpec.estimated_flops``, 6 x parameters x tokens, as the Submit page shows);
+  (``StudySpec.estimated_flops``: training, 6 x parameters x tokens, and evaluation,
+  every window, key-token sub-window and probe; an hf: model at the size its config
+  describes);
 - ``POSBENCH_MAX_ACTIVE_RUNS``: runs queued or running across the service, the new
   study's included;
 - ``POSBENCH_MAX_ACTIVE_RUNS_PER_SUBMITTER``: the same, counting only the runs of the
@@ -35,15 +37,32 @@ from jobs.spec import StudySpec
 from jobs.status import ACTIVE
 
 
+def model_sizes(spec: StudySpec, settings: Settings) -> tuple[int, int, int] | None:
+    """An hf: model's (parameters, layers, width) as its config describes them (a folder's
+    read here; a hub id's known only on a worker, so counted at POSBENCH_MAX_HF_PARAMETERS
+    with no attention term); None for posbench's own models (the spec's sizes)."""
+    if spec.model.hf is None:
+        return None
+    from worker.catalog.hf_models import local_facts
+
+    _, facts = local_facts(spec.model.hf, settings.models)
+    return facts.sizes if facts is not None else (settings.max_hf_parameters, 0, 0)
+
+
 def flops_problem(spec: StudySpec, settings: Settings) -> str | None:
-    """The refusal of a study whose estimated compute exceeds the quota (None: within)."""
-    flops, limit = spec.estimated_flops(), settings.max_study_flops
+    """The refusal of a study whose estimated compute exceeds the quota (None: within),
+    with the figures: training and evaluation."""
+    sizes = model_sizes(spec, settings)
+    training, evaluation = spec.training_flops(), spec.eval_flops(sizes)
+    flops, limit = training + evaluation, settings.max_study_flops
     if flops <= limit:
         return None
     return (
         f"quota POSBENCH_MAX_STUDY_FLOPS exceeded: the study needs about {flops:.3g} FLOPs "
-        f"(6 x parameters x tokens), over the limit of {limit:.3g} by {flops - limit:.3g} "
-        f"({flops / limit:.3g} x the limit); train fewer steps, runs or parameters"
+        f"(training {training:.3g}: 6 x parameters x tokens; evaluation {evaluation:.3g}: "
+        "every window, key-token sub-window and probe), over the limit of "
+        f"{limit:.3g} by {flops - limit:.3g} ({flops / limit:.3g} x the limit); train "
+        "fewer steps or parameters, or evaluate fewer runs, variants, lengths or tokens"
     )
 
 

@@ -186,9 +186,9 @@ def test_the_parameters_a_config_describes() -> None:
         "intermediate_size": 11008,
         "vocab_size": 32000,
     }
-    parameters, layers = config_parameters(llama, HF_FAMILIES["llama"])
-    assert layers == 32 and abs(parameters - 6_738_415_616) / 6.74e9 < 0.001
+    parameters, layers, width = config_parameters(llama, HF_FAMILIES["llama"])
+    assert (layers, width) == (32, 4096) and abs(parameters - 6_738_415_616) / 6.74e9 < 0.001
     # GPT-2 small: 124M, with its tied embeddings and 1,024 learned positions.
     gpt2 = {"n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}
-    parameters, _ = config_parameters(gpt2, HF_FAMILIES["gpt2"])
+    parameters, _, _ = config_parameters(gpt2, HF_FAMILIES["gpt2"])
     assert abs(parameters - 124_439_808) / 124.4e6 < 0.001

@@ -62,7 +62,9 @@ def test_an_hf_study_is_one_run_of_the_model_evaluated_as_it_is() -> None:
     assert run.encoding.resolved_params == {"model": "llama"} and run.train_hash is None
     assert study.train.steps == 0 and study.encodings == []
     assert study.eval.lengths == [32, 64, 128, 256]  # 1, 2, 4, 8 x the model's context
-    assert study.estimated_flops() == 0 and study.estimated_checkpoint_bytes() == 0
+    assert study.training_flops() == 0 and study.estimated_checkpoint_bytes() == 0
+    # Its evaluation is counted at the size its config describes (audit F1: it was 0).
+    assert study.eval_flops((10**9, 24, 2048)) > 2 * 10**9 * study.eval_tokens()
     # The stored spec (every default written out) is the same study, the same run.
     again = parse_spec(study.model_dump(mode="json"))
     assert again == study and again.runs() == study.runs()

@@ -44,11 +44,68 @@ def stored(config: Settings, model: type) -> int:
 # --- compute and active runs, at submit ---------------------------------------------------
 
 
-def test_the_estimate_is_six_times_parameters_times_tokens() -> None:
+def test_the_estimate_is_training_and_evaluation() -> None:
     spec = parse_spec(SPEC)
     tokens = 4 * spec.train.steps * spec.train.tokens_per_step
     assert spec.train_tokens() == tokens
-    assert spec.estimated_flops() == 6 * spec.model.parameters * tokens
+    assert spec.training_flops() == 6 * spec.model.parameters * tokens
+    assert spec.estimated_flops() == spec.training_flops() + spec.eval_flops()
+    # Evaluation: at least 2 x parameters for every token a run reads.
+    reads = spec.eval_tokens() * len(spec.runs())
+    assert spec.eval_flops() > 2 * spec.model.parameters * reads
+
+
+# Audit F1: a 340M-parameter model, 16 seeds, evaluated at 131,072 tokens with a sliding
+# stride of 512 and 16 variants, was counted at 4.2e12 FLOPs (its training alone).
+EVALUATION_HEAVY = {
+    "name": "evaluation heavy",
+    "model": {"d_model": 1024, "n_layers": 27, "n_heads": 16},
+    "encodings": ["rope"],
+    "seeds": list(range(16)),
+    "train": {"length": 1024, "steps": 1, "batch_size": 1},
+    "eval": {
+        "lengths": [131072],
+        "tokens": 131072,
+        "protocols": ["sliding"],
+        "stride": 512,
+        "variants": [
+            "none",
+            *[f"{m}:{f}" for m in ("pi", "ntk", "yarn") for f in (2, 4, 8, 16, 32)],
+        ],
+    },
+}
+
+
+def test_evaluation_is_counted_and_refused_over_the_quota(tmp_path: Path) -> None:
+    spec = parse_spec(EVALUATION_HEAVY)
+    assert len(spec.eval.variants) == 16 and spec.model.parameters > 3.4e8
+    assert spec.training_flops() < 1e14  # all that was counted before
+    # 16 runs x 16 variants x 131,072 tokens, each read in 256 windows, x 2 x 340M: 5.8e18
+    # for the matrices; attention over 131,072 keys costs about 12 times as much again.
+    matrices = 16 * 16 * 131072 * (131072 / 512) * 2 * spec.model.parameters
+    assert matrices > 5e18 and spec.eval_flops() > 10 * matrices
+    config = service_settings(tmp_path)  # the default quota, 1e19
+    with pytest.raises(Refused, match="quota POSBENCH_MAX_STUDY_FLOPS exceeded") as refused:
+        submit(spec, settings=config, send=Recorder(), actor="tester")
+    assert "evaluation 6.81e+19" in str(refused.value) and stored(config, Study) == 0
+
+
+def test_key_tokens_sub_windows_and_the_order_probe_are_counted() -> None:
+    base = {**SPEC, "eval": {**SPEC.get("eval", {}), "order_probe": False}}
+    plain = parse_spec(base).eval_flops()
+    probed = parse_spec({**base, "eval": {**base["eval"], "order_probe": True}}).eval_flops()
+    keyed = {
+        stride: parse_spec(
+            {
+                **base,
+                "eval": {**base["eval"], "key_tokens": {"short_context": 128, "stride": stride}},
+            }
+        ).eval_flops()
+        for stride in (1, 128)
+    }
+    assert probed > plain and keyed[128] > plain
+    # A stride of 1 reads 128 tokens per scored one: about 128 x the stride 128's share.
+    assert (keyed[1] - plain) / (keyed[128] - plain) > 100
 
 
 def test_a_study_over_the_compute_quota_is_refused_before_anything_is_written(

@@ -117,6 +117,12 @@ class ModelFacts:
     partial_rotary_factor: float = 1.0
     parameters: int = 0  # what the config describes (config_parameters); 0: not counted
     layers: int = 0  # its transformer blocks
+    width: int = 0  # its hidden size
+
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        """(parameters, layers, width): what a study's compute is estimated from."""
+        return self.parameters, self.layers, self.width
 
     @property
     def scalable(self) -> bool:
@@ -162,7 +168,7 @@ def model_facts(config: Mapping[str, Any]) -> ModelFacts:
         positions = _positive_int(config, "n_positions")
         if positions is None:
             raise HfModelError(f"the {model_type} config has no n_positions")
-        parameters, layers = config_parameters(config, family)
+        parameters, layers, width = config_parameters(config, family)
         return ModelFacts(
             model_type,
             family.encoding,
@@ -172,6 +178,7 @@ def model_facts(config: Mapping[str, Any]) -> ModelFacts:
             None,
             parameters=parameters,
             layers=layers,
+            width=width,
         )
     rope = _rope_parameters(config)
     heads = _positive_int(config, "num_attention_heads")
@@ -194,7 +201,7 @@ def model_facts(config: Mapping[str, Any]) -> ModelFacts:
     context_key = "original_max_position_embeddings" if original else "max_position_embeddings"
     context = original or longest
     rotary = Rotary(base or 10000.0, int(head_dim * (fraction or 1.0)), context)
-    parameters, layers = config_parameters(config, family)
+    parameters, layers, width = config_parameters(config, family)
     return ModelFacts(
         model_type,
         family.encoding,
@@ -205,6 +212,7 @@ def model_facts(config: Mapping[str, Any]) -> ModelFacts:
         fraction or 1.0,
         parameters=parameters,
         layers=layers,
+        width=width,
     )
 
 
@@ -212,17 +220,17 @@ def _size(config: Mapping[str, Any], *keys: str) -> int | None:
     return next((v for v in (_positive_int(config, k) for k in keys) if v is not None), None)
 
 
-def config_parameters(config: Mapping[str, Any], family: HfFamily) -> tuple[int, int]:
+def config_parameters(config: Mapping[str, Any], family: HfFamily) -> tuple[int, int, int]:
     """The parameters (the matrices: embeddings, attention, MLP; norms and biases left
     out) and the blocks a config describes, from its sizes alone: read before anything
-    is loaded, so that ``n_layer: 1000000`` is refused, not allocated. (0, 0) for a config
-    that does not give them all."""
+    is loaded, so that ``n_layer: 1000000`` is refused, not allocated; and the layers and
+    the width (hidden size). Zeros for a config that does not give them all."""
     hidden = _size(config, "hidden_size", "n_embd")
     layers = _size(config, "num_hidden_layers", "n_layer")
     vocab = _size(config, "vocab_size")
     heads = _size(config, "num_attention_heads", "n_head")
     if not (hidden and layers and vocab and heads):
-        return 0, 0  # not counted: checked_folder refuses a folder's config without them
+        return 0, 0, 0  # not counted: checked_folder refuses a folder's config without them
     kv_heads = _size(config, "num_key_value_heads") or heads
     head_dim = _size(config, "head_dim") or max(1, hidden // heads)
     inner = _size(config, "intermediate_size", "n_inner") or 4 * hidden
@@ -231,7 +239,7 @@ def config_parameters(config: Mapping[str, Any], family: HfFamily) -> tuple[int,
     tied = config.get("tie_word_embeddings", family.ties_embeddings)
     embeddings = vocab * hidden * (1 if tied is True else 2)
     positions = (_size(config, "n_positions") or 0) * hidden if family.encoding == "learned" else 0
-    return embeddings + positions + layers * (attention + mlp), layers
+    return embeddings + positions + layers * (attention + mlp), layers, hidden
 
 
 # -- where a model comes from ---------------------------------------------------------------
