@@ -57,9 +57,9 @@ class RunSpec(_Strict):
     train_hash: str | None
 
 
-
 # An hf: model's (parameters, layers, width), from its config (ModelFacts).
 ModelSizes = tuple[int, int, int]
+
 
 class StudySpec(_Strict):
     name: str = Field(DEFAULT_NAME, min_length=1, max_length=120)
