@@ -26,7 +26,7 @@
 | POSBENCH_HF_ALLOW | unset | when set, the only hf: datasets and hub models allowed (',') |
 | POSBENCH_MODELS_ROOTS | <home>/models | folders a model.hf folder may come from (':'-separated) |
 | POSBENCH_MAX_HF_PARAMETERS | 8000000000 | a model.hf of more parameters (its config) is refused |
-| POSBENCH_MAX_STUDY_FLOPS | 1e19 | a study estimated above this (6 x params x tokens) is refused |
+| POSBENCH_MAX_STUDY_FLOPS | 1e19 | a study estimated above this (training, evaluation) is refused |
 | POSBENCH_MAX_ACTIVE_RUNS | 32 | most runs queued or running; a study over it is refused |
 | POSBENCH_MAX_ACTIVE_RUNS_PER_SUBMITTER | 16 | the same, for the runs of one submitter's studies |
 | POSBENCH_RUN_DEADLINE_HOURS | 24 | a run this long since it started fails (wall clock) |
