@@ -12,6 +12,7 @@ visitor, logout and session expiry. The decisions are ``jobs.access``'s.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
@@ -42,6 +43,9 @@ ROLE = "posbench_role"
 LOGGED_IN_AT = "posbench_logged_in_at"
 SESSION_ID = "posbench_session_id"
 ACTOR = "posbench_actor"
+BROWSER = "posbench_browser"  # the fingerprint of the browser that logged in
+# Streamlit's XSRF cookie: set once in each browser, sent with every connection of it.
+BROWSER_COOKIE = "_streamlit_xsrf"
 
 
 def _secrets() -> Secrets:
@@ -117,8 +121,28 @@ def can_operate() -> bool:
 
 
 def _logout() -> None:
-    for key in (ROLE, LOGGED_IN_AT, ACTOR):
+    for key in (ROLE, LOGGED_IN_AT, ACTOR, BROWSER):
         st.session_state.pop(key, None)
+
+
+def browser() -> str:
+    """What the connection's browser holds and a replayed session id lacks (audit F10:
+    replaying a Streamlit session id resumed an operator's session without a password):
+    a hash of its Streamlit cookie and its User-Agent, checked on every rerun."""
+    try:
+        cookie = st.context.cookies.get(BROWSER_COOKIE) or ""
+        agent = st.context.headers.get("User-Agent") or ""
+    except Exception:  # no request context (a test's script run)
+        cookie = agent = ""
+    return hashlib.sha256(f"{cookie}\0{agent}".encode()).hexdigest()
+
+
+def _same_browser() -> bool:
+    """False, logged, when this session's login came from another browser."""
+    if st.session_state.get(BROWSER) == browser():
+        return True
+    log.warning("dashboard session used from another browser than its login: logged out")
+    return False
 
 
 def _signed_in_sidebar(who: str, on_logout) -> None:
@@ -143,7 +167,7 @@ def _password_gate() -> bool:
     current = st.session_state.get(ROLE)
     expired = False
     if current is not None:
-        if not session_expired(st.session_state.get(LOGGED_IN_AT), settings):
+        if not session_expired(st.session_state.get(LOGGED_IN_AT), settings) and _same_browser():
             _signed_in_sidebar(current, _logout)
             return True
         _logout()
@@ -173,6 +197,7 @@ def _password_gate() -> bool:
             log.info("dashboard login from %s as %s", address, found)
             st.session_state[ROLE] = found
             st.session_state[LOGGED_IN_AT] = time.time()
+            st.session_state[BROWSER] = browser()
             st.session_state[ACTOR] = f"dashboard {found} from {address}"
             st.rerun()
     return False

@@ -502,6 +502,35 @@ def test_a_viewer_login_does_not_reset_the_back_off_on_operator_guesses(
     assert not login_forgets_failures(VIEWER) and login_forgets_failures(OPERATOR)
 
 
+def test_a_session_replayed_from_another_browser_is_logged_out(
+    settings, monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    # Audit F10: a Streamlit session id replayed elsewhere resumed an operator's session.
+    from dashboard import auth
+
+    passwords(monkeypatch, "s3cret")
+    seen = {"browser": "the operator's browser"}
+    monkeypatch.setattr(auth, "browser", lambda: seen["browser"])
+    app = log_in(AppTest.from_file(APP, default_timeout=60).run(), "s3cret")
+    assert "Submit a study" in [t.value for t in app.title]
+    app.run()  # the same browser: still in
+    assert "Submit a study" in [t.value for t in app.title]
+    seen["browser"] = "another browser with the session id"
+    with caplog.at_level(logging.WARNING, logger="posbench.dashboard.auth"):
+        app.run()
+    assert [t.value for t in app.title] == ["posbench"] and "posbench_role" not in app.session_state
+    assert "used from another browser than its login" in caplog.text
+    seen["browser"] = "the operator's browser"  # and the stolen id is worth nothing more
+    assert [t.value for t in app.run().title] == ["posbench"]
+
+
+def test_the_browser_is_its_cookie_and_user_agent() -> None:
+    from dashboard import auth
+
+    assert auth.BROWSER_COOKIE == "_streamlit_xsrf"
+    assert len(auth.browser()) == 64  # no request context here: a hash of empty values
+
+
 def test_logout_returns_to_the_login(settings, monkeypatch: pytest.MonkeyPatch) -> None:
     passwords(monkeypatch, "s3cret")
     app = log_in(AppTest.from_file(APP, default_timeout=60).run(), "s3cret")
