@@ -192,7 +192,9 @@ def _prepare(spec: StudySpec, out: Path | None, device: str | None):
     stamp = time.strftime("%Y%m%d-%H%M%S")
     settings = get_settings()
     # Before anything is written: the corpus and the hf: model, under the operator's rules.
-    problem = spec.source_problem(settings.sources, settings.models)
+    from jobs.service import sources_problem
+
+    problem = sources_problem(spec, settings)
     if problem:
         _fail(problem)
     private = out is None  # under $POSBENCH_HOME: its owner's alone

@@ -58,10 +58,22 @@ class Refused(UserError, ValueError):
     (``jobs.quotas``)."""
 
 
+def sources_problem(spec: StudySpec, settings: Settings) -> str | None:
+    """Why this service may not read the spec's data: its corpus and its hf: model under
+    the operator's rules, and a model folder whose weights lack what its architecture
+    needs (built on the meta device: no weights loaded); None when it may."""
+    problem = spec.source_problem(settings.sources, settings.models)
+    if problem is None and spec.model.hf is not None:
+        from worker.hf.loader import weights_problem
+
+        problem = weights_problem(spec.model.hf, settings.models)
+    return problem
+
+
 def check_sources(spec: StudySpec, settings: Settings) -> None:
     """Refuse, before anything is stored, a spec whose data this service may not read
     (the worker checks again where it reads)."""
-    problem = spec.source_problem(settings.sources, settings.models)  # corpus and hf: model
+    problem = sources_problem(spec, settings)
     if problem:
         raise Refused(problem)
 

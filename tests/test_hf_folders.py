@@ -153,19 +153,44 @@ def test_a_spoiled_folder_is_refused_at_submit_and_by_posbench_run(
     assert not (tmp_path / "out").exists()
 
 
-def test_weights_the_architecture_lacks_are_refused_at_load(home: Path, tmp_path: Path) -> None:
+def test_weights_the_architecture_lacks_are_refused_before_and_at_load(
+    home: Path, tmp_path: Path
+) -> None:
     from safetensors.torch import load_file, save_file
+
+    from worker.hf.loader import _check_weights, weights_problem
 
     folder = variant(home, "lacking")
     tensors = load_file(folder / WEIGHTS_FILE)
-    dropped = sorted(name for name in tensors if name.endswith("norm.weight"))[0]
+    dropped = "model.norm.weight"  # the last norm: every block still there
     save_file({k: v for k, v in tensors.items() if k != dropped}, folder / WEIGHTS_FILE)
-    done = posbench_cli(
-        "run", str(spec_file(tmp_path, "lacking")), "--out", str(tmp_path / "out"), env=env(home)
-    )
-    assert done.returncode == 2, done.stderr
-    assert f"model.hf 'lacking' lacks weights its config needs: {dropped}" in done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1
+    message = f"model.hf 'lacking' lacks weights its config needs: {dropped}"
+    environment = env(home)
+    assert posbench_cli("db", "upgrade", env=environment).returncode == 0
+    for command in (["submit"], ["run", "--out", str(tmp_path / "out")]):
+        done = posbench_cli(
+            *command[:1], str(spec_file(tmp_path, "lacking")), *command[1:], env=environment
+        )
+        assert done.returncode == 2, done.stderr
+        assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    # The folders that are whole (the tiny Llama, its sharded copy) lack nothing.
+    policy = ModelPolicy(roots=((home / "models").resolve(),))
+    assert weights_problem("llama", policy) is None
+    # And at load, what transformers reports is refused the same way.
+    with pytest.raises(HfModelError, match=r"lacks weights its config needs: model\.norm\.weight"):
+        _check_weights("lacking", {"missing_keys": [dropped]})
+    with pytest.raises(HfModelError, match=r"has no place for: extra\.weight"):
+        _check_weights("lacking", {"unexpected_keys": ["extra.weight"]})
+
+
+def test_whole_folders_of_every_family_lack_no_weight(tmp_path: Path) -> None:
+    from hf_models import FAMILIES, MORE_ROPE
+
+    from worker.hf.loader import weights_problem
+
+    for family in (*FAMILIES, *MORE_ROPE):  # GPT-NeoX stores lm_head as embed_out
+        save_model(tmp_path / family, family)
+        assert weights_problem(family, ModelPolicy(roots=(tmp_path.resolve(),))) is None, family
 
 
 def test_a_sharded_folder_loads_and_records_the_files_it_loaded(home: Path) -> None:
