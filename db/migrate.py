@@ -8,6 +8,7 @@ from alembic import command
 from alembic.config import Config
 
 from db.engine import engine_for, normalize_url
+from jobs.errors import UnavailableError
 
 MIGRATIONS = Path(__file__).with_name("migrations")
 
@@ -20,10 +21,35 @@ def alembic_config(url: str) -> Config:
     return config
 
 
+class DatabaseEncodingError(UnavailableError):
+    """A PostgreSQL database that does not store text as UTF-8."""
+
+
+def check_encoding(engine) -> None:
+    """A PostgreSQL database must be UTF8: names, labels and failure reasons are UTF-8
+    text, and on a SQL_ASCII one the driver hands SQLAlchemy bytes from its very first
+    query ("cannot use a string pattern on a bytes-like object"). So the server's
+    encoding is read from the connection's start-up parameters, before any query."""
+    if engine.dialect.name != "postgresql":
+        return
+    arguments, options = engine.dialect.create_connect_args(engine.url)
+    with engine.dialect.loaded_dbapi.connect(*arguments, **options) as raw:
+        encoding, name = raw.info.parameter_status("server_encoding"), raw.info.dbname
+    if str(encoding).upper().replace("-", "") != "UTF8":
+        raise DatabaseEncodingError(
+            f"the database {name} is encoded {encoding}; posbench needs UTF8: create it "
+            f"with CREATE DATABASE {name} ENCODING 'UTF8' TEMPLATE template0 (or a cluster "
+            "made with initdb --encoding=UTF8)"
+        )
+
+
 def upgrade(url: str, revision: str = "head") -> None:
-    """Bring the database at ``url`` to ``revision`` (creating it if needed)."""
+    """Bring the database at ``url`` to ``revision`` (creating it if needed); a
+    PostgreSQL database that is not UTF8 is refused first, with how to make one."""
     config = alembic_config(url)
-    with engine_for(normalize_url(url)).begin() as connection:
+    engine = engine_for(normalize_url(url))
+    check_encoding(engine)
+    with engine.begin() as connection:
         config.attributes["connection"] = connection
         command.upgrade(config, revision)
 

@@ -57,3 +57,28 @@ def test_0010_audit_and_soft_delete_on_postgresql(postgres_server: str, tmp_path
     downgrade(url, "0009")
     upgrade(url)
     assert current(url) == head() and queries.events(url).empty
+
+
+def test_a_database_that_is_not_utf8_is_refused_with_how_to_make_one(
+    postgres_server: str, tmp_path
+) -> None:
+    # Before: `posbench db upgrade` failed with "cannot use a string pattern on a
+    # bytes-like object" on a SQL_ASCII database.
+    import psycopg
+
+    from tests.conftest import isolated_env, posbench_cli
+
+    name = "posbench_ascii"
+    with psycopg.connect(postgres_server, autocommit=True) as connection:
+        connection.execute(
+            f"CREATE DATABASE {name} ENCODING 'SQL_ASCII' LC_COLLATE 'C' LC_CTYPE 'C' "
+            "TEMPLATE template0"
+        )
+    base, _, query = postgres_server.partition("?")
+    url = f"{base.rsplit('/', 1)[0]}/{name}?{query}"
+    done = posbench_cli("db", "upgrade", env=isolated_env(tmp_path, POSBENCH_DATABASE_URL=url))
+    assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert (
+        f"the database {name} is encoded SQL_ASCII; posbench needs UTF8: create it with "
+        f"CREATE DATABASE {name} ENCODING 'UTF8' TEMPLATE template0"
+    ) in done.stderr
