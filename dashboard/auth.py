@@ -130,16 +130,21 @@ def browser() -> str:
     replaying a Streamlit session id resumed an operator's session without a password):
     a hash of its Streamlit cookie and its User-Agent, checked on every rerun."""
     try:
-        cookie = st.context.cookies.get(BROWSER_COOKIE) or ""
-        agent = st.context.headers.get("User-Agent") or ""
+        cookie = st.context.cookies.get(BROWSER_COOKIE)
+        agent = st.context.headers.get("User-Agent")
     except Exception:  # no request context (a test's script run)
-        cookie = agent = ""
+        cookie = agent = None
+    cookie, agent = (value if isinstance(value, str) else "" for value in (cookie, agent))
+    if not (cookie or agent):
+        return ""  # nothing to bind to
     return hashlib.sha256(f"{cookie}\0{agent}".encode()).hexdigest()
 
 
 def _same_browser() -> bool:
-    """False, logged, when this session's login came from another browser."""
-    if st.session_state.get(BROWSER) == browser():
+    """False, logged, when this session's login came from another browser (a login
+    from a connection with neither the cookie nor a User-Agent is bound to nothing)."""
+    bound = st.session_state.get(BROWSER)
+    if not bound or bound == browser():
         return True
     log.warning("dashboard session used from another browser than its login: logged out")
     return False

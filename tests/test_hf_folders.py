@@ -16,13 +16,12 @@ import pytest
 from conftest import isolated_env, posbench_cli
 from hf_models import CONTEXT, corpus_text, save_model
 
+from worker.catalog.hf_configs import HF_FAMILIES, config_parameters
 from worker.catalog.hf_models import (
-    HF_FAMILIES,
     WEIGHTS_FILE,
     WEIGHTS_INDEX,
     HfModelError,
     ModelPolicy,
-    config_parameters,
     local_facts,
 )
 
