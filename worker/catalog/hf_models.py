@@ -211,22 +211,30 @@ def weights_files(folder: Path) -> list[Path]:
 _LAYER = re.compile(r"\.(?:layers|h)\.(\d+)\.")
 
 
+def tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Each tensor's name and shape in a safetensors file, from its JSON header alone
+    (read within MAX_HEADER_BYTES; no weight is read)."""
+    with path.open("rb") as handle:
+        size = int.from_bytes(handle.read(8), "little")
+        if not 0 < size <= MAX_HEADER_BYTES:
+            raise HfModelError(f"model.hf {path.parent}: {path.name} is not safetensors")
+        try:
+            header = json.loads(handle.read(size))
+        except ValueError:
+            raise HfModelError(f"model.hf {path.parent}: {path.name} is not safetensors") from None
+    return {
+        name: tuple(entry.get("shape", ()))
+        for name, entry in (header.items() if isinstance(header, dict) else ())
+        if isinstance(entry, dict) and name != "__metadata__"
+    }
+
+
 def weight_layers(files: list[Path]) -> int:
     """How many transformer blocks the weights hold (1 + the highest block index their
     tensor names carry), read from the safetensors headers alone."""
     highest = -1
     for path in files:
-        with path.open("rb") as handle:
-            size = int.from_bytes(handle.read(8), "little")
-            if not 0 < size <= MAX_HEADER_BYTES:
-                raise HfModelError(f"model.hf {path.parent}: {path.name} is not safetensors")
-            try:
-                names = json.loads(handle.read(size))
-            except ValueError:
-                raise HfModelError(
-                    f"model.hf {path.parent}: {path.name} is not safetensors"
-                ) from None
-        for name in names if isinstance(names, dict) else ():
+        for name in tensor_shapes(path):
             found = _LAYER.search(f".{name}")
             if found:
                 highest = max(highest, int(found[1]))

@@ -13,7 +13,6 @@ hub id, and transformers' version.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from worker.catalog.hf_models import (
     locate_model,
     model_facts,
     size_problem,
+    tensor_shapes,
     weights_files,
 )
 from worker.hf.model import HfCausalLM
@@ -101,13 +101,7 @@ def weights_problem(name: str, policy: ModelPolicy) -> str | None:
         model = AutoModelForCausalLM.from_config(config)
     files: dict[str, tuple[int, ...]] = {}  # each stored tensor's name and shape
     for path in weights_files(located.folder):
-        with path.open("rb") as handle:
-            header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
-        files |= {
-            key: tuple(value.get("shape", ()))
-            for key, value in header.items()
-            if isinstance(value, dict) and key != "__metadata__"
-        }
+        files |= tensor_shapes(path)
     prefix = f"{model.base_model_prefix}."  # a base model's checkpoint, as transformers maps it
     present = set(files) | {prefix + key for key in files}
     tensors = dict(model.named_parameters(remove_duplicate=False))
