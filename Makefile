@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # itself accepts any torch >= 2.4.
 TORCH  ?= torch==2.13.0
 
-.PHONY: run test test-cluster lint docs install clean
+.PHONY: run test test-cluster test-faults lint docs install clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,12 @@ test: $(STAMP) lint
 # stack up. .ci/run calls it after `make test`.
 test-cluster: $(STAMP)
 	$(PY) -m pytest -q -m cluster tests/cluster
+
+# Faults across hosts (docs/service.md#faults): network namespaces joined by veth pairs, a
+# core host with PostgreSQL and Redis, worker hosts killed, cut off and restarted
+# around it. Needs root (ip netns). .ci/run calls it after the cluster.
+test-faults: $(STAMP)
+	$(PY) -m pytest -q -s -m faults tests/faults
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -22,6 +22,18 @@ from sqlalchemy.orm import Session, sessionmaker
 from jobs.files import private_file, private_folder
 
 SQLITE_BUSY_TIMEOUT_S = 60
+# libpq's connection options over TCP (ignored on a unix socket): a connect gives up after
+# 10 s; an idle connection is probed after 10 s, every 5 s, and dropped after 3 unanswered
+# probes; data the server has not acknowledged for 15 s drops it (TCP_USER_TIMEOUT). A
+# worker whose link is cut then retries within its lease (jobs.lifecycle.under_lease).
+POSTGRES_NETWORK = {
+    "connect_timeout": 10,
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 15_000,
+}
 T = TypeVar("T")
 
 
@@ -37,7 +49,10 @@ def make_engine(url: str) -> Engine:
     url = normalize_url(url)
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
-        return create_engine(url, pool_pre_ping=True, future=True)
+        # Options the URL does not set itself: a server cut off by the network is noticed
+        # in seconds, not after the kernel's 15 minutes of retransmissions.
+        network = {k: v for k, v in POSTGRES_NETWORK.items() if k not in parsed.query}
+        return create_engine(url, pool_pre_ping=True, future=True, connect_args=network)
     if parsed.database and parsed.database != ":memory:":
         database = Path(parsed.database).expanduser()
         private_file(private_folder(database.parent) / database.name)  # owner-only when new

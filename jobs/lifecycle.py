@@ -23,35 +23,96 @@ their own.
 from __future__ import annotations
 
 import datetime as dt
+import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import select, update
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
-from db.engine import transaction, with_retry
+from db.engine import is_transient, transaction, with_retry
 from db.models import Run, Study, TrainPoint, in_live_study, utcnow
 from db.upsert import upsert
 from jobs.results_schema import TrainPoint as Point
+from jobs.settings import get_settings
 from jobs.spec import RunSpec, StudySpec
 from jobs.status import FINISHED, RETRYABLE, STOPPING, RunStatus
 
+T = TypeVar("T")
+
 
 class LeaseLost(RuntimeError):
-    """Another worker owns this run now."""
+    """Another worker owns this run now (or may: see ``LeaseClock``)."""
+
+
+def _stale_after() -> float:
+    return get_settings().stale_after_seconds
+
+
+@dataclass
+class LeaseClock:
+    """When the database last confirmed a worker's lease (``time.monotonic``). The
+    reconciler gives a run to another worker once it has not beaten for ``patience``
+    seconds (POSBENCH_STALE_AFTER_SECONDS), so a worker cut off from the database that
+    long must presume its lease lost: it stops writing, files included."""
+
+    patience: float = field(default_factory=_stale_after)
+    confirmed: float = field(default_factory=time.monotonic)
+
+    def silent(self) -> float:
+        """Seconds since the lease was last confirmed."""
+        return time.monotonic() - self.confirmed
+
+    def fresh(self) -> bool:
+        """Whether the lease was confirmed recently enough (half the stale window) for
+        files to be written under it: no other worker can hold the run yet."""
+        return self.silent() < self.patience / 2
 
 
 @dataclass(frozen=True)
 class ClaimedRun:
     """A run a worker holds: where it is stored, its id, the lease that guards every
-    write, and the run (as claimed) and its study's spec (as stored)."""
+    write, the run (as claimed), its study's spec (as stored), and when the database
+    last confirmed the lease."""
 
     url: str
     run_id: int
     lease: str
     run: Run | None = None
     spec: dict[str, Any] = field(default_factory=dict)
+    clock: LeaseClock = field(default_factory=LeaseClock, compare=False)
+
+
+def under_lease(claimed: ClaimedRun, work: Callable[[], T]) -> T:
+    """Run ``work``, a write of the lease holder, again while the database is away (a
+    restart, a network cut), backing off from 0.2 s to 2 s, for as long as the lease
+    may still be its own; every answer confirms the lease. Once the database has been
+    silent longer than the stale window, the reconciler may have given the run to
+    another worker: LeaseLost (the worker stops and writes nothing more) rather than a
+    failed run, which a network cut is not."""
+    wait = 0.2
+    while True:
+        asked_at = time.monotonic()
+        try:
+            result = work()
+        except OperationalError as err:
+            if not is_transient(err):
+                raise
+            silent = claimed.clock.silent()
+            if silent > claimed.clock.patience:
+                raise LeaseLost(
+                    f"run {claimed.run_id}: the database has not answered for {silent:.0f} s, "
+                    f"longer than POSBENCH_STALE_AFTER_SECONDS ({claimed.clock.patience:g}); "
+                    "another worker may hold the run now"
+                ) from err
+            time.sleep(wait)
+            wait = min(2.0, 2 * wait)
+            continue
+        claimed.clock.confirmed = asked_at
+        return result
 
 
 # --- submit, reuse, import: a run comes into being -------------------------------------
@@ -169,7 +230,7 @@ def heartbeat(claimed: ClaimedRun) -> tuple[bool, bool]:
             asked = session.scalar(select(Run.cancel_requested).where(Run.id == claimed.run_id))
             return True, bool(asked)
 
-    return with_retry(attempt)
+    return under_lease(claimed, attempt)
 
 
 def progress(claimed: ClaimedRun, point: Point) -> bool:
@@ -199,7 +260,7 @@ def progress(claimed: ClaimedRun, point: Point) -> bool:
             asked = session.scalar(select(Run.cancel_requested).where(Run.id == claimed.run_id))
             return bool(asked)
 
-    return with_retry(attempt)
+    return under_lease(claimed, attempt)
 
 
 def set_phase(claimed: ClaimedRun, phase: str | None) -> None:
@@ -211,7 +272,7 @@ def set_phase(claimed: ClaimedRun, phase: str | None) -> None:
             hold(session, claimed)
             session.execute(update(Run).where(Run.id == claimed.run_id).values(phase=phase))
 
-    with_retry(attempt)
+    under_lease(claimed, attempt)
 
 
 # --- finish, release: a worker lets the run go -----------------------------------------
@@ -247,7 +308,7 @@ def finish(
             ).rowcount
             return bool(changed)
 
-    return with_retry(attempt)
+    return under_lease(claimed, attempt)
 
 
 def release(claimed: ClaimedRun, waiting_for: int | None = None) -> RunStatus | None:
@@ -290,7 +351,7 @@ def release(claimed: ClaimedRun, waiting_for: int | None = None) -> RunStatus | 
                 return RunStatus.QUEUED
             return None
 
-    return with_retry(attempt)
+    return under_lease(claimed, attempt)
 
 
 # --- cancel, retry: a user asks (rows locked by the caller's transaction) -------------

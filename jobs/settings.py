@@ -8,9 +8,9 @@
 | POSBENCH_ARTIFACTS | <home>/artifacts | checkpoints (a folder or a file:// URL) |
 | POSBENCH_CACHE_DIR | <home>/cache | prepared corpora |
 | POSBENCH_DEVICE | cuda if available, else cpu | torch device of workers |
-| POSBENCH_HEARTBEAT_SECONDS | 10 | how often a running run proves it is alive |
-| POSBENCH_STALE_AFTER_SECONDS | 120 | a running run silent this long is requeued |
-| POSBENCH_RECONCILE_SECONDS | 30 | how often each worker looks for stranded runs |
+| POSBENCH_HEARTBEAT_SECONDS | 5 | how often a running run proves it is alive |
+| POSBENCH_STALE_AFTER_SECONDS | 30 | a running run silent this long is requeued |
+| POSBENCH_RECONCILE_SECONDS | 10 | how often each worker looks for stranded runs |
 | POSBENCH_MAX_ATTEMPTS | 3 | a run whose worker died this many times fails |
 | POSBENCH_PIN_GPUS | false | pin pool process i to GPU i (CUDA_VISIBLE_DEVICES) |
 | POSBENCH_VISIBILITY_TIMEOUT | 172800 | Redis redelivers an unacknowledged message after this |
@@ -70,9 +70,9 @@ class Settings(BaseSettings):
     artifacts: str | None = Field(None, description="where checkpoints are written")
     cache_dir: Path | None = Field(None, description="prepared corpora")
     device: str | None = Field(None, description="torch device of workers")
-    heartbeat_seconds: float = Field(10.0, gt=0, le=HOUR)
-    stale_after_seconds: float = Field(120.0, gt=0, le=WEEK)
-    reconcile_seconds: float = Field(30.0, gt=0, le=DAY)
+    heartbeat_seconds: float = Field(5.0, gt=0, le=HOUR)
+    stale_after_seconds: float = Field(30.0, gt=0, le=WEEK)
+    reconcile_seconds: float = Field(10.0, gt=0, le=DAY)
     max_attempts: int = Field(
         3, ge=1, le=100, description="a run whose worker died this often fails"
     )

@@ -11,12 +11,16 @@ keeps one checkpoint (``worker.runtime.artifacts``).
 from __future__ import annotations
 
 import datetime as dt
+import errno
 import logging
 import traceback
 from collections.abc import Callable
 from time import monotonic
 from typing import TYPE_CHECKING
 
+from sqlalchemy.exc import OperationalError
+
+from db.engine import is_transient
 from db.models import as_utc, utcnow
 from jobs import lifecycle
 from jobs.errors import UserError
@@ -61,9 +65,17 @@ def execute(claimed: ClaimedRun, node: str) -> str:
         except LeaseLost:
             return "lease lost: another worker owns the run now"
         except Exception as err:  # anything else is a failure the user must be able to read
+            if isinstance(err, OperationalError) and is_transient(err):
+                # The database is away (a read outside the lease gave up): not the run's
+                # fault. Its heartbeat stops with this attempt; the reconciler requeues it.
+                log.warning("run %s: the database is unreachable; left to the reconciler", run.id)
+                return "database unreachable: the run is left to the reconciler"
             reason = failure_reason(err)
             log.exception("run %s failed", claimed.run_id)
-            end(claimed, RunStatus.FAILED, reason=reason)
+            try:
+                end(claimed, RunStatus.FAILED, reason=reason)
+            except LeaseLost:
+                return "lease lost: another worker owns the run now"
             outcome = f"failed: {reason}"
     if not outcome.startswith("released"):
         cache.wake_waiting(url, run)  # finished or failed: a waiting run takes or trains now
@@ -209,7 +221,9 @@ class StoreHooks(BaseHooks):
         return self.cancel_asked() or self.beat.lost or shutting_down.is_set() or self.expired
 
     def may_write(self) -> bool:
-        return not self.beat.lost
+        # Files (checkpoints) are not fenced by the database: write them only while no
+        # other worker can hold the run yet (the lease confirmed within half the window).
+        return not self.beat.lost and self.claimed.clock.fresh()
 
 
 def release_for_shutdown(claimed: ClaimedRun, where: str) -> str:
@@ -255,6 +269,14 @@ def matching_run(spec, run):
     raise ValueError(f"run {run.id} ({run.label}, seed {run.seed}) is not in its study's spec")
 
 
+# OSErrors of the storage a run writes to, said in the operator's words.
+STORAGE_ERRNOS = {
+    errno.ENOSPC: "the disk is full: free space, or point POSBENCH_ARTIFACTS elsewhere, then retry",
+    errno.EDQUOT: "the disk quota is spent: free space, or raise the quota, then retry",
+    errno.EROFS: "the file system is read-only: make POSBENCH_ARTIFACTS writable, then retry",
+    errno.EIO: "the device reported an I/O error: check the disk, then retry",
+}
+
 # A failure reason is shown in tables and on the dashboard: one line, this long at most.
 MAX_REASON_CHARS = 2000
 
@@ -267,6 +289,9 @@ def failure_reason(err: BaseException) -> str:
 
     if isinstance(err, UserError | TrainingDiverged | MemoryError | ValueError):
         reason = str(err)
+    elif isinstance(err, OSError) and err.errno in STORAGE_ERRNOS:
+        # The operator's storage, not a bug: a full or read-only disk, a quota.
+        reason = f"{err.strerror} writing {err.filename or 'a file'} ({STORAGE_ERRNOS[err.errno]})"
     else:
         last = traceback.extract_tb(err.__traceback__)[-1:]
         where = f" at {last[0].filename}:{last[0].lineno}" if last else ""

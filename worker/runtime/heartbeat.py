@@ -64,7 +64,9 @@ class Heartbeat:
             self._arm()
             try:
                 ours, asked = lifecycle.heartbeat(self.claimed)
-            except Exception:  # a transient database error; try again next beat
+            except lifecycle.LeaseLost:  # the database was away past the stale window
+                ours, asked = False, False
+            except Exception:  # any other database error; try again next beat
                 continue
             self.cancel_asked = self.cancel_asked or asked
             if not ours:

@@ -16,7 +16,7 @@ from db.models import Evaluation, PositionBin, Run, RunSummary
 from db.queries import run_points
 from db.upsert import upsert
 from jobs.analysis import Summary
-from jobs.lifecycle import ClaimedRun, hold
+from jobs.lifecycle import ClaimedRun, hold, under_lease
 from jobs.results_schema import Evaluation as EvaluationRow
 
 
@@ -41,7 +41,7 @@ def note_provenance(claimed: ClaimedRun, key: str, name: str, value: dict) -> di
             )
             return provenance
 
-    return with_retry(attempt)
+    return under_lease(claimed, attempt)
 
 
 def record_evaluation(claimed: ClaimedRun, row: EvaluationRow) -> None:
@@ -68,24 +68,31 @@ def record_evaluation(claimed: ClaimedRun, row: EvaluationRow) -> None:
                     returning=None,
                 )
 
-    with_retry(attempt)
+    under_lease(claimed, attempt)
 
 
 def stored_evaluations(url: str, run_id: int) -> set[tuple[str, str, int]]:
-    with transaction(url) as session:
-        rows = session.execute(
-            select(Evaluation.variant, Evaluation.protocol, Evaluation.eval_length).where(
-                Evaluation.run_id == run_id
+    def attempt() -> set[tuple[str, str, int]]:
+        with transaction(url) as session:
+            rows = session.execute(
+                select(Evaluation.variant, Evaluation.protocol, Evaluation.eval_length).where(
+                    Evaluation.run_id == run_id
+                )
             )
-        )
-        return {(v, p, n) for v, p, n in rows}
+            return {(v, p, n) for v, p, n in rows}
+
+    return with_retry(attempt)
 
 
 def stored_points(url: str, run_id: int, metric: str) -> list[tuple[str, str, int, float]]:
     """(variant, protocol, length, metric) of every stored point of a run (None where
     not applicable)."""
-    with transaction(url) as session:
-        return [tuple(row) for row in session.execute(run_points(run_id, metric))]
+
+    def attempt() -> list[tuple[str, str, int, float]]:
+        with transaction(url) as session:
+            return [tuple(row) for row in session.execute(run_points(run_id, metric))]
+
+    return with_retry(attempt)
 
 
 def record_summaries(claimed: ClaimedRun, summaries: list[Summary]) -> None:
@@ -103,4 +110,4 @@ def record_summaries(claimed: ClaimedRun, summaries: list[Summary]) -> None:
                     returning=None,
                 )
 
-    with_retry(attempt)
+    under_lease(claimed, attempt)

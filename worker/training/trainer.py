@@ -12,6 +12,7 @@ CUDA's atomic-add kernels make even two uninterrupted runs differ in the last bi
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import time
@@ -257,8 +258,10 @@ class Trainer:
             if report:
                 self.report(validating)
             periodic = self.step % spec.checkpoint_every == 0 and self._spaced()
-            if self.step == end or (periodic and self._fits()):
+            if self.step == end:
                 self.checkpoint()
+            elif periodic and self._fits():
+                self.checkpoint(periodic=True)
             # Every step: should_stop reads flags the heartbeat and the reports keep fresh.
             if self.hooks.should_stop():
                 self.checkpoint()
@@ -321,13 +324,22 @@ class Trainer:
         self.hooks.on_progress(point)
         return point
 
-    def checkpoint(self) -> None:
+    def checkpoint(self, periodic: bool = False) -> None:
         """Save the state now, unless it is saved already, there is no checkpoint, or
-        this process may no longer write it."""
+        this process may no longer write it. A ``periodic`` one that finds the disk full
+        is skipped like one over the disk budget (the file is written whole or not at
+        all: the run resumes from an older one if killed); any other raises."""
         if self._saved_at == self.step or self.checkpointer is None or not self.hooks.may_write():
             return
         self._finite_loss()
-        self.checkpointer.save(self.state_dict())
+        try:
+            self.checkpointer.save(self.state_dict())
+        except OSError as err:
+            if not periodic or err.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            self._saved_clock = time.perf_counter()
+            log.warning("periodic checkpoint at step %s skipped: %s", self.step, err.strerror)
+            return
         self._saved_at = self.step
         self._saved_clock = time.perf_counter()
 
