@@ -67,9 +67,10 @@ CREATE TRIGGER audit_summaries AFTER INSERT OR UPDATE ON run_summaries
 """
 
 
-def spec(name: str, steps: int, **extra: Any) -> dict[str, Any]:
-    """The suite's study: one tiny RoPE run, a progress report every 10 steps and a
-    checkpoint every 20, evaluated at 1x and 2x the training length."""
+def spec(name: str, steps: int, seeds: list[int] | None = None) -> dict[str, Any]:
+    """The suite's study: tiny RoPE runs (one per seed, 0 by default), a progress report
+    every 10 steps and a checkpoint every 20, evaluated at 1x and 2x the training
+    length."""
     return {
         "name": name,
         "model": "tiny",
@@ -81,9 +82,8 @@ def spec(name: str, steps: int, **extra: Any) -> dict[str, Any]:
             "checkpoint_every": 20,
         },
         "encodings": ["rope"],
-        "seeds": [0],
+        "seeds": seeds or [0],
         "eval": {"lengths": [32, 64], "tokens": 512, "variants": ["none"]},
-        **extra,
     }
 
 
@@ -93,28 +93,27 @@ class Site:
     postgres: Postgres
     redis: Redis
     folder: Path
-    references: dict[int, dict[str, Any]] = field(default_factory=dict)
+    references: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
 
-    def reference(self, steps: int) -> dict[str, Any]:
-        """The suite's study run without any fault (``posbench run``, in this process'
-        namespace, no service): its training curve and evaluations, to compare with."""
-        if steps not in self.references:
-            folder = self.folder / f"reference-{steps}"
+    def reference(self, steps: int, seed: int = 0) -> dict[str, Any]:
+        """Run ``seed`` of the suite's study without any fault (``posbench run``, in this
+        process' namespace, no service): its training curve and evaluations."""
+        if (steps, seed) not in self.references:
+            folder = self.folder / f"reference-{steps}-{seed}"
             folder.mkdir()
             path = folder / "spec.yaml"
-            path.write_text(yaml.safe_dump(spec("reference", steps)))
-            env = base_env(folder / "home")
+            path.write_text(yaml.safe_dump(spec("reference", steps, seeds=[seed])))
             done = subprocess.run(
                 [sys.executable, "-m", "jobs.cli", "run", str(path), "--json", "--device", "cpu"],
                 cwd=ROOT,
-                env=env,
+                env=base_env(folder / "home"),
                 capture_output=True,
                 text=True,
                 timeout=600,
                 check=True,
             )
-            self.references[steps] = json.loads(done.stdout)["runs"][0]
-        return self.references[steps]
+            self.references[steps, seed] = json.loads(done.stdout)["runs"][0]
+        return self.references[steps, seed]
 
 
 def base_env(home: Path) -> dict[str, str]:
@@ -233,10 +232,15 @@ class Stage:
             timeout=timeout,
         )
 
-    def submit(self, name: str, steps: int, *flags: str) -> list[int]:
+    def spec_file(self, name: str, steps: int, seeds: list[int] | None = None) -> Path:
         path = self.folder / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(spec(name, steps)))
-        done = self.cli("submit", str(path), "--json", "--queue", "cpu", *flags)
+        path.write_text(yaml.safe_dump(spec(name, steps, seeds)))
+        return path
+
+    def submit(self, name: str, steps: int, seeds: list[int] | None = None) -> list[int]:
+        """Submit the suite's study from the driver; the ids of its runs, by seed."""
+        path = self.spec_file(name, steps, seeds)
+        done = self.cli("submit", str(path), "--json", "--queue", "cpu")
         assert done.returncode == 0, done.stderr
         study = json.loads(done.stdout)["study"]
         return [

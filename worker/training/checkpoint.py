@@ -17,7 +17,7 @@ import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -31,12 +31,49 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     """Write to a temporary file in the same folder, flush it to disk, then rename: never
     half a checkpoint, even after a power loss; the temporary is removed on failure."""
     private_folder(path.parent)
-    write_atomic(path, lambda handle: torch.save(state, handle), private=True)
+    try:
+        write_atomic(path, lambda handle: _save(state, handle), private=True)
+    except OSError as err:
+        if err.filename is not None:
+            raise
+        raise OSError(err.errno, err.strerror, str(path)) from err  # which file it was
     folder = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(folder)  # the rename itself is durable
     finally:
         os.close(folder)
+
+
+class _Writes:
+    """A file handle that keeps the OSError its writes raised: torch's zip writer turns a
+    failed write (a full disk) into a RuntimeError about positions that says nothing of
+    the cause."""
+
+    def __init__(self, handle: BinaryIO) -> None:
+        self.handle = handle
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.handle.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+
+def _save(state: dict[str, Any], handle: BinaryIO) -> None:
+    """``torch.save`` to ``handle``; a write that failed raises its own OSError (ENOSPC:
+    "No space left on device"), not torch's RuntimeError."""
+    writes = _Writes(handle)
+    try:
+        torch.save(state, writes)  # type: ignore[arg-type]
+    except RuntimeError as err:
+        if writes.error is not None:
+            raise writes.error from err
+        raise
 
 
 def checkpoint_problem(
