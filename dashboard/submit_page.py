@@ -7,6 +7,8 @@ the CLI validates every change, and its messages appear next to the form.
 
 from __future__ import annotations
 
+import json
+
 import streamlit as st
 import yaml
 
@@ -27,6 +29,16 @@ CUSTOM = {
     "encodings": ["rope", "alibi"],
     "eval": {"lengths": [128, 256, 512, 1024]},
 }
+
+
+@st.cache_data(ttl=60, show_spinner=False, max_entries=64)
+def sources_refusal(spec_json: str, rules: str) -> str | None:
+    """Why the service would refuse the spec's data (``jobs.service.sources_problem``:
+    an hf: folder is read, not loaded), cached a minute per spec: the form reruns on
+    every change; ``rules``: the operator's, as text, part of the key."""
+    from jobs.service import sources_problem
+
+    return sources_problem(parse_spec(json.loads(spec_json)), get_settings())
 
 
 def estimate(spec: StudySpec) -> str:
@@ -83,6 +95,14 @@ def render() -> None:
             spec = parse_spec(data)
         except SpecError as err:
             problems = err.problems
+    if not problems and spec is not None:
+        # The operator's rules too (a model without RoPE for a scaling, a corpus outside
+        # the roots), so that a spec that will be refused shows its refusal, not its notes.
+        settings = get_settings()
+        rules = repr((settings.sources, settings.models))  # the cache's key includes them
+        refusal = sources_refusal(spec.model_dump_json(), rules)
+        if refusal:
+            problems, spec = [refusal], None
     if problems:
         for problem in problems:
             st.error(markdown(problem))

@@ -19,7 +19,7 @@ from jobs.metrics import kind_of, reported
 from jobs.render.report import plot_curves, seed_bands
 from jobs.render.tables import CurveTable, curve_table, markdown_frame
 from jobs.render.terminal import console as terminal
-from jobs.render.terminal import run_progress, styled
+from jobs.render.terminal import notes, run_progress, styled
 from jobs.results_schema import MAX_RESULTS_BYTES, StudyResults
 from jobs.spec import DEFAULT_NAME, StudySpec
 from jobs.status import RunStatus
@@ -230,6 +230,7 @@ def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: 
     flush_denormals()  # before torch's first parallel operation starts its threads
     console = terminal(stderr=as_json)
     out, private, checkpoints, torch_device, task = _prepare(spec, out, device)
+    notes(spec.notes())  # everything that could refuse the spec has passed
     runs = spec.runs()
     work = (
         f"{len(runs)} runs x {spec.train.steps} steps"

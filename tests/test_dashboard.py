@@ -95,7 +95,11 @@ def test_submit_form_validates_inline_and_enqueues_nothing_while_invalid(setting
     assert queries.studies(settings.database).empty  # nothing was submitted
 
 
-def test_presets_fill_the_form(settings) -> None:
+def test_presets_fill_the_form(settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The paper preset reads WikiText-103 from the hub: allowed here, or the form would
+    # show the operator's refusal (tests/test_dashboard_hf.py) instead.
+    monkeypatch.setenv("POSBENCH_HF_DATASETS", "true")
+    get_settings.cache_clear()
     app = AppTest.from_file(APP, default_timeout=60).run()
     app.selectbox(key="preset").set_value("quick").run()
     assert app.multiselect(key="quick:encodings").value == [

@@ -312,3 +312,18 @@ def test_compare_says_what_the_lengths_of_each_model_count(settings) -> None:
     assert not any("Bits per byte divides" in c.value for c in alone.caption)
     positions = json.loads(alone.get("plotly_chart")[1].proto.spec)
     assert positions["layout"]["yaxis"]["title"]["text"] == "loss (nats / byte)"
+
+
+def test_a_spec_the_service_would_refuse_shows_its_refusal_not_its_notes(settings) -> None:
+    # A corpus outside the corpus roots: refused at submit, so the form says so at once,
+    # without the spec's note (no length at 1x), and the button stays off.
+    app = hf_submit_page()
+    app.selectbox(key="hf:folder").set_value(1).run()
+    app.multiselect(key="hf:tiny-llama:lengths").set_value([2 * CONTEXT]).run()
+    assert any("Note" in w.value for w in app.warning)  # while the spec may run
+    app.text_input(key="hf:tiny-llama:lm.corpus").set_value("text:/etc/hostname").run()
+    assert not app.exception, app.exception
+    errors = [plain(e.value) for e in app.error]
+    assert any("not inside the corpus roots" in e for e in errors), errors
+    assert not any("Note" in w.value for w in app.warning)
+    assert app.button(key="submit").disabled

@@ -230,6 +230,8 @@ WRONG_PAIRS = "short_factor has 3 values; a model rotating 16 dimensions has 8 p
     ("changes", "message"),
     [
         ({"model": {"hf": "gpt2"}, "eval": {"lengths": [32], "variants": ["pi:2"]}}, "RoPE"),
+        # YaRN's note (its fastest pair) would be noise beside the refusal: none is shown.
+        ({"model": {"hf": "gpt2"}, "eval": {"lengths": [32], "variants": ["yarn:4"]}}, "RoPE"),
         ({"model": {"hf": "/etc"}}, "not inside the models roots"),
         ({"model": {"hf": "gpt2-xl"}, "train": {"length": 1024}}, "hub models are off here"),
         ({"eval": {"lengths": [64], "variants": [SHORT_LONGROPE]}}, WRONG_PAIRS),
@@ -244,6 +246,17 @@ def test_posbench_run_refuses_with_exit_2_and_writes_nothing(
     done = posbench_cli("run", str(spec_file), "--out", str(out), env=env(home))
     assert done.returncode == 2, done.stderr
     assert message in done.stderr and not out.exists()
+    assert "note:" not in done.stderr  # a refused spec shows its refusal alone
+
+
+def test_posbench_submit_refuses_before_any_note(home: Path, tmp_path: Path) -> None:
+    spec_file = tmp_path / "study.json"
+    variants = {"lengths": [32], "variants": ["yarn:4"]}
+    spec_file.write_text(json.dumps(spec(model={"hf": "gpt2"}, eval=variants)))
+    assert posbench_cli("db", "upgrade", env=env(home)).returncode == 0
+    done = posbench_cli("submit", str(spec_file), env=env(home))
+    assert done.returncode == 2 and "without RoPE" in done.stderr, done.stderr
+    assert "note:" not in done.stderr
 
 
 def test_posbench_run_evaluates_the_model_and_import_stores_it(home: Path, tmp_path: Path) -> None:

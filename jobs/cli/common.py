@@ -101,9 +101,7 @@ def _load(spec_file: Path | None, preset: str | None):
         spec = load_spec(spec_file) if spec_file is not None else preset_spec(preset or "")
     except SpecError as err:
         fail("invalid spec: " + "; ".join(err.problems), code=2)
-    for note in spec.notes():
-        typer.echo(f"note: {note}", err=True)
-    return spec
+    return spec  # its notes come once every check has passed (jobs.render.terminal.notes)
 
 
 def _check_id(value: int | None, what: str) -> None:

@@ -24,7 +24,7 @@ from jobs.cli.common import (
     fail,
 )
 from jobs.render.terminal import console as terminal
-from jobs.render.terminal import styled
+from jobs.render.terminal import notes, styled
 from jobs.status import ACTIVE, RUN_STATUSES, STOPPING, RunStatus
 
 
@@ -150,6 +150,7 @@ def submit(
         )
     except Refused as err:
         fail(str(err), code=2)
+    notes(spec.notes())  # stored and queued: nothing refused it
     for prefix, line in (("note", routing.note()), ("warning", routing.warning())):
         if line:
             typer.echo(f"{prefix}: {line}", err=True)

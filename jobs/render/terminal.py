@@ -11,6 +11,8 @@ refuses a Console, a progress bar or markup built anywhere else.
 
 from __future__ import annotations
 
+import sys
+
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
@@ -37,3 +39,11 @@ def run_progress(out: Console, label_width: int) -> Progress:
         TimeElapsedColumn(),
         console=out,
     )
+
+
+def notes(lines: list[str]) -> None:
+    """A spec's notes (``StudySpec.notes``) on stderr, one plain line each. Printed once
+    every check has passed: a spec that is refused shows its refusal alone."""
+    for line in lines:
+        sys.stderr.write(f"note: {line}\n")
+    sys.stderr.flush()
