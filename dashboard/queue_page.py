@@ -21,6 +21,7 @@ from db import queries
 from db.engine import transaction
 from db.models import Study
 from jobs import analysis
+from jobs.render.watch import progress
 from jobs.retention import Busy, busy_message, delete_study, restore_study
 from jobs.safe_text import markdown
 from jobs.service import NotFound
@@ -40,14 +41,16 @@ def eta(row: pd.Series, tokens_per_step: int) -> str:
 
 def runs_view(study_id: int, tokens_per_step: int) -> tuple[pd.DataFrame, pd.DataFrame]:
     runs = queries.runs(database(), study_id=study_id)
+    # Training steps, or an hf: model's stored points out of its plan.
+    counts = progress(runs, queries.study_spec(database(), study_id))
     view = pd.DataFrame(
         {
             "run": runs["id"],
             "encoding": runs["label"],
             "seed": runs["seed"],
             "status": runs["status"],
-            "progress": (runs["step"] / runs["total_steps"]).fillna(0.0),
-            "step": runs["step"].astype(str) + " / " + runs["total_steps"].astype(str),
+            "progress": (counts["done"] / counts["total"].where(counts["total"] > 0)).fillna(0.0),
+            "step": counts["progress"],
             # Numeric even when every run is still queued (or reused) and the column is null.
             "loss": pd.to_numeric(runs["latest_loss"]).round(4),
             "tokens/s": pd.to_numeric(runs["tokens_per_second"]).round(0),

@@ -121,6 +121,15 @@ def study_spec(url: str, study_id: int) -> dict | None:
 def runs(
     url: str, study_id: int | None = None, run_ids: Sequence[int] | None = None
 ) -> pd.DataFrame:
+    """The runs (of a study, or these), with ``points``: how many points of the curve
+    each has stored (an hf: model's progress: it trains no step)."""
+    points = (
+        select(func.count(Evaluation.id))
+        .where(Evaluation.run_id == Run.id)
+        .correlate(Run)
+        .scalar_subquery()
+        .label("points")
+    )
     statement = (
         select(
             Run.id,
@@ -148,6 +157,7 @@ def runs(
             Run.phase,
             Run.imported_from,
             Run.provenance,
+            points,
         )
         .where(in_live_study())
         .order_by(Run.id)

@@ -206,7 +206,7 @@ def test_queue_shows_progress_failures_and_provenance(settings) -> None:
     table = app.dataframe[0].value
     assert list(table["status"]) == ["done"] * 4 + ["running", "failed"]
     assert list(table["progress"]) == [1.0] * 4 + [0.5, 0.0]
-    assert table["step"].iloc[4] == "20 / 40" and table["ETA"].iloc[4] != ""
+    assert table["step"].iloc[4] == "20/40 steps" and table["ETA"].iloc[4] != ""
     assert any("failed: the training loss became nan" in plain(e.value) for e in app.error)
     assert "4 done" in app.caption[0].value and "1 running" in app.caption[0].value
 

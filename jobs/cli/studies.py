@@ -245,8 +245,10 @@ def status(
         if queries.studies(url, [study]).empty:
             _missing_study(url, study)
         from jobs.analysis import run_notes
+        from jobs.render.watch import progress
 
         frame = queries.runs(url, study_id=study)
+        frame["progress"] = progress(frame, queries.study_spec(url, study))["progress"]
         frame["note"] = run_notes(frame)
         frame["imported"] = frame["imported_from"].notna()
         shown = [
@@ -254,8 +256,7 @@ def status(
             "label",
             "seed",
             "status",
-            "step",
-            "total_steps",
+            "progress",
             "latest_loss",
             "attempts",
             "note",

@@ -42,27 +42,51 @@ def curve_table(frame: pd.DataFrame, study: pd.Series) -> Table:
     return table.rich(f"study {study['id']} ({study['name']}): {metric} by evaluation length")
 
 
+def progress(runs: pd.DataFrame, spec: dict | None) -> pd.DataFrame:
+    """Each run's progress (``runs``: ``db.queries.runs`` of one study, whose stored spec
+    is ``spec``) as ``done``, ``total`` and ``progress`` ("120/600 steps"): training steps,
+    or, for a run that trains nothing (an hf: model), the points of its curve stored out
+    of those its evaluation plan has."""
+    from jobs.spec import EvalSpec
+
+    try:
+        planned = len(EvalSpec.model_validate((spec or {}).get("eval") or {}).plan(True))
+    except ValueError:  # a spec stored under older, looser rules
+        planned = 0
+    evaluates = runs["total_steps"] == 0
+    done = runs["points"].where(evaluates, runs["step"]).fillna(0).astype(int)
+    total = runs["total_steps"].where(~evaluates, planned).astype(int)
+    unit = evaluates.map({True: "points", False: "steps"})
+    text_ = done.astype(str) + "/" + total.astype(str) + " " + unit
+    text_ = text_.where(total > 0, done.astype(str) + " " + unit)  # no plan to count against
+    return pd.DataFrame({"done": done, "total": total, "progress": text_}, index=runs.index)
+
+
 def watch(study_id: int, *, console: Console, every: float = 1.0) -> int:
     """Live progress bars until every run of the study has finished; exit code 0 when all
     are done, 1 when any failed or was cancelled."""
 
     url = get_settings().database
-    progress = run_progress(console, label_width=30)
+    spec = queries.study_spec(url, study_id)
+    bars_view = run_progress(console, label_width=30)
     bars: dict[int, int] = {}
-    with progress:
+    with bars_view:
         while True:
             runs = queries.runs(url, study_id=study_id)
-            for run in runs.itertuples(index=False):
+            counts = progress(runs, spec)
+            for run, done, total in zip(
+                runs.itertuples(index=False), counts["done"], counts["total"], strict=True
+            ):
                 if run.id not in bars:
-                    bars[run.id] = progress.add_task(
-                        f"{run.label} seed {run.seed}", total=run.total_steps, status=""
+                    bars[run.id] = bars_view.add_task(
+                        f"{run.label} seed {run.seed}", total=total, status=""
                     )
                 note = run.status
                 if run.status == RunStatus.RUNNING and not pd.isna(run.latest_loss):
                     note = f"running  loss {run.latest_loss:.3f}"
                 if run.status == RunStatus.FAILED:
                     note = f"failed: {run.failure_reason}"
-                progress.update(bars[run.id], completed=run.step, status=note)
+                bars_view.update(bars[run.id], completed=done, status=note)
             if len(runs) and runs["status"].isin(FINISHED).all():
                 break
             time.sleep(every)
