@@ -221,7 +221,15 @@ def _prepare(spec: StudySpec, out: Path | None, device: str | None):
     return out, private, checkpoints, torch_device, task
 
 
-def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: str | None) -> None:
+def run_in_process(
+    spec: StudySpec,
+    *,
+    as_json: bool,
+    out: Path | None,
+    device: str | None,
+    told: list[str] | None = None,
+) -> None:
+    """Train, evaluate and report ``spec`` here; ``told``: lines to print with its notes."""
     from jobs.settings import get_settings
     from worker.cpu import flush_denormals
     from worker.run import run_study
@@ -230,7 +238,7 @@ def run_in_process(spec: StudySpec, *, as_json: bool, out: Path | None, device: 
     flush_denormals()  # before torch's first parallel operation starts its threads
     console = terminal(stderr=as_json)
     out, private, checkpoints, torch_device, task = _prepare(spec, out, device)
-    notes(spec.notes())  # everything that could refuse the spec has passed
+    notes([*(told or []), *spec.notes()])  # everything that could refuse it has passed
     runs = spec.runs()
     work = (
         f"{len(runs)} runs x {spec.train.steps} steps"

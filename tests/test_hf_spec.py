@@ -16,7 +16,7 @@ from conftest import isolated_env, posbench_cli
 from hf_models import CONTEXT, FAMILIES, corpus_text, save_model
 
 from jobs.spec import SpecError, parse_spec
-from jobs.spec.hf import model_source_problem
+from jobs.spec.hf import model_source_problem, with_model_length
 from worker.catalog.hf_models import HfModelError, ModelPolicy, local_facts, model_facts
 
 
@@ -75,7 +75,7 @@ def test_an_hf_study_is_one_run_of_the_model_evaluated_as_it_is() -> None:
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"train": {}}, "train.length is required with model.hf"),
+        ({"train": {}}, "train.length is required with a hub model.hf"),
         ({"model": {"hf": "llama", "d_model": 256}}, "give either hf or d_model, not both"),
         ({"model": {"hf": "llama", "preset": "tiny"}}, "give either hf or"),
         ({"model": {"hf": " "}}, "model.hf must be a printable folder name"),
@@ -396,3 +396,24 @@ def test_a_study_goes_through_the_queue_a_worker_and_the_database(
     with pytest.raises(Refused, match=WRONG_PAIRS):
         submit(wrong, actor="tester", settings=worker_settings, send=sent.append)
     assert len(queries.runs(url)) == 2
+
+
+def test_a_folder_s_config_gives_the_training_length(home: Path, tmp_path: Path) -> None:
+    # No train.length: the config's max_position_embeddings (Llama) is used, and said.
+    data = {k: v for k, v in spec().items() if k != "train"}
+    filled, told = with_model_length(data, policy(home))
+    assert filled["train"] == {"length": CONTEXT}
+    assert told == (
+        f"train.length = {CONTEXT}, the model's original context, from its config's "
+        "max_position_embeddings (give train.length to override it)"
+    )
+    # Given, it is kept (and checked against the config as before); a hub id is left to
+    # the worker, which reads its config.
+    assert with_model_length(spec(), policy(home)) == (spec(), None)
+    hub = {**data, "model": {"hf": "EleutherAI/pythia-70m"}}
+    assert with_model_length(hub, policy(home)) == (hub, None)
+    spec_file = tmp_path / "study.json"
+    spec_file.write_text(json.dumps({**data, "eval": {"lengths": [16], "tokens": 64}}))
+    done = posbench_cli("run", str(spec_file), "--out", str(tmp_path / "out"), env=env(home))
+    assert done.returncode == 0, done.stderr
+    assert f"note: train.length = {CONTEXT}, the model's original context" in done.stderr

@@ -93,15 +93,25 @@ def fail(message: str, code: int) -> NoReturn:
 
 
 def _load(spec_file: Path | None, preset: str | None):
-    from jobs.spec import SpecError, load_spec, preset_spec
+    """The spec of a file or a preset, and the lines to print with its notes once every
+    check has passed (an hf: model's training length read from its config)."""
+    from jobs.settings import get_settings
+    from jobs.spec import SpecError, parse_spec, preset_spec
+    from jobs.spec.hf import with_model_length
+    from jobs.spec.loading import read_spec_file
 
     if (spec_file is None) == (preset is None):
         fail("give either a spec file or --preset NAME (smoke, quick, paper)", code=2)
+    told = None
     try:
-        spec = load_spec(spec_file) if spec_file is not None else preset_spec(preset or "")
+        if spec_file is not None:
+            data, told = with_model_length(read_spec_file(spec_file), get_settings().models)
+            spec = parse_spec(data)
+        else:
+            spec = preset_spec(preset or "")
     except SpecError as err:
         fail("invalid spec: " + "; ".join(err.problems), code=2)
-    return spec  # its notes come once every check has passed (jobs.render.terminal.notes)
+    return spec, [told] if told else []  # printed with the notes (jobs.render.terminal)
 
 
 def _check_id(value: int | None, what: str) -> None:

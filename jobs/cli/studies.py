@@ -92,10 +92,10 @@ def run(
     ] = None,
 ) -> None:
     """Run a study in this process (no broker, no database): train, evaluate, report."""
-    spec = _load(spec_file, preset)
+    spec, told = _load(spec_file, preset)
     from jobs.runner import run_in_process
 
-    run_in_process(spec, as_json=as_json, out=out, device=device)
+    run_in_process(spec, as_json=as_json, out=out, device=device, told=told)
 
 
 @app.command()
@@ -131,7 +131,7 @@ def submit(
     ] = None,
 ) -> None:
     """Queue a study on the service: its runs go to the workers through the broker."""
-    spec = _load(spec_file, preset)
+    spec, told = _load(spec_file, preset)
     if queue is not None:
         from jobs.spec import QUEUES
 
@@ -150,7 +150,7 @@ def submit(
         )
     except Refused as err:
         fail(str(err), code=2)
-    notes(spec.notes())  # stored and queued: nothing refused it
+    notes(told + spec.notes())  # stored and queued: nothing refused it
     for prefix, line in (("note", routing.note()), ("warning", routing.warning())):
         if line:
             typer.echo(f"{prefix}: {line}", err=True)

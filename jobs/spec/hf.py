@@ -37,6 +37,31 @@ def _is_hf(data: dict[str, Any]) -> bool:
     return isinstance(model, dict) and model.get("hf") is not None
 
 
+def with_model_length(data: Any, policy: ModelPolicy) -> tuple[Any, str | None]:
+    """An hf: spec mapping that gives no ``train.length``, with the model's original
+    context from its folder's config (``original_max_position_embeddings`` where its
+    rope parameters name one, else ``max_position_embeddings`` or GPT-2's
+    ``n_positions``), and a line that says which value was used and why; any other
+    mapping unchanged, with None (a hub id's config is read on the worker, so its spec
+    gives the length; a folder that cannot be read is refused by the spec's checks)."""
+    if not isinstance(data, dict) or not _is_hf(data):
+        return data, None
+    train = data.get("train", {})
+    if not isinstance(train, dict) or "length" in train:
+        return data, None
+    try:
+        _, facts = local_facts(str(data["model"]["hf"]), policy)
+    except HfModelError:
+        return data, None
+    if facts is None or facts.context is None:
+        return data, None
+    told = (
+        f"train.length = {facts.context}, the model's original context, from its config's "
+        f"{facts.context_key} (give train.length to override it)"
+    )
+    return {**data, "train": {**train, "length": facts.context}}, told
+
+
 def hf_defaults(data: Any) -> Any:
     """A spec mapping of an hf: model with its defaults: no encodings, no training steps.
     ``train.length`` must be given (the model's original context)."""
@@ -45,9 +70,10 @@ def hf_defaults(data: Any) -> Any:
     train = data.get("train")
     if not isinstance(train, dict) or "length" not in train:
         raise ValueError(
-            "train.length is required with model.hf: the model's original context (its "
-            "config's max_position_embeddings, n_positions for GPT-2, or "
-            "original_max_position_embeddings where its rope parameters name one)"
+            "train.length is required with a hub model.hf (a folder's config gives it "
+            "itself): the model's original context (its config's max_position_embeddings, "
+            "n_positions for GPT-2, or original_max_position_embeddings where its rope "
+            "parameters name one)"
         )
     return {**data, "encodings": data.get("encodings", []), "train": {"steps": 0, **train}}
 
