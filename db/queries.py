@@ -34,8 +34,37 @@ def _frame(url: str, statement: Select) -> pd.DataFrame:
         return pd.read_sql(statement, connection)
 
 
-def studies(url: str, study_ids: Sequence[int] | None = None) -> pd.DataFrame:
-    """One row per study with its run counts by status."""
+def _study_filters(name: str | None, status: str | None) -> list:
+    """Live studies whose name holds ``name`` (any case) and that have a run in
+    ``status``."""
+    where = [Study.deleted_at.is_(None)]
+    if name:
+        escaped = name.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+        where.append(Study.name.ilike(f"%{escaped}%", escape="\\"))
+    if status:
+        where.append(Study.id.in_(select(Run.study_id).where(Run.status == status)))
+    return where
+
+
+def count_studies(url: str, name: str | None = None, status: str | None = None) -> int:
+    """How many live studies ``studies(url, name=..., status=...)`` would list unbounded."""
+    statement = select(func.count(Study.id)).where(*_study_filters(name, status))
+    with engine_for(normalize_url(url)).connect() as connection:
+        return int(connection.scalar(statement) or 0)
+
+
+def studies(
+    url: str,
+    study_ids: Sequence[int] | None = None,
+    *,
+    limit: int | None = None,
+    name: str | None = None,
+    status: str | None = None,
+) -> pd.DataFrame:
+    """One row per study with its run counts by status, newest first: every live one,
+    or ``study_ids``; at most ``limit`` (the newest), those whose name holds ``name``
+    (any case), those with a run in ``status``. The bounds are applied to the studies
+    before their runs are counted, so a page of 20 costs the same among 20,000."""
     counts = [
         func.sum(case((Run.status == status, 1), else_=0)).label(status.value)
         for status in RUN_STATUSES
@@ -52,12 +81,15 @@ def studies(url: str, study_ids: Sequence[int] | None = None) -> pd.DataFrame:
             *counts,
         )
         .join(Run, Run.study_id == Study.id, isouter=True)
-        .where(Study.deleted_at.is_(None))
         .group_by(Study.id)
         .order_by(Study.id.desc())
     )
+    chosen = select(Study.id).where(*_study_filters(name, status))
     if study_ids:
-        statement = statement.where(Study.id.in_(study_ids))
+        chosen = chosen.where(Study.id.in_(study_ids))
+    if limit is not None:
+        chosen = chosen.order_by(Study.id.desc()).limit(limit)
+    statement = statement.where(Study.id.in_(chosen.scalar_subquery()))
     return _frame(url, statement)
 
 

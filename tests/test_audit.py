@@ -329,8 +329,8 @@ def test_the_cli_records_the_os_user_and_shows_the_events_as_text(tmp_path: Path
     ]
     limited = posbench_cli("status", "--events", str(study), "--limit", "1", "--json", env=env)
     assert [e["action"] for e in json.loads(limited.stdout)] == ["cancel"]
-    wrong = posbench_cli("status", "--limit", "3", env=env)
-    assert wrong.returncode == 2 and "--limit applies to --events only" in wrong.stderr
+    wrong = posbench_cli("status", str(study), "--limit", "3", env=env)
+    assert wrong.returncode == 2 and "--limit applies to the list of studies" in wrong.stderr
 
 
 def test_delete_restore_and_purge_from_the_cli(tmp_path: Path) -> None:

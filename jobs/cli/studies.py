@@ -209,8 +209,24 @@ def status(
     limit: Annotated[
         int | None,
         typer.Option(
-            "--limit", min=1, max=10_000, help="--events: how many, newest first (default 50)."
+            "--limit",
+            min=1,
+            max=10_000,
+            help="How many, newest first: studies (default 20) or --events (default 50).",
         ),
+    ] = None,
+    show_all: Annotated[
+        bool, typer.Option("--all", help="Every study, not only the newest 20.")
+    ] = False,
+    with_status: Annotated[
+        str | None,
+        typer.Option(
+            "--status", help="Only the studies with a run in this status (queued, running, ...)."
+        ),
+    ] = None,
+    name: Annotated[
+        str | None,
+        typer.Option("--name", help="Only the studies whose name holds this text (any case)."),
     ] = None,
     deleted: Annotated[
         bool,
@@ -227,6 +243,17 @@ def status(
 
     _check_id(study, "the study id")
     _check_views(study, events=events, deleted=deleted, limit=limit)
+    listing = (limit, show_all, with_status, name)
+    if (study is not None or events or deleted) and any(
+        v not in (None, False) for v in listing[1:]
+    ):
+        fail("--all, --status and --name filter the list of studies: give no study id", code=2)
+    if show_all and limit is not None:
+        fail("give --limit N or --all, not both", code=2)
+    if with_status is not None and with_status not in RUN_STATUSES:
+        fail(f"--status must be one of {', '.join(RUN_STATUSES)}, got {with_status[:32]!r}", 2)
+    if name is not None and len(name) > 200:
+        fail("--name is at most 200 characters", code=2)
     url = _database()
     if events or deleted:
         from jobs.cli.audit import show_deleted, show_events
@@ -236,11 +263,20 @@ def status(
         else:
             show_deleted(url, as_json=as_json)
         return
+    caption = None
     if study is None:
-        frame = queries.studies(url)
+        bound = None if show_all else (limit or STUDIES_SHOWN)
+        frame = queries.studies(url, limit=bound, name=name, status=with_status)
         imported = queries.imported_runs(url)
         frame["imported"] = [imported.get(int(study_id), 0) for study_id in frame["id"]]
-        shown = ["id", "name", "task", "runs", *RUN_STATUSES, "imported"]
+        total = queries.count_studies(url, name=name, status=with_status)
+        if total > len(frame):
+            caption = (
+                f"the newest {len(frame)} of {total:,} studies; {total - len(frame):,} more "
+                "(--limit N, --all, --status S, --name TEXT)"
+            )
+        frame["counts"] = run_counts(frame)
+        shown = ["id", "name", "task", "counts"]
     else:
         if queries.studies(url, [study]).empty:
             _missing_study(url, study)
@@ -251,24 +287,37 @@ def status(
         frame["progress"] = progress(frame, queries.study_spec(url, study))["progress"]
         frame["note"] = run_notes(frame)
         frame["imported"] = frame["imported_from"].notna()
-        shown = [
-            "id",
-            "label",
-            "seed",
-            "status",
-            "progress",
-            "latest_loss",
-            "attempts",
-            "note",
-            "failure_reason",
-        ]
+        frame["loss"], frame["failure"] = frame["latest_loss"], frame["failure_reason"]
+        shown = ["id", "label", "seed", "status", "progress", "loss", "attempts", "note", "failure"]
     if as_json:
-        typer.echo(frame.to_json(orient="records", date_format="iso"))
+        typer.echo(
+            frame.drop(columns=["counts", "loss", "failure"], errors="ignore").to_json(
+                orient="records", date_format="iso"
+            )
+        )
         return
     from jobs.render.watch import frame_table
 
     title = "studies" if study is None else f"study {study}"
-    console.print(frame_table(frame[shown], title=title))
+    console.print(frame_table(frame[shown].rename(columns={"counts": "runs"}), title=title))
+    if caption:
+        console.print(caption)
+
+
+STUDIES_SHOWN = 20  # posbench status lists the newest this many by default
+
+
+def run_counts(frame) -> list[str]:
+    """Each study's runs by status, in words: '6 runs: 4 done, 1 running, 1 failed'
+    (and how many were imported)."""
+    shown = []
+    for row in frame.to_dict("records"):
+        parts = [f"{int(row[s] or 0)} {s}" for s in RUN_STATUSES if int(row[s] or 0)]
+        if row.get("imported"):
+            parts.append(f"{int(row['imported'])} imported")
+        runs = int(row["runs"] or 0)
+        shown.append(f"{runs} run{'s' * (runs != 1)}" + (": " + ", ".join(parts) if parts else ""))
+    return shown
 
 
 def _check_views(study: int | None, *, events: bool, deleted: bool, limit: int | None) -> None:
@@ -276,8 +325,8 @@ def _check_views(study: int | None, *, events: bool, deleted: bool, limit: int |
         fail("give --events or --deleted, not both", code=2)
     if deleted and study is not None:
         fail("--deleted lists every deleted study: give no study id", code=2)
-    if limit is not None and not events:
-        fail("--limit applies to --events only", code=2)
+    if limit is not None and study is not None and not events:
+        fail("--limit applies to the list of studies or --events, not to a study's runs", 2)
 
 
 def _on_runs(action, study: int | None, run: int | None):

@@ -35,23 +35,67 @@ def tasks(
         bool, typer.Option("--json", help="Print the catalogue as JSON (for scripts).")
     ] = False,
 ) -> None:
-    """List every task with its metric, shortest length, parameters (defaults and
-    bounds), summary and reference."""
+    """List every task: its name, metric, shortest length and a one-line summary
+    (`posbench tasks show NAME` has the rest)."""
     if context.invoked_subcommand is not None:
         return
-    from jobs.render.tasks import TASK_COLUMNS, task_rows
+    from jobs.render.tasks import one_line
     from worker.catalog.tasks import TASKS
 
     if as_json:
         payload = [{**t.to_json(), "kind": t.kind.value, "text": t.text} for t in TASKS.values()]
         typer.echo(json.dumps(payload, indent=2))
         return
-    table = Table(title="tasks")
-    for column in TASK_COLUMNS:  # folded, never cut short; a name stays on one line
-        table.add_column(column, overflow="fold", no_wrap=column == TASK_COLUMNS[0])
-    for row in task_rows():
-        table.add_row(*(text(cell) for cell in row))
+    table = Table(title="tasks", caption="posbench tasks show NAME: parameters, scoring, reference")
+    entries = list(TASKS.values())
+    fixed = {
+        "name": [e.name for e in entries],
+        "metric": [e.metric for e in entries],
+        "min length": [str(e.min_length) for e in entries],
+    }
+    widths = {column: max(len(column), *map(len, cells)) for column, cells in fixed.items()}
+    for column, width in widths.items():  # whole words, never folded or cut
+        table.add_column(column, no_wrap=True, min_width=width)
+    # The summary takes the rest of the line (borders and padding: 3 per column, plus 1).
+    room = max(20, console.width - sum(widths.values()) - 3 * (len(widths) + 1) - 1)
+    table.add_column("summary", no_wrap=True, max_width=room)
+    for entry in entries:
+        summary = one_line(entry)
+        if len(summary) > room:
+            summary = summary[: room - 1].rstrip() + "…"
+        table.add_row(text(entry.name), text(entry.metric), str(entry.min_length), text(summary))
     console.print(table)
+
+
+@tasks_app.command()
+def show(
+    name: Annotated[str, typer.Argument(help="A task's name (posbench tasks lists them).")],
+) -> None:
+    """A task in full: what it is, how it is scored, its parameters (default, what is
+    allowed, what each does), the shortest length it fits in, and its reference."""
+    from jobs.render.tasks import parameter_text
+    from worker.catalog.tasks import TASKS
+
+    entry = TASKS.get(name)
+    if entry is None:
+        fail(f"no task {name[:64]!r}; the tasks are {', '.join(TASKS)}", code=2)
+    console.print(styled((entry.name, "bold"), f": {entry.summary}"))
+    console.print(styled(("scored by ", "bold"), f"{entry.metric} ({entry.kind.value})"))
+    console.print(styled(("shortest length ", "bold"), f"{entry.min_length} tokens"))
+    reads = "UTF-8 text (a model.hf reads it in its own tokens)" if entry.text else "bytes"
+    console.print(styled(("examples ", "bold"), reads))
+    if entry.params:
+        table = Table(title="parameters")
+        table.add_column("parameter", no_wrap=True)
+        table.add_column("default and allowed")
+        table.add_column("what it does")
+        for param in entry.params:
+            table.add_row(text(param.name), text(parameter_text(param)), text(param.help))
+        console.print(table)
+    else:
+        console.print(styled(("parameters ", "bold"), "none"))
+    console.print(styled(("reference ", "bold"), entry.reference))
+    console.print(styled(("implementation ", "bold"), entry.implementation))
 
 
 def _params(pairs: list[str], declared: dict[str, Any]) -> dict[str, Any]:

@@ -28,6 +28,12 @@ def _parameters(entry: TaskInfo) -> str:
     return ", ".join(parameter_text(p) for p in entry.params) or "-"
 
 
+def one_line(entry: TaskInfo) -> str:
+    """The task's summary to its first sentence (``posbench tasks``' listing)."""
+    first = entry.summary.split(". ")[0].split("; ")[0]
+    return first.rstrip(".")
+
+
 def task_rows() -> list[tuple[str, str, str, str, str, str]]:
     """One row per task: name, metric, min length, parameters, summary, reference."""
     return [

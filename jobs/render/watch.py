@@ -5,7 +5,9 @@ from __future__ import annotations
 import time
 
 import pandas as pd
-from rich.console import Console
+from rich.cells import cell_len
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.padding import Padding
 from rich.table import Table
 
 from db import queries
@@ -16,16 +18,52 @@ from jobs.settings import get_settings
 from jobs.status import FINISHED, RunStatus
 
 
-def frame_table(frame: pd.DataFrame, title: str) -> Table:
+def frame_table(frame: pd.DataFrame, title: str) -> FrameView:
     """``frame`` as a terminal table; its title, headers and cells are text (a study's
-    name, a label or a failure reason is never read as Rich markup)."""
+    name, a label or a failure reason is never read as Rich markup). Where the table
+    cannot fit the terminal without breaking words, each row is printed as a block of
+    ``column  value`` lines instead (``FrameView``)."""
     table = Table(title=text(title))
+    needed = 1  # the left border; each column adds its padding and border (3)
     for column in frame.columns:
         # A sentence (the pairwise claim) keeps room to read; numbers give way.
-        table.add_column(text(column), min_width=36 if column == "claim" else None)
+        least = SENTENCE_WIDTH if column == "claim" else 0
+        table.add_column(text(column), min_width=least or None)
+        cells = [str(column), *(_cell(v) for v in frame[column])]
+        needed += 3 + max(least, *(_longest_word(cell) for cell in cells))
     for row in frame.itertuples(index=False):
         table.add_row(*(text(_cell(v)) for v in row))
-    return table
+    return FrameView(frame, title, table, needed)
+
+
+SENTENCE_WIDTH = 36
+
+
+def _longest_word(cell: str) -> int:
+    return max((cell_len(word) for word in cell.split()), default=0)
+
+
+class FrameView:
+    """A frame's table where it fits the console's width (each column at least as wide
+    as its longest word, so no word is folded), else one block per row: the column
+    names down the left, the values beside them, wrapped at spaces."""
+
+    def __init__(self, frame: pd.DataFrame, title: str, table: Table, needed: int) -> None:
+        self.frame, self.title, self.table = frame, title, table
+        self.needed = needed  # the width at which no column breaks a word
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        if self.needed <= options.max_width:
+            yield self.table
+            return
+        yield text(self.title)
+        for row in self.frame.itertuples(index=False):
+            block = Table.grid(padding=(0, 2))
+            block.add_column(no_wrap=True)
+            block.add_column()
+            for column, value in zip(self.frame.columns, row, strict=True):
+                block.add_row(text(str(column)), text(_cell(value)))
+            yield Padding(block, (1, 0, 0, 0))
 
 
 def _cell(value: object) -> str:
