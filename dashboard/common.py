@@ -116,3 +116,39 @@ def queue_warning(queue: str) -> None:
     warning = Routing(queue, chosen=False, served=served_queues()).warning()
     if warning:
         st.warning(markdown(warning[0].upper() + warning[1:] + "."))
+
+
+# A study picker offers at most this many studies (the newest matching its search), so a
+# page stays light with 20,000 studies in the database.
+PICKER_STUDIES = 200
+
+
+def picker_studies(key: str, wanted: list[int]):
+    """The studies a page's picker offers, newest first: the newest ``PICKER_STUDIES``
+    whose name holds the text typed in a search box above it (any case), and the ones
+    the page's URL names (``wanted``); a caption says how many more there are. None
+    when the database holds no study at all."""
+    import pandas as pd
+
+    from db import queries
+
+    url = database()
+    if queries.count_studies(url) == 0:
+        return None
+    search = st.text_input(
+        "Find studies by name", key=f"{key}:find", max_chars=200, placeholder="any part of a name"
+    ).strip()
+    studies = queries.studies(url, limit=PICKER_STUDIES, name=search or None)
+    named = [i for i in wanted if i not in set(studies["id"])]
+    if named:
+        studies = pd.concat([queries.studies(url, named), studies], ignore_index=True)
+    matching = queries.count_studies(url, name=search or None)
+    if matching > PICKER_STUDIES:
+        which = f"whose name holds “{search}”" if search else "in all"
+        st.caption(
+            f"The newest {PICKER_STUDIES} of {matching:,} studies {which}; type part of a "
+            "name to find the others."
+        )
+    elif search and matching == 0:
+        st.caption(f"No study's name holds “{search}”.")
+    return studies

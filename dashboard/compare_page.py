@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard.common import database, imported_captions, query_ints, schema_ready, set_query
+from dashboard.common import (
+    database,
+    imported_captions,
+    picker_studies,
+    query_ints,
+    schema_ready,
+    set_query,
+)
 from dashboard.curves import (
     curve_figure,
     length_unit,
@@ -39,8 +46,8 @@ def render() -> None:
     st.title("Compare")
     if not schema_ready():
         return
-    studies = queries.studies(database())
-    if studies.empty:
+    studies = picker_studies("studies", query_ints("studies"))
+    if studies is None:
         st.info("No study yet.")
         return
     ids = studies["id"].tolist()

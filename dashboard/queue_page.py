@@ -13,6 +13,7 @@ from dashboard.common import (
     database,
     imported_captions,
     page_errors,
+    picker_studies,
     query_ints,
     schema_ready,
     set_query,
@@ -104,16 +105,18 @@ def render() -> None:
     st.title("Queue")
     if not schema_ready():
         return
-    studies = queries.studies(database())
     operator = can_operate()  # viewers read; operators cancel, retry, delete and restore
-    if studies.empty:
+    wanted = query_ints("study")
+    studies = picker_studies("study", wanted[:1])
+    if studies is None:
         st.info("No study yet: submit one on the Submit page or with `posbench submit`.")
         if operator:
             _deleted()
             _events(None)
         return
+    if studies.empty:
+        return
     ids = studies["id"].tolist()
-    wanted = query_ints("study")
     default = ids.index(wanted[0]) if wanted and wanted[0] in ids else 0
     labels = {
         row.id: f"{row.id}: {row.name} ({row.runs} runs, {row.task})"

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from conftest import isolated_env, posbench_cli
+from conftest import dashboard_settings, isolated_env, posbench_cli
 
+from dashboard.common import PICKER_STUDIES
 from db import queries
 from db.engine import engine_for
 from db.migrate import upgrade
@@ -96,3 +97,53 @@ def test_the_bounds_are_applied_before_the_runs_are_counted(home: Path) -> None:
     assert frame["id"].tolist() == [45, 40]
     assert frame["runs"].tolist() == [2, 2] and frame["failed"].tolist() == [1, 1]
     assert queries.count_studies(url, name="alpha") == 23
+
+
+@pytest.fixture
+def crowded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A dashboard whose database holds 250 studies."""
+    for settings in dashboard_settings(tmp_path, monkeypatch):
+        fill(settings.database, 250)
+        yield settings
+
+
+@pytest.mark.parametrize(("name", "key"), [("queue", "study"), ("compare", "studies")])
+def test_the_dashboard_pickers_offer_the_newest_and_find_the_rest(
+    crowded, name: str, key: str
+) -> None:
+    from test_dashboard import page
+
+    app = page(name)
+    app.query_params[key] = "7"  # a study the URL names is offered, however old
+    app.run()
+    assert not app.exception, app.exception
+    picker = app.selectbox(key=key) if name == "queue" else app.multiselect(key=key)
+    assert len(picker.options) == PICKER_STUDIES + 1
+    assert picker.options[0].startswith("7: ") and picker.options[1].startswith("250: ")
+    assert any("The newest 200 of 250 studies in all" in c.value for c in app.caption)
+    app.text_input(key=f"{key}:find").set_value("beta-24").run()
+    picker = app.selectbox(key=key) if name == "queue" else app.multiselect(key=key)
+    # beta-24 and beta-240..248 (even numbers only), newest first, and the one named.
+    assert [o.split(":")[0] for o in picker.options] == [
+        "7", "248", "246", "244", "242", "240", "24"
+    ]  # fmt: skip
+
+
+def test_the_status_benchmark_builds_its_database_and_reports(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    out = tmp_path / "status.json"
+    command = ["benchmarks.status_scale", "--studies", "50", "--rounds", "1", "--out", str(out)]
+    done = subprocess.run(
+        [sys.executable, "-m", *command],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "50 studies, 150 runs, 450 evaluations" in done.stdout
+    results = json.loads(out.read_text())["results"]
+    assert set(results) >= {"posbench status (newest 20)", "picker: newest 200 + count"}
+    assert all(r["seconds"] > 0 for r in results.values())
