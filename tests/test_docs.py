@@ -822,3 +822,15 @@ def test_the_exposure_check_catches_a_port_or_url_in_clear(sample: str) -> None:
 )
 def test_the_exposure_check_passes_private_binds_and_tls(sample: str) -> None:
     assert exposure_problems(sample, {"redis", "postgres"}) == [], sample
+
+
+def test_the_tasks_page_is_a_reference_and_the_studies_hold_the_measurements() -> None:
+    # docs/tasks.md says what each task is; how small models fare (steps, learning rates,
+    # seeds, scores) lives in studies/README.md, linked from it.
+    tasks = (ROOT / "docs" / "tasks.md").read_text()
+    prose = re.sub(r"```.*?```", "", tasks, flags=re.S)
+    diary = re.findall(r"[^.\n]*(?:\blr\b|\b\d[\d,]* steps\b|\bseeds? \d)[^.\n]*", prose)
+    assert not diary, diary
+    assert "../studies/README.md#what-tiny-learns-of-niah" in tasks
+    studies = (ROOT / "studies" / "README.md").read_text()
+    assert "### What `tiny` learns of `niah`" in studies and "2,000 steps of 32" in studies
