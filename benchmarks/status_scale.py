@@ -36,9 +36,12 @@ from db import queries
 from db.engine import engine_for
 from db.migrate import upgrade
 from db.models import Evaluation, Run, Study
+from jobs.status import RunStatus
+from worker.catalog.tasks import TASKS
 
 ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = (128, 256, 512)
+METRIC = TASKS["lm"].metric  # the studies' task: language modelling
 
 
 def build(url: str, studies: int) -> None:
@@ -52,7 +55,7 @@ def build(url: str, studies: int) -> None:
                     "id": i,
                     "name": f"study-{i}",
                     "task": "lm",
-                    "metric": "perplexity",
+                    "metric": METRIC,
                     "train_length": 128,
                     "spec": {},
                 }
@@ -70,7 +73,7 @@ def build(url: str, studies: int) -> None:
                     "params": {},
                     "seed": seed,
                     "config_hash": f"{i}-{seed}",
-                    "status": "done",
+                    "status": RunStatus.DONE,
                     "step": 100,
                     "total_steps": 100,
                 }
@@ -87,7 +90,7 @@ def build(url: str, studies: int) -> None:
                     "protocol": "nonoverlapping",
                     "eval_length": length,
                     "loss": 2.0 + length / 1000,
-                    "perplexity": 7.4,
+                    METRIC: 7.4,
                     "tokens": 4096,
                 }
                 for run_id in range(1, 3 * studies + 1)

@@ -50,7 +50,9 @@ def runs_view(study_id: int, tokens_per_step: int) -> tuple[pd.DataFrame, pd.Dat
             "encoding": runs["label"],
             "seed": runs["seed"],
             "status": runs["status"],
-            "progress": (counts["done"] / counts["total"].where(counts["total"] > 0)).fillna(0.0),
+            "progress": (counts["completed"] / counts["total"].where(counts["total"] > 0)).fillna(
+                0.0
+            ),
             "step": counts["progress"],
             # Numeric even when every run is still queued (or reused) and the column is null.
             "loss": pd.to_numeric(runs["latest_loss"]).round(4),

@@ -21,7 +21,7 @@ def test_trained_runs_count_steps_and_hf_runs_count_points() -> None:
     shown = progress(runs, SPEC)
     # 2 variants x 2 protocols x 3 lengths = 12 points for the model evaluated as it is.
     assert shown["progress"].tolist() == ["120/600 steps", "5/12 points", "12/12 points"]
-    assert shown["done"].tolist() == [120, 5, 12] and shown["total"].tolist() == [600, 12, 12]
+    assert shown["completed"].tolist() == [120, 5, 12] and shown["total"].tolist() == [600, 12, 12]
 
 
 def test_a_stored_spec_that_no_longer_reads_still_shows() -> None:

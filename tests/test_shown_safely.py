@@ -349,7 +349,7 @@ def _queue_behind_the_guard() -> None:
         queue_page.render()
 
 
-@pytest.mark.parametrize("failing", ["db.migrate.current", "db.queries.studies"])
+@pytest.mark.parametrize("failing", ["db.migrate.current", "db.queries.count_studies"])
 def test_a_database_error_is_summarised_on_the_dashboard_and_logged_in_full(
     settings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, failing: str
 ) -> None:
@@ -385,7 +385,7 @@ def test_a_page_s_bug_is_a_note_on_the_page_and_a_traceback_in_the_log(
     def broken(*args, **kwargs):
         raise KeyError("postgresql://alice:s3cret@dbhost/x")
 
-    monkeypatch.setattr("db.queries.studies", broken)
+    monkeypatch.setattr("db.queries.count_studies", broken)
     with caplog.at_level(logging.ERROR, logger="posbench.dashboard"):
         app = AppTest.from_function(_queue_behind_the_guard, default_timeout=60).run()
     assert not app.exception  # no Streamlit traceback on the page
@@ -403,7 +403,7 @@ def test_what_a_person_caused_is_its_line_on_the_page(settings, monkeypatch) -> 
     def refuse(*args, **kwargs):
         raise Refused("over the quota: **1e22** FLOPs")
 
-    monkeypatch.setattr("db.queries.studies", refuse)
+    monkeypatch.setattr("db.queries.count_studies", refuse)
     app = AppTest.from_function(_queue_behind_the_guard, default_timeout=60).run()
     assert not app.exception
     assert [_plain(e.value) for e in app.error] == ["over the quota: **1e22** FLOPs"]

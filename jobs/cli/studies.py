@@ -239,21 +239,10 @@ def status(
 ) -> None:
     """Studies and their runs: status, progress, failures; or the audit trail, or the
     deleted studies."""
-    from db import queries
 
     _check_id(study, "the study id")
     _check_views(study, events=events, deleted=deleted, limit=limit)
-    listing = (limit, show_all, with_status, name)
-    if (study is not None or events or deleted) and any(
-        v not in (None, False) for v in listing[1:]
-    ):
-        fail("--all, --status and --name filter the list of studies: give no study id", code=2)
-    if show_all and limit is not None:
-        fail("give --limit N or --all, not both", code=2)
-    if with_status is not None and with_status not in RUN_STATUSES:
-        fail(f"--status must be one of {', '.join(RUN_STATUSES)}, got {with_status[:32]!r}", 2)
-    if name is not None and len(name) > 200:
-        fail("--name is at most 200 characters", code=2)
+    _check_listing(study is not None or events or deleted, limit, show_all, with_status, name)
     url = _database()
     if events or deleted:
         from jobs.cli.audit import show_deleted, show_events
@@ -266,28 +255,10 @@ def status(
     caption = None
     if study is None:
         bound = None if show_all else (limit or STUDIES_SHOWN)
-        frame = queries.studies(url, limit=bound, name=name, status=with_status)
-        imported = queries.imported_runs(url)
-        frame["imported"] = [imported.get(int(study_id), 0) for study_id in frame["id"]]
-        total = queries.count_studies(url, name=name, status=with_status)
-        if total > len(frame):
-            caption = (
-                f"the newest {len(frame)} of {total:,} studies; {total - len(frame):,} more "
-                "(--limit N, --all, --status S, --name TEXT)"
-            )
-        frame["counts"] = run_counts(frame)
+        frame, caption = _studies_frame(url, bound, name, with_status)
         shown = ["id", "name", "task", "counts"]
     else:
-        if queries.studies(url, [study]).empty:
-            _missing_study(url, study)
-        from jobs.analysis import run_notes
-        from jobs.render.watch import progress
-
-        frame = queries.runs(url, study_id=study)
-        frame["progress"] = progress(frame, queries.study_spec(url, study))["progress"]
-        frame["note"] = run_notes(frame)
-        frame["imported"] = frame["imported_from"].notna()
-        frame["loss"], frame["failure"] = frame["latest_loss"], frame["failure_reason"]
+        frame = _runs_frame(url, study)
         shown = ["id", "label", "seed", "status", "progress", "loss", "attempts", "note", "failure"]
     if as_json:
         typer.echo(
@@ -305,6 +276,56 @@ def status(
 
 
 STUDIES_SHOWN = 20  # posbench status lists the newest this many by default
+
+
+def _check_listing(
+    one: bool, limit: int | None, show_all: bool, status: str | None, name: str | None
+) -> None:
+    """The list of studies' options, checked (``one``: a study, its events or the deleted
+    ones are asked for instead)."""
+    if one and (show_all or status is not None or name is not None):
+        fail("--all, --status and --name filter the list of studies: give no study id", code=2)
+    if show_all and limit is not None:
+        fail("give --limit N or --all, not both", code=2)
+    if status is not None and status not in RUN_STATUSES:
+        fail(f"--status must be one of {', '.join(RUN_STATUSES)}, got {status[:32]!r}", code=2)
+    if name is not None and len(name) > 200:
+        fail("--name is at most 200 characters", code=2)
+
+
+def _studies_frame(url: str, bound: int | None, name: str | None, status: str | None):
+    """The newest ``bound`` studies (every one: None) matching ``name`` and ``status``,
+    with their runs in words, and a caption saying how many more there are (or None)."""
+    from db import queries
+
+    frame = queries.studies(url, limit=bound, name=name, status=status)
+    imported = queries.imported_runs(url)
+    frame["imported"] = [imported.get(int(study_id), 0) for study_id in frame["id"]]
+    frame["counts"] = run_counts(frame)
+    total = queries.count_studies(url, name=name, status=status)
+    if total <= len(frame):
+        return frame, None
+    more = total - len(frame)
+    return frame, (
+        f"the newest {len(frame)} of {total:,} studies; {more:,} more "
+        "(--limit N, --all, --status S, --name TEXT)"
+    )
+
+
+def _runs_frame(url: str, study: int):
+    """A study's runs with their progress (steps, or an hf: model's points) and notes."""
+    from db import queries
+    from jobs.analysis import run_notes
+    from jobs.render.watch import progress
+
+    if queries.studies(url, [study]).empty:
+        _missing_study(url, study)
+    frame = queries.runs(url, study_id=study)
+    frame["progress"] = progress(frame, queries.study_spec(url, study))["progress"]
+    frame["note"] = run_notes(frame)
+    frame["imported"] = frame["imported_from"].notna()
+    frame["loss"], frame["failure"] = frame["latest_loss"], frame["failure_reason"]
+    return frame
 
 
 def run_counts(frame) -> list[str]:

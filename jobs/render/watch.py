@@ -82,7 +82,7 @@ def curve_table(frame: pd.DataFrame, study: pd.Series) -> Table:
 
 def progress(runs: pd.DataFrame, spec: dict | None) -> pd.DataFrame:
     """Each run's progress (``runs``: ``db.queries.runs`` of one study, whose stored spec
-    is ``spec``) as ``done``, ``total`` and ``progress`` ("120/600 steps"): training steps,
+    is ``spec``) as ``completed``, ``total`` and ``progress`` ("120/600 steps"): training steps,
     or, for a run that trains nothing (an hf: model), the points of its curve stored out
     of those its evaluation plan has."""
     from jobs.spec import EvalSpec
@@ -97,7 +97,7 @@ def progress(runs: pd.DataFrame, spec: dict | None) -> pd.DataFrame:
     unit = evaluates.map({True: "points", False: "steps"})
     text_ = done.astype(str) + "/" + total.astype(str) + " " + unit
     text_ = text_.where(total > 0, done.astype(str) + " " + unit)  # no plan to count against
-    return pd.DataFrame({"done": done, "total": total, "progress": text_}, index=runs.index)
+    return pd.DataFrame({"completed": done, "total": total, "progress": text_}, index=runs.index)
 
 
 def watch(study_id: int, *, console: Console, every: float = 1.0) -> int:
@@ -113,7 +113,7 @@ def watch(study_id: int, *, console: Console, every: float = 1.0) -> int:
             runs = queries.runs(url, study_id=study_id)
             counts = progress(runs, spec)
             for run, done, total in zip(
-                runs.itertuples(index=False), counts["done"], counts["total"], strict=True
+                runs.itertuples(index=False), counts["completed"], counts["total"], strict=True
             ):
                 if run.id not in bars:
                     bars[run.id] = bars_view.add_task(
