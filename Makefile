@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # itself accepts any torch >= 2.4.
 TORCH  ?= torch==2.13.0
 
-.PHONY: run test test-cluster test-faults lint docs install clean
+.PHONY: run test test-fast test-cluster test-faults lint docs install clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ docs: $(STAMP)
 
 test: $(STAMP) lint
 	$(PY) -m pytest -n 2 -q
+
+# A contributor's loop (a couple of minutes): no test that starts real processes (servers,
+# browsers, workers, the CLI) or trains for long; `make test` and CI still run everything.
+test-fast: $(STAMP)
+	$(PY) -m pytest -n 2 -q -m "not slow and not cluster and not faults"
 
 # The compose stack for real (docs/cluster.md#how-the-cluster-is-tested): installs and
 # starts a Docker engine where none runs (root, apt), builds the images and brings the

@@ -226,3 +226,32 @@ def digest_in_another_process(module: str, argument: Any) -> str:
         check=True,
     )
     return other.stdout.strip()
+
+
+# The fast tier (`make test-fast`, -m "not slow"): a test is slow when it starts real
+# processes (servers, browsers, workers, the posbench CLI) or trains or compiles for more
+# than a few seconds. The first kind is found here, by what the test uses; the second is
+# marked by hand (@pytest.mark.slow, from `pytest --durations`).
+PROCESS_CALLS = ("posbench_cli(", "posbench(", "subprocess.", "Popen(", "AppTest.")
+PROCESS_FIXTURES = {"redis_url", "postgres_server", "cluster_factory", "home_with_models"}
+
+
+def _starts_processes(item: pytest.Item) -> bool:
+    import inspect
+
+    if "integration" in item.path.parts:
+        return True
+    if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return True
+    function = getattr(item, "function", None)
+    try:
+        source = inspect.getsource(function) if function is not None else ""
+    except (OSError, TypeError):
+        return False
+    return any(call in source for call in PROCESS_CALLS)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if _starts_processes(item):
+            item.add_marker(pytest.mark.slow)

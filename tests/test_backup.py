@@ -91,6 +91,7 @@ def private(path: Path) -> bool:
     return stat.S_IMODE(path.stat().st_mode) == 0o600
 
 
+@pytest.mark.slow
 def test_a_backup_during_an_open_write_transaction_restores_what_was_committed(
     home: Path, tmp_path: Path
 ) -> None:
@@ -120,6 +121,7 @@ def test_a_backup_during_an_open_write_transaction_restores_what_was_committed(
     assert private(home / "posbench.db")
 
 
+@pytest.mark.slow
 def test_a_backup_while_a_writer_commits_is_one_consistent_snapshot(
     home: Path, tmp_path: Path
 ) -> None:
@@ -344,6 +346,7 @@ def _pg_dump(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_without_pg_dump_the_postgresql_backup_says_how_and_never_shows_the_password(
     tmp_path: Path,
 ) -> None:

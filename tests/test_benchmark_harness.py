@@ -79,6 +79,7 @@ def _run_benchmark(module: str, args: list[str], out: Path) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_the_cpu_benchmarks_run_and_report_every_promised_column(tmp_path: Path) -> None:
     # One round, both implementations, real models: what docs/performance.md's tables come from.
     train = _run_benchmark(

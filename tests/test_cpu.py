@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from conftest import ROOT
 
 # A fresh process (the setting must come before torch's first parallel operation):
@@ -36,6 +37,7 @@ def subnormals_left(mode: str) -> int:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_subnormals_are_flushed_in_every_thread() -> None:
     assert subnormals_left("keep") == 1 << 22  # the CPU's default keeps them
     assert subnormals_left("flush") == 0  # the main thread's share and the pool's

@@ -301,6 +301,7 @@ def test_a_done_run_keeps_its_checkpoint_alone_and_each_fine_tuning_goes_once_ev
     assert len(stored_points(worker_settings, claimed.run_id)) == 6
 
 
+@pytest.mark.slow
 def test_a_failed_run_keeps_its_last_checkpoint_and_a_retry_resumes_from_it(
     worker_settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -327,6 +328,7 @@ def test_a_failed_run_keeps_its_last_checkpoint_and_a_retry_resumes_from_it(
     assert files(folder) == {f"{claimed.run_id}.pt", *others}
 
 
+@pytest.mark.slow
 def test_a_run_cancelled_while_fine_tuning_keeps_one_checkpoint_and_its_retry_loses_nothing(
     worker_settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -131,6 +131,7 @@ def test_plan_orders_variants_protocols_and_lengths() -> None:
     assert len(spec.eval.plan(scalable=False)) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("encoding", sorted(REGISTRY))
 def test_every_encoding_evaluates_the_small_model_at_32x(encoding: str) -> None:
     spec = parse_spec(

@@ -46,6 +46,7 @@ def parents(client: MlflowClient, experiment_id: str) -> list:
     return [r for r in runs if "posbench.variant" not in r.data.tags]
 
 
+@pytest.mark.slow
 def test_a_study_exports_its_finished_runs_once(settings: Settings, tracking: str) -> None:
     study = seed_study(settings)
     stored = queries.runs(settings.database, study_id=study).set_index("id")

@@ -104,6 +104,7 @@ def _write_spec(tmp_path: Path) -> Path:
     return spec
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["results.json", "table.md"])
 def test_out_never_writes_through_a_symbolic_link(tmp_path: Path, name: str) -> None:
     target = tmp_path / "elsewhere" / "precious.txt"
@@ -133,6 +134,7 @@ def test_out_does_not_overwrite_a_file_posbench_did_not_write(
     assert sorted(p.name for p in out.iterdir()) == [name]
 
 
+@pytest.mark.slow
 def test_results_are_written_whole_and_the_home_is_owner_only(tmp_path: Path) -> None:
     """A run under $POSBENCH_HOME makes its folders 0o700 and its files 0o600; a run
     again into the same folder replaces each file (a new file renamed over it), so a

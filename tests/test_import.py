@@ -249,6 +249,7 @@ def test_a_number_no_run_could_have_measured_is_refused(
     assert queries.studies(settings.database).empty
 
 
+@pytest.mark.slow
 def test_long_fine_tuning_curves_do_not_count_against_the_provenance_bound(
     settings: Settings, tuned_file: Path, tmp_path: Path
 ) -> None:

@@ -132,3 +132,33 @@ def test_catalogue_names_are_written_only_in_the_catalogue() -> None:
     ]
     assert not found, f"catalogue names written outside the catalogue: {found}"
     assert DEFAULT_TASK in TASKS
+
+
+FAST_TIER = "not slow and not cluster and not faults"
+
+
+def test_the_fast_tier_leaves_out_every_test_that_starts_processes() -> None:
+    # `make test-fast` selects -m "not slow and not cluster and not faults"; the conftest
+    # marks a test slow by what it uses (tests/conftest.py, _starts_processes).
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", FAST_TIER],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    fast = [line for line in done.stdout.splitlines() if "::" in line]
+    assert len(fast) > 1000, done.stdout[-2000:]
+    for starts_processes in (
+        "tests/integration/",  # real Redis, PostgreSQL, workers, Chromium
+        "tests/cluster/",
+        "tests/faults/",
+        "tests/test_cli_run.py::test_run_smoke_preset_writes_json_table_and_png",  # the CLI
+        "tests/test_dashboard.py::test_presets_fill_the_form",  # a Streamlit app
+        "tests/test_model.py::test_the_model_compiles_as_one_graph",  # marked by hand
+    ):
+        assert not [test for test in fast if test.startswith(starts_processes)], starts_processes
+    assert f'-m "{FAST_TIER}"' in (ROOT / "Makefile").read_text()

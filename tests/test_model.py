@@ -334,6 +334,7 @@ def test_rotary_tables_take_no_gradient() -> None:
         rotate_pairs(torch.randn(1, 1, 4, 4), learned, tables.sin_q)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("name", ["xpos", "learned"])
 def test_the_model_compiles_as_one_graph_and_matches_eager(name: str) -> None:

@@ -53,6 +53,7 @@ def test_preferred_queue_follows_the_queue_order() -> None:
     assert preferred_queue({}, default="cpu") == "cpu"
 
 
+@pytest.mark.slow
 def test_an_unreachable_broker_is_not_known_rather_than_empty(tmp_path: Path) -> None:
     settings = Settings(home=tmp_path, broker_url="redis://127.0.0.1:1/0")
     assert live_queues(settings) is None

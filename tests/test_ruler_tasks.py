@@ -253,6 +253,7 @@ def digest(settings: list[tuple[str, dict[str, Any]]]) -> str:
     return hashed.hexdigest()
 
 
+@pytest.mark.slow
 def test_examples_are_the_same_in_another_process() -> None:
     assert digest_in_another_process("tests.test_ruler_tasks", SETTINGS) == digest(SETTINGS)
 

@@ -195,6 +195,7 @@ def _heartbeat_at(settings: Settings, run_id: int) -> dt.datetime:
         return session.get(Run, run_id).heartbeat_at
 
 
+@pytest.mark.slow
 def test_the_heartbeat_stops_when_the_run_makes_no_progress(settings: Settings) -> None:
     run_id = submit(parse_spec(SPEC), settings=settings, send=Recorder(), actor="tester").queued[0]
     claimed = lifecycle.claim(settings.database, run_id, "a")
