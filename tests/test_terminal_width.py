@@ -39,6 +39,8 @@ COMMANDS = [
     ["results", "--study", "1"],
     ["results", "--study", "1", "--view", "summaries"],
     ["results", "--study", "1", "--view", "pairwise"],
+    ["results", "--study", "1", "--view", "train"],
+    ["status", "--deleted"],
 ]
 
 

@@ -260,6 +260,9 @@ def status(
     else:
         frame = _runs_frame(url, study)
         shown = ["id", "label", "seed", "status", "progress", "loss", "attempts", "note", "failure"]
+        # A note or failure column no run has says nothing: left out of the table.
+        said = {c: frame[c].fillna("").astype(str).str.strip().ne("").any() for c in shown}
+        shown = [c for c in shown if c not in ("note", "failure") or said[c]]
     if as_json:
         typer.echo(
             frame.drop(columns=["counts", "loss", "failure"], errors="ignore").to_json(

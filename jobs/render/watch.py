@@ -26,11 +26,12 @@ def frame_table(frame: pd.DataFrame, title: str) -> FrameView:
     table = Table(title=text(title))
     needed = 1  # the left border; each column adds its padding and border (3)
     for column in frame.columns:
-        # A sentence (the pairwise claim) keeps room to read; numbers give way.
-        least = SENTENCE_WIDTH if column == "claim" else 0
-        table.add_column(text(column), min_width=least or None)
+        # A sentence (the pairwise claim) keeps room to read; no column is narrower than
+        # its longest word, so a word is never cut or folded.
         cells = [str(column), *(_cell(v) for v in frame[column])]
-        needed += 3 + max(least, *(_longest_word(cell) for cell in cells))
+        least = max(SENTENCE_WIDTH if column == "claim" else 0, *map(_longest_word, cells))
+        table.add_column(text(column), min_width=least)
+        needed += 4 + least  # its padding and border (3), and a cell of slack Rich may take
     for row in frame.itertuples(index=False):
         table.add_row(*(text(_cell(v)) for v in row))
     return FrameView(frame, title, table, needed)
