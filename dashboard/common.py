@@ -133,7 +133,8 @@ def picker_studies(key: str, wanted: list[int]):
     from db import queries
 
     url = database()
-    if queries.count_studies(url) == 0:
+    total = queries.count_studies(url)
+    if total == 0:
         return None
     search = st.text_input(
         "Find studies by name", key=f"{key}:find", max_chars=200, placeholder="any part of a name"
@@ -142,7 +143,7 @@ def picker_studies(key: str, wanted: list[int]):
     named = [i for i in wanted if i not in set(studies["id"])]
     if named:
         studies = pd.concat([queries.studies(url, named), studies], ignore_index=True)
-    matching = queries.count_studies(url, name=search or None)
+    matching = queries.count_studies(url, name=search) if search else total
     if matching > PICKER_STUDIES:
         which = f"whose name holds “{search}”" if search else "in all"
         st.caption(

@@ -261,8 +261,8 @@ def status(
         frame = _runs_frame(url, study)
         shown = ["id", "label", "seed", "status", "progress", "loss", "attempts", "note", "failure"]
         # A note or failure column no run has says nothing: left out of the table.
-        said = {c: frame[c].fillna("").astype(str).str.strip().ne("").any() for c in shown}
-        shown = [c for c in shown if c not in ("note", "failure") or said[c]]
+        empty = [c for c in ("note", "failure") if frame[c].fillna("").str.strip().eq("").all()]
+        shown = [c for c in shown if c not in empty]
     if as_json:
         typer.echo(
             frame.drop(columns=["counts", "loss", "failure"], errors="ignore").to_json(
@@ -302,7 +302,7 @@ def _studies_frame(url: str, bound: int | None, name: str | None, status: str | 
     from db import queries
 
     frame = queries.studies(url, limit=bound, name=name, status=status)
-    imported = queries.imported_runs(url)
+    imported = queries.imported_runs(url, frame["id"].tolist())  # the listed ones only
     frame["imported"] = [imported.get(int(study_id), 0) for study_id in frame["id"]]
     frame["counts"] = run_counts(frame)
     total = queries.count_studies(url, name=name, status=status)
