@@ -194,6 +194,15 @@ class Evaluation(Base):
     key_token_fraction: Mapped[float | None]
     key_token_perplexity: Mapped[float | None]
     key_token_gain: Mapped[float | None]
+    # Attention diagnostics (eval.diagnostics; NULL without): means over layers and heads,
+    # and ``attention`` per layer and head.
+    attn_entropy: Mapped[float | None]
+    attn_entropy_norm: Mapped[float | None]
+    attn_distance: Mapped[float | None]
+    attn_sink_mass: Mapped[float | None]
+    attn_beyond_mass: Mapped[float | None]
+    attn_max_logit: Mapped[float | None]
+    attention: Mapped[dict[str, Any] | None]
     tokens: Mapped[int] = mapped_column(default=0)
     tokens_per_second: Mapped[float | None]
     peak_memory_bytes: Mapped[int | None] = mapped_column(BigInteger)

@@ -54,6 +54,9 @@ class Metric:
     # Whether ``to_loss`` holds only where the loss is per byte (posbench's byte-level
     # models): an hf: model's loss is per token of its tokenizer.
     per_byte: bool = False
+    # An attention diagnostic (eval.diagnostics): the statistic of worker.diagnostics it
+    # stores. Any task may carry one, none needs to; not a score (no metric picker).
+    diagnostic: str = ""
 
     def format(self, value: float | None) -> str:
         """A table cell: the value in the metric's format, ``n/a`` without one."""
@@ -61,7 +64,7 @@ class Metric:
 
     def measured_by(self, kind: Kind) -> bool:
         """Whether an evaluation of a task of ``kind`` carries this metric."""
-        return self.every_task or self.kind is kind
+        return self.every_task or bool(self.diagnostic) or self.kind is kind
 
     def range_text(self) -> str:
         if self.high == math.inf:
@@ -189,6 +192,69 @@ METRICS: dict[str, Metric] = {
             "start)",
             low=-math.inf,
         ),
+        # Attention diagnostics (eval.diagnostics, worker.diagnostics): averaged over the
+        # sampled queries of every window, the heads and the layers.
+        Metric(
+            name="attn_entropy",
+            kind=Kind.LANGUAGE_MODELLING,
+            lower_is_better=True,
+            fmt=".3f",
+            column="attn_entropy",
+            description="attention entropy in nats, -sum p log p over the keys a query sees",
+            diagnostic="entropy",
+        ),
+        Metric(
+            name="attn_entropy_norm",
+            kind=Kind.LANGUAGE_MODELLING,
+            lower_is_better=True,
+            fmt=".3f",
+            column="attn_entropy_norm",
+            description="attention entropy over log(number of keys the query sees): 1 is "
+            "uniform attention, 0 attention on one key",
+            high=1.0 + 1e-6,
+            diagnostic="normalised_entropy",
+        ),
+        Metric(
+            name="attn_distance",
+            kind=Kind.LANGUAGE_MODELLING,
+            lower_is_better=False,
+            fmt=".1f",
+            column="attn_distance",
+            description="mean attention distance sum p (i - j), in tokens",
+            diagnostic="distance",
+        ),
+        Metric(
+            name="attn_sink_mass",
+            kind=Kind.LANGUAGE_MODELLING,
+            lower_is_better=True,
+            fmt=".3f",
+            column="attn_sink_mass",
+            description="the attention on the first 4 tokens (attention sinks)",
+            high=1.0 + 1e-6,
+            diagnostic="sink_mass",
+        ),
+        Metric(
+            name="attn_beyond_mass",
+            kind=Kind.LANGUAGE_MODELLING,
+            lower_is_better=True,
+            fmt=".3f",
+            column="attn_beyond_mass",
+            description="the attention on keys at distances >= the training length L, "
+            "farther than any query saw in training (0 up to 1x)",
+            high=1.0 + 1e-6,
+            diagnostic="beyond_mass",
+        ),
+        Metric(
+            name="attn_max_logit",
+            kind=Kind.LANGUAGE_MODELLING,
+            lower_is_better=True,
+            fmt=".2f",
+            column="attn_max_logit",
+            description="the largest pre-softmax attention logit of a query (bias and "
+            "log-n scaling included)",
+            low=-math.inf,
+            diagnostic="max_logit",
+        ),
     )
 }
 
@@ -219,7 +285,19 @@ def shown_with(name: str) -> tuple[Metric, ...]:
     """The metrics a view of a study scored by ``name`` offers: that one first, then the
     others of its kind in registry order."""
     first = metric_named(name)
-    return (first, *(m for m in METRICS.values() if m.kind is first.kind and m is not first))
+    return (
+        first,
+        *(
+            m
+            for m in METRICS.values()
+            if m.kind is first.kind and m is not first and not m.diagnostic
+        ),
+    )
+
+
+def diagnostics() -> tuple[Metric, ...]:
+    """The attention diagnostics (eval.diagnostics), in registry order."""
+    return tuple(m for m in METRICS.values() if m.diagnostic)
 
 
 def measured(kind: Kind) -> tuple[Metric, ...]:

@@ -70,6 +70,13 @@ class Evaluation:
     key_token_fraction: float | None = None
     key_token_perplexity: float | None = None
     key_token_gain: float | None = None
+    # Attention diagnostics (eval.diagnostics; None without it): worker.diagnostics.
+    attn_entropy: float | None = None
+    attn_entropy_norm: float | None = None
+    attn_distance: float | None = None
+    attn_sink_mass: float | None = None
+    attn_beyond_mass: float | None = None
+    attn_max_logit: float | None = None
     tokens: int = 0
     tokens_per_second: float | None = None
     peak_memory_bytes: int | None = None
@@ -81,6 +88,9 @@ class Evaluation:
     factor: float | None = None
     position_bins: list[PositionBin] = field(default_factory=list)
     groups: dict[str, float] = field(default_factory=dict)
+    # The diagnostics per layer ({"layers": {metric: [per layer]}, "heads": {metric:
+    # [[per head] per layer]}, "queries": sampled queries per layer}); None without them.
+    attention: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

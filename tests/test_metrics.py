@@ -14,7 +14,16 @@ from rich.console import Console
 
 from db.models import Evaluation as StoredEvaluation
 from jobs.analysis import LOWER_IS_BETTER
-from jobs.metrics import METRICS, Kind, headline, measured, metric_named, reported, shown_with
+from jobs.metrics import (
+    METRICS,
+    Kind,
+    diagnostics,
+    headline,
+    measured,
+    metric_named,
+    reported,
+    shown_with,
+)
 from jobs.render.tables import curve_table, markdown_rows, seed_means, seed_summary_table
 from jobs.results_schema import Evaluation, StudyResults, parse_results
 from worker.catalog.tasks import TASKS
@@ -40,6 +49,12 @@ def test_every_metric_has_its_columns_and_every_task_a_registered_metric() -> No
         "key_token_fraction": False,
         "key_token_perplexity": True,
         "key_token_gain": False,
+        "attn_entropy": True,
+        "attn_entropy_norm": True,
+        "attn_distance": False,
+        "attn_sink_mass": True,
+        "attn_beyond_mass": True,
+        "attn_max_logit": True,
     }
 
 
@@ -55,12 +70,23 @@ def test_the_registry_answers_what_the_views_ask() -> None:
     ]
     ruler = ["string_match_all", "string_match_part"]
     assert [m.name for m in shown_with("accuracy")] == ["accuracy", "token_accuracy", *ruler]
+    attention = [
+        "attn_entropy",
+        "attn_entropy_norm",
+        "attn_distance",
+        "attn_sink_mass",
+        "attn_beyond_mass",
+        "attn_max_logit",
+    ]
+    # Any task may carry the attention diagnostics; none is a score a picker offers.
     assert [m.name for m in measured(Kind.ANSWER)] == [
         "loss",
         "accuracy",
         "token_accuracy",
         *ruler,
+        *attention,
     ]
+    assert [m.name for m in diagnostics()] == attention
     assert [m.name for m in reported(Kind.ANSWER)] == ["accuracy", "token_accuracy"]
     assert [m.name for m in reported(Kind.LANGUAGE_MODELLING)] == ["perplexity"]
     assert [m.name for m in METRICS.values() if m.log_scale] == [

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from worker.encodings import REGISTRY, build
-from worker.encodings.base import PositionOutOfRange
+from worker.encodings.base import PositionOutOfRange, causal_toeplitz
 from worker.encodings.rope import RotaryTables, rotate_pairs
 from worker.model import (
     PRESETS,
@@ -20,7 +20,6 @@ from worker.model import (
     CausalSelfAttention,
     ModelConfig,
     build_model,
-    causal_toeplitz,
     fused_biased_attention,
     split_heads,
     written_out,

@@ -549,7 +549,10 @@ def test_fine_tuned_variants_parse_label_and_derive_their_training() -> None:
         (["dynamic_ntk+ft10"], "fine-tuning applies to a scaling with one fixed factor (pi"),
         ([{"method": "none", "finetune": 5}], "variant 'none' with finetune (fine-tuning at a"),
         (["none+ft10"], "needs finetune.length, e.g. 'none+ft200@512'"),
-        (["yarn:4+fx10"], "after '+' comes the fine-tuning, ftSTEPS or ftSTEPS@LENGTH"),
+        (
+            ["yarn:4+fx10"],
+            "after '+' comes the fine-tuning (ftSTEPS or ftSTEPS@LENGTH) or log-n scaling (logn)",
+        ),
         (["yarn:4+ft"], "after '+' comes the fine-tuning"),
         (["yarn:4+ft10@x"], "after '+' comes the fine-tuning"),
         (["yarn:4+ft10@"], "after '+' comes the fine-tuning"),

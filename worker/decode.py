@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from worker.diagnostics import logn_factors, scale_rows
 from worker.encodings.base import PositionEncoding
 from worker.encodings.rope import BlockDecay, Rope, RotaryTables, rotated, scale_pairs
 from worker.encodings.xpos import XPos
@@ -229,8 +230,17 @@ def _slice_tables(tables: RotaryTables, start: int, end: int) -> RotaryTables:
     return RotaryTables(cut(tables.cos_q), cut(tables.sin_q), cut(tables.cos_k), cut(tables.sin_k))
 
 
-def _attend(cache: KVCache, layer: int, q: Tensor, k: Tensor, v: Tensor, step: _Step) -> Tensor:
-    """Write the new k, v into the cache and attend the new queries over every live key."""
+def _attend(
+    cache: KVCache,
+    layer: int,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    step: _Step,
+    factors: Tensor | None = None,
+) -> Tensor:
+    """Write the new k, v into the cache and attend the new queries over every live key
+    (each query's logits multiplied by its log-n ``factors``, when given)."""
     end = step.start + step.count
     if step.query_tables is not None:
         t = step.query_tables
@@ -243,7 +253,7 @@ def _attend(cache: KVCache, layer: int, q: Tensor, k: Tensor, v: Tensor, step: _
     if step.key_tables is not None:
         keys = rotated(keys, step.key_tables.cos_k, step.key_tables.sin_k)
     # Attention runs in the cache's dtype (a bf16 cache: bf16 scores, as in serving).
-    q, enc = q.to(keys.dtype), cache.encoding
+    q, enc = scale_rows(q, factors).to(keys.dtype), cache.encoding
     blocks = []
     rows = step.count if step.decay is None else min(step.count, step.decay.max_rows)
     rows = min(rows, PREFILL_BLOCK_ROWS)
@@ -259,6 +269,8 @@ def _attend(cache: KVCache, layer: int, q: Tensor, k: Tensor, v: Tensor, step: _
         if (first, last) not in step.masks:
             step.masks[first, last] = _mask(enc, step, first, last, visible, q.dtype)
         mask = step.masks[first, last]
+        if factors is not None and mask is not None and mask.dtype != torch.bool:
+            mask = mask * factors[first:last, None].to(mask.dtype)
         blocks.append(
             F.scaled_dot_product_attention(q_block, k_block, values[:, :, :visible], attn_mask=mask)
         )
@@ -319,11 +331,15 @@ def _forward(model: Transformer, tokens: Tensor, cache: KVCache) -> Tensor:
     x = model.token_embedding(tokens) * math.sqrt(model.config.d_model)
     x = cache.encoding.embed(x, positions)
     heads = model.config.n_heads
+    factors = None
+    if model.logn_length is not None:
+        every = logn_factors(cache.total, model.logn_length, tokens.device)
+        factors = None if every is None else every[step.query_index]
     for layer, block in enumerate(model.blocks):
         attn = block.attn
         qkv = attn.qkv(block.attn_norm(x))
         q, k, v = qkv.view(batch, count, 3, heads, -1).permute(2, 0, 3, 1, 4)
-        y = _attend(cache, layer, q, k, v, step)
+        y = _attend(cache, layer, q, k, v, step, factors)
         x = x + attn.proj(y.transpose(1, 2).reshape(batch, count, -1))
         x = x + block.mlp(block.mlp_norm(x))
     cache.length = step.start + count

@@ -23,12 +23,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from jobs.metrics import Kind, kind_of
+from jobs.metrics import Kind, diagnostics, kind_of
 from jobs.results_schema import Evaluation, PositionBin
 from jobs.spec import EvalSpec, VariantSpec
 from worker import liveness
 from worker.data.base import Batch, Task
 from worker.decode import DecodeTally, decode_scores
+from worker.diagnostics import AttentionDiagnostics, AttentionProbe, attribute_set
 from worker.key_tokens import KeyTokenTally
 from worker.memory import (
     available_bytes,
@@ -167,8 +168,9 @@ def _run_batches(
             logits = model(batch.inputs) if scores is None else scores(batch)
             accumulator.add(logits, batch)
             if key_tokens is not None:
-                # The short passes draw nothing from the generators the full ones read.
-                with _rng_kept(device):
+                # The short passes draw nothing from the generators the full ones read,
+                # and the attention probe reads the full ones only.
+                with _rng_kept(device), attribute_set(model, "probe", None):
                     key_tokens.add(model, batch.inputs, batch.targets, logits, batch.scored)
             liveness.touch()
     return accumulator
@@ -320,10 +322,16 @@ def evaluate_length(
     lm = kind_of(task.metric) is Kind.LANGUAGE_MODELLING
     found = KeyTokenTally.of(spec.key_tokens, train_length) if lm else None
 
+    # Attention diagnostics read every full pass (not decoding's steps); log-n scaling.
+    probe = AttentionProbe(train_length) if spec.diagnostics and protocol != "decode" else None
+    logn = train_length if variant.logn else None
+
     def run(batch_size: int) -> _Accumulator:
         tally.reset()
         if found is not None:
             found.reset()
+        if probe is not None:
+            probe.reset()
         batches = task.eval_batches(
             length,
             protocol="nonoverlapping" if protocol == "decode" else protocol,
@@ -334,7 +342,11 @@ def evaluate_length(
             longest=max(spec.lengths),
             **document,
         )
-        with _seeded(f"{seed}/{variant.label}/{protocol}/{length}", device):
+        with (
+            _seeded(f"{seed}/{variant.label}/{protocol}/{length}", device),
+            attribute_set(model, "logn_length", logn),
+            attribute_set(model, "probe", probe),
+        ):
             options = {"scores": scores, "key_tokens": found}
             if variant.method == "none":
                 return _run_batches(model, batches, length, device, should_stop, **options)
@@ -350,6 +362,14 @@ def evaluate_length(
     if protocol == "decode":
         row.decode_tokens_per_second = tally.tokens_per_second
         row.kv_cache_bytes = tally.kv_bytes
+    if probe is not None and (diagnosed := probe.result()) is not None:
+        _store_diagnostics(row, diagnosed)
+    _score(row, result, task, found)
+    return row
+
+
+def _score(row: Evaluation, result: _Accumulator, task: Task, found: KeyTokenTally | None) -> None:
+    """The point's metrics from its accumulated scores (and key tokens, when counted)."""
     row.loss = result.loss_sum / max(1, result.tokens)
     if kind_of(task.metric) is Kind.LANGUAGE_MODELLING:
         row.perplexity = math.exp(row.loss)
@@ -371,7 +391,19 @@ def evaluate_length(
         row.groups = {
             label: hit / total for label, (hit, total) in sorted(result.group_exact.items())
         }
-    return row
+
+
+def _store_diagnostics(row: Evaluation, found: AttentionDiagnostics) -> None:
+    """The point's diagnostics: each averaged over layers and heads in its column, and
+    per layer (and head, where affordable) in ``row.attention``."""
+    summary, layers, heads = found.summary(), found.layers(), found.heads()
+    for metric in diagnostics():
+        setattr(row, metric.column, summary[metric.diagnostic])
+    row.attention = {
+        "queries": found.queries,
+        "layers": {m.name: layers[m.diagnostic] for m in diagnostics()},
+        "heads": None if heads is None else {m.name: heads[m.diagnostic] for m in diagnostics()},
+    }
 
 
 def evaluate(

@@ -21,8 +21,9 @@ from torch import Tensor, nn
 
 from worker.catalog.models import MODEL_PRESETS
 from worker.catalog.params import is_positive_int
+from worker.diagnostics import AttentionProbe, LayerProbe, logn_factors, scale_rows
 from worker.encodings import build
-from worker.encodings.base import PositionEncoding
+from worker.encodings.base import PositionEncoding, causal_toeplitz
 from worker.encodings.rope import (
     BlockDecay,
     RotaryTables,
@@ -74,28 +75,6 @@ SCORE_BUDGET = 1 << 22
 # interleaved rounds: 221 ms with 128-row blocks against 233 ms with 256).
 MAX_BLOCK_ROWS = 256
 WRITTEN_OUT_BLOCK_ROWS = 128
-
-
-def causal_toeplitz(by_distance: Tensor, start: int, end: int) -> Tensor:
-    """``[heads, end-start, end]`` with ``by_distance[h, i - j]`` at query i, key j, and
-    -inf where j > i.
-
-    Every row is a window of one line: [f(end-1), ..., f(1), f(0), -inf, ...]. Read
-    with query order reversed, row ``end-1-i`` starts at offset ``end-1-i`` of that
-    line, an overlapping strided view; one flip writes the matrix out. This costs
-    one pass over the output, where gathering by a distance index costs several.
-    """
-    heads = by_distance.shape[0]
-    rows = end - start
-    line = torch.cat(
-        (
-            by_distance[:, :end].flip(-1),
-            by_distance.new_full((heads, rows - 1), float("-inf")),
-        ),
-        dim=-1,
-    )
-    windows = line.as_strided((heads, rows, end), (line.stride(0), 1, 1))
-    return windows.flip(1)
 
 
 class AttentionBias:
@@ -275,15 +254,26 @@ class CausalSelfAttention(nn.Module):
         tables: RotaryTables | None,
         attn_bias: AttentionBias | None,
         causal: bool = True,
+        factors: Tensor | None = None,
+        probe: LayerProbe | None = None,
     ) -> Tensor:
         """Causal self-attention; ``causal=False`` (probes only) attends both ways,
-        with ``attn_bias`` built non-causal to match."""
+        with ``attn_bias`` built non-causal to match. ``factors`` (log-n scaling) multiply
+        each query's logits; ``probe`` reads the attention of sampled queries."""
         batch, length, d_model = x.shape
         q, k, v = split_heads(self.qkv(x), self.n_heads, tables)  # each [B, H, T, head_dim]
-        if tables is not None and tables.decay is not None:
+        q = scale_rows(q, factors)
+        decay = tables.decay if tables is not None else None
+        if probe is not None:
+            rows = attn_bias.rows if attn_bias is not None else None
+            block = attn_bias.block_rows if attn_bias is not None else MAX_BLOCK_ROWS
+            if decay is not None:
+                block = min(block, decay.max_rows)
+            probe.record(q, k, block_rows=block, bias_rows=rows, decay=decay, factors=factors)
+        if decay is not None:
             if not causal:
                 raise ValueError("xPos's decay beyond one table's span is causal only")
-            y = decayed_attention(q, k, v, tables.decay)
+            y = decayed_attention(q, k, v, decay)
         elif attn_bias is None:
             # No bias: the fused causal kernel (flash) serves.
             y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
@@ -294,10 +284,11 @@ class CausalSelfAttention(nn.Module):
             blocks = []
             for start in range(0, length, attn_bias.block_rows):
                 end = min(length, start + attn_bias.block_rows)
+                bias = attn_bias.rows(start, end)
+                if factors is not None:
+                    bias = bias * factors[start:end, None].to(bias.dtype)
                 blocks.append(
-                    biased_attention(
-                        q[:, :, start:end], k[:, :, :end], v[:, :, :end], attn_bias.rows(start, end)
-                    )
+                    biased_attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end], bias)
                 )
             y = torch.cat(blocks, dim=2)
         y = y.transpose(1, 2).reshape(batch, length, d_model)
@@ -328,8 +319,10 @@ class Block(nn.Module):
         x: Tensor,
         tables: RotaryTables | None,
         attn_bias: AttentionBias | None,
+        factors: Tensor | None = None,
+        probe: LayerProbe | None = None,
     ) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), tables, attn_bias)
+        x = x + self.attn(self.attn_norm(x), tables, attn_bias, True, factors, probe)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -351,6 +344,9 @@ class Transformer(nn.Module):
         self.encoding = encoding
         # Tests lower this to exercise the query-block path on short sequences.
         self.attention_score_budget = SCORE_BUDGET
+        # Log-n scaling past this length, and the attention probe (worker.diagnostics).
+        self.logn_length: int | None = None
+        self.probe: AttentionProbe | None = None
         self._init_weights(seed)
 
     def _init_weights(self, seed: int) -> None:
@@ -400,8 +396,12 @@ class Transformer(nn.Module):
             rows = max(1, self.attention_score_budget // (batch * self.config.n_heads * length))
             decay = replace(tables.decay, max_rows=min(tables.decay.max_rows, rows))
             tables = replace(tables, decay=decay)
-        for block in self.blocks:
-            x = block(x, tables, attn_bias)
+        factors = None
+        if self.logn_length is not None:
+            factors = logn_factors(length, self.logn_length, tokens.device)
+        for i, block in enumerate(self.blocks):
+            probe = LayerProbe(self.probe, i) if self.probe is not None else None
+            x = block(x, tables, attn_bias, factors, probe)
         x = self.final_norm(x)
         # Weight tying: the output layer is the token embedding (Press & Wolf 2017). In
         # float32 even under bf16 autocast: bf16 logits bias the loss (by up to 6e-4

@@ -72,7 +72,9 @@ def _section(entry: TaskInfo) -> str:
         for p in entry.params
     ]
     headline = next(m for m in measured(entry.kind) if m.name == entry.metric)
-    others = ", ".join(f"`{m.name}`" for m in measured(entry.kind) if m is not headline)
+    others = ", ".join(
+        f"`{m.name}`" for m in measured(entry.kind) if m is not headline and not m.diagnostic
+    )
     return "\n".join(
         [
             f"### `{entry.name}`: parameters, scoring and an example",

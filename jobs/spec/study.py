@@ -421,6 +421,8 @@ class StudySpec(StudyCost, _Strict):
                 del variant["params"]
             if variant["finetune"] is None:  # added later: absent, so old hashes hold
                 del variant["finetune"]
+            if not variant["logn"]:
+                del variant["logn"]
         # Added later: absent at their defaults, so old hashes hold.
         if evaluation["effective_length"] is None:
             del evaluation["effective_length"]
@@ -438,6 +440,8 @@ class StudySpec(StudyCost, _Strict):
             del evaluation["window"]
         if not evaluation["sinks"]:
             del evaluation["sinks"]
+        if not evaluation["diagnostics"]:
+            del evaluation["diagnostics"]
         # The order probe adds summaries but changes no point of the curve.
         return self._digest({**self._training_payload(encoding, seed), "eval": evaluation})
 

@@ -27,7 +27,7 @@ from jobs.spec.key_tokens import KeyTokenSpec
 from jobs.spec.parts import (
     FinetuneSpec,
 )
-from worker.catalog.encodings import NO_SCALING, SCALINGS
+from worker.catalog.encodings import LOGN, NO_SCALING, SCALINGS
 from worker.catalog.params import short_repr
 
 # The scalings with one fixed factor: the ones a model can be fine-tuned under.
@@ -50,27 +50,38 @@ class VariantSpec(_Strict):
     # The scaling's own parameters (YaRN's beta_fast, ...), checked against the registry.
     params: dict[str, Any] = Field(default_factory=dict)
     finetune: FinetuneSpec | None = None
+    # Log-n scaling at evaluation (worker.diagnostics): each query's logits multiplied by
+    # max(1, log n / log L), n the keys it sees, L the training length.
+    logn: bool = False
 
     @model_validator(mode="before")
     @classmethod
     def _shorthand(cls, value: Any) -> Any:
-        # "yarn", "yarn:4", "pi:auto", "yarn:4+ft200" or "yarn:4+ft200@512"
+        # "yarn", "yarn:4", "pi:auto", "yarn:4+ft200", "yarn:4+ft200@512", "ntk:auto+logn"
+        # or "logn" (the trained model with log-n scaling)
         if not isinstance(value, str):
             return value
-        head, plus, tail = value.partition("+")
+        head, *tails = value.split("+")
+        if head == LOGN:
+            head, tails = NO_SCALING, [LOGN, *tails]
         method, _, factor = head.partition(":")
-        shorthand = {"method": method, "factor": factor or None}
-        if plus:
+        shorthand: dict[str, Any] = {"method": method, "factor": factor or None}
+        for tail in tails:
+            if tail == LOGN and LOGN not in shorthand:
+                shorthand[LOGN] = True
+                continue
             steps, at, length = tail.removeprefix("ft").partition("@")
             digits = re.compile(r"[0-9]+")
             if not (
                 tail.startswith("ft")
+                and "finetune" not in shorthand
                 and digits.fullmatch(steps)
                 and (not at or digits.fullmatch(length))
             ):
                 raise ValueError(
-                    f"variant {short_repr(value)}: after '+' comes the fine-tuning, ftSTEPS or "
-                    "ftSTEPS@LENGTH, e.g. 'yarn:4+ft200@512'"
+                    f"variant {short_repr(value)}: after '+' comes the fine-tuning (ftSTEPS or "
+                    "ftSTEPS@LENGTH) or log-n scaling (logn), each once, e.g. "
+                    "'yarn:4+ft200@512' or 'ntk:auto+logn'"
                 )
             tuning = {"steps": int(steps)} | ({"length": int(length)} if length else {})
             shorthand["finetune"] = tuning
@@ -167,7 +178,11 @@ class VariantSpec(_Strict):
             name += (
                 "(" + ", ".join(f"{k}={v}" for k, v in zip(self.params, shown, strict=True)) + ")"
             )
-        return name + (f"+{self.finetune.label}" if self.finetune is not None else "")
+        name += f"+{self.finetune.label}" if self.finetune is not None else ""
+        if self.logn:
+            # The trained model with log-n scaling is 'logn', as it is written.
+            return LOGN if name == NO_SCALING else f"{name}+{LOGN}"
+        return name
 
     def factor_at(self, eval_length: int, train_length: int) -> float | None:
         """The factor at ``eval_length``: 'auto' is max(1, length / L), L the scaling's
@@ -276,6 +291,13 @@ class EvalSpec(_Strict):
     key_tokens: KeyTokenSpec | None = Field(
         None,
         description="language modelling: key-token metrics (LongPPL); absent: none computed",
+    )
+    diagnostics: bool = Field(
+        False,
+        description="attention diagnostics at every point (docs/diagnostics.md): entropy, "
+        "mean distance, sink mass, mass past the training length and the largest logit, "
+        "per layer and head, from a sample of queries written out beside the fast kernels "
+        "(every other number unchanged); not under the decode protocol",
     )
 
     @field_validator("lengths")

@@ -17,16 +17,20 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from worker.catalog.params import EncodingConfigError, Param, short_repr
+from worker.catalog.scaling_entry import LOGN, TEMPERATURES, TemperatureInfo
 from worker.catalog.scalings import NO_SCALING, SCALINGS, Rotary, ScalingInfo, scaling_info
 
 __all__ = [
+    "LOGN",
     "NO_SCALING",
     "REGISTRY",
     "SCALINGS",
+    "TEMPERATURES",
     "EncodingInfo",
     "Fit",
     "Param",
     "ScalingInfo",
+    "TemperatureInfo",
     "hf_exportable",
     "info",
     "scaling_info",

@@ -144,3 +144,31 @@ class ScalingInfo:
             "params": [p.to_json() for p in self.params],
             "aliases": dict(self.aliases),
         }
+
+
+@dataclass(frozen=True)
+class TemperatureInfo:
+    """An inference-time change to the attention logits of any encoding (not only
+    RoPE's): a variant adds it with ``+NAME`` (``ntk:auto+logn``), or alone (``logn``)."""
+
+    name: str
+    summary: str
+    reference: str
+    formula: str
+
+
+# The variant's log-n scaling, as variants are written ("ntk:auto+logn", "logn").
+LOGN = "logn"
+TEMPERATURES: dict[str, TemperatureInfo] = {
+    LOGN: TemperatureInfo(
+        name=LOGN,
+        summary="log-n attention scaling: each query's logits multiplied by max(1, log n / "
+        "log L), n the keys it sees, L the training length; keeps attention entropy from "
+        "growing with the number of keys; composes with every encoding and RoPE scaling",
+        reference="Chiang & Cholak 2022, arXiv:2202.12172 (Overcoming a Theoretical "
+        "Limitation of Self-Attention); Qwen's use_logn_attn; Scalable-Softmax, Nakanishi "
+        "2025, arXiv:2501.19399",
+        formula="logits(n, j) * max(1, ln n / ln L); with an additive bias (ALiBi, T5, KERPLE, "
+        "FIRE) the bias too: a temperature on the whole logit",
+    ),
+}

@@ -95,3 +95,25 @@ def relative_distance(q_len: int, k_len: int, device: torch.device) -> Tensor:
 def check_even(owner: str, what: str, value: int) -> None:
     if value % 2:
         raise EncodingConfigError(f"encoding {owner!r} needs an even {what}, got {value}")
+
+
+def causal_toeplitz(by_distance: Tensor, start: int, end: int) -> Tensor:
+    """``[heads, end-start, end]`` with ``by_distance[h, i - j]`` at query i, key j, and
+    -inf where j > i.
+
+    Every row is a window of one line: [f(end-1), ..., f(1), f(0), -inf, ...]. Read
+    with query order reversed, row ``end-1-i`` starts at offset ``end-1-i`` of that
+    line, an overlapping strided view; one flip writes the matrix out. This costs
+    one pass over the output, where gathering by a distance index costs several.
+    """
+    heads = by_distance.shape[0]
+    rows = end - start
+    line = torch.cat(
+        (
+            by_distance[:, :end].flip(-1),
+            by_distance.new_full((heads, rows - 1), float("-inf")),
+        ),
+        dim=-1,
+    )
+    windows = line.as_strided((heads, rows, end), (line.stride(0), 1, 1))
+    return windows.flip(1)

@@ -31,6 +31,8 @@ from torch import Tensor, nn
 from worker.catalog.hf_models import HfModelError, ModelFacts
 from worker.catalog.params import is_positive_int
 from worker.catalog.scalings import SCALINGS, Rotary
+from worker.diagnostics import AttentionProbe, logn_factors
+from worker.hf.attention import attending
 from worker.model import ModelConfig
 
 
@@ -95,6 +97,9 @@ class HfCausalLM(nn.Module):
         self.encoding = HfPositions(f"{facts.model_type} {facts.encoding}", facts.max_positions)
         self.config = _size(model.config)
         self._rotary_names = [name for name, _ in self._rotary_modules()]
+        # Log-n scaling past this length, and the attention probe (worker.hf.attention).
+        self.logn_length: int | None = None
+        self.probe: AttentionProbe | None = None
 
     def _fresh_rotary(self) -> None:
         """Each rotary embedding that holds the frequencies of a longer sequence than its
@@ -118,7 +123,11 @@ class HfCausalLM(nn.Module):
                 "fit (recorded as not applicable by the evaluation)"
             )
         self._fresh_rotary()
-        outputs = self.hf.base_model(input_ids=tokens, use_cache=False)
+        factors = None
+        if self.logn_length is not None:
+            factors = logn_factors(tokens.shape[-1], self.logn_length, tokens.device)
+        with attending(self.hf, factors, self.probe):
+            outputs = self.hf.base_model(input_ids=tokens, use_cache=False)
         return float32_logits(outputs.last_hidden_state, self.hf.get_output_embeddings())
 
     def _rotary_modules(self) -> list[tuple[str, nn.Module]]:

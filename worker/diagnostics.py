@@ -1,0 +1,228 @@
+"""Why a curve bends: what attention does at each evaluation length, and log-n scaling.
+
+**Diagnostics** (``eval.diagnostics``). At every (variant, protocol, length) a probe
+reads each layer's queries and keys as the model computed them (rotated, biased,
+scaled: what the softmax sees) and, beside the fast kernels, writes the attention of a
+bounded sample of query positions out explicitly (``QUERY_SAMPLE`` per window, evenly
+spaced, always the last). It never changes what the model computes: the fused kernels
+run as without it, so every other number of the point is bit-identical. Per head and
+layer, averaged over the sampled queries of every window:
+
+- ``entropy``: -sum_j p_j log p_j in nats; ``normalised_entropy`` divides it by log of
+  the number of keys the query sees (1: uniform attention, 0: one key);
+- ``distance``: the expected distance sum_j p_j (i - j);
+- ``sink_mass``: the attention on the first ``SINK_TOKENS`` tokens (attention sinks,
+  Xiao et al. 2023);
+- ``beyond_mass``: the attention on keys farther than the training length L allowed
+  (distance >= L: farther than any query saw in training; 0 up to 1x);
+- ``max_logit``: the query's largest pre-softmax logit.
+
+**Log-n scaling** (Chiang & Cholak 2022; Qwen's ``use_logn_attn``): the attention logits
+of the query at position n (1-based: the keys it sees) multiplied by
+max(1, log n / log L). Without an additive bias that is the query scaled by the factor,
+as Qwen does; with one (ALiBi, T5, KERPLE, FIRE) the bias is multiplied too, so the
+factor is a temperature on the whole logit (Scalable-Softmax, Nakanishi 2025). Up to L
+every factor is 1 and nothing is touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from worker.encodings.rope import scale_pairs
+
+# Query positions sampled per window, and the first tokens whose mass is the sink's.
+QUERY_SAMPLE = 256
+SINK_TOKENS = 4
+# What the probe measures, in the order of its tally (jobs.metrics names the metric
+# each one is stored as, ``Metric.diagnostic``).
+STATS = ("entropy", "normalised_entropy", "distance", "sink_mass", "beyond_mass", "max_logit")
+# Per-head values are stored while layers x heads stay within this.
+MAX_STORED_HEADS = 1024
+# Sampled query rows written out at once by a model without query blocks (hf:).
+ROWS_AT_ONCE = 32
+
+
+def logn_factors(length: int, train_length: int, device: torch.device) -> Tensor | None:
+    """``[length]`` float32 factors max(1, log n / log L) for the queries at positions
+    0..length-1 (n = position + 1); None when ``length <= L`` (every factor 1)."""
+    if train_length < 2:
+        raise ValueError(f"log-n scaling needs a training length >= 2, got {train_length}")
+    if length <= train_length:
+        return None
+    n = torch.arange(1, length + 1, dtype=torch.float64)
+    factors = (n.log() / math.log(train_length)).clamp(min=1.0)
+    return factors.to(device=device, dtype=torch.float32)
+
+
+def scale_rows(x: Tensor, factors: Tensor | None) -> Tensor:
+    """``x [..., T, d]`` with row t multiplied by ``factors[t]`` (in float32, rounded once
+    to x's dtype); x itself without factors."""
+    if factors is None:
+        return x
+    return (x.float() * factors[:, None]).to(x.dtype)
+
+
+def sampled_queries(length: int, count: int = QUERY_SAMPLE) -> Tensor:
+    """At most ``count`` query positions of a window of ``length``, evenly spaced over
+    1..length-1 (position 0 sees one key and has no entropy to speak of), the last one
+    always among them."""
+    if length < 2:
+        return torch.empty(0, dtype=torch.long)
+    if length - 1 <= count:
+        return torch.arange(1, length)
+    return torch.linspace(1, length - 1, count, dtype=torch.float64).round().long().unique()
+
+
+@dataclass
+class AttentionDiagnostics:
+    """The probe's means: ``per_head [layers, heads, len(STATS)]`` over ``queries``
+    sampled queries (of every window) per layer."""
+
+    per_head: Tensor
+    queries: int
+
+    def summary(self) -> dict[str, float]:
+        """Each statistic averaged over layers and heads."""
+        means = self.per_head.mean(dim=(0, 1))
+        return {stat: float(means[i]) for i, stat in enumerate(STATS)}
+
+    def layers(self) -> dict[str, list[float]]:
+        """Each statistic per layer (heads averaged)."""
+        means = self.per_head.mean(dim=1)
+        return {stat: [float(v) for v in means[:, i]] for i, stat in enumerate(STATS)}
+
+    def heads(self) -> dict[str, list[list[float]]] | None:
+        """Each statistic per layer and head; None past MAX_STORED_HEADS heads in all."""
+        layers, heads, _ = self.per_head.shape
+        if layers * heads > MAX_STORED_HEADS:
+            return None
+        return {
+            stat: [[float(v) for v in row] for row in self.per_head[:, :, i]]
+            for i, stat in enumerate(STATS)
+        }
+
+
+class AttentionProbe:
+    """Tallies the attention statistics of sampled queries, per layer and head."""
+
+    def __init__(self, train_length: int, sample: int = QUERY_SAMPLE) -> None:
+        self.train_length = train_length
+        self.sample = sample
+        self._sums: dict[int, Tensor] = {}  # layer -> [heads, STATS] float64
+        self._counts: dict[int, int] = {}
+        self._queries: dict[tuple[int, str], Tensor] = {}
+
+    def reset(self) -> None:
+        self._sums.clear()
+        self._counts.clear()
+
+    def queries(self, length: int, device: torch.device) -> Tensor:
+        key = (length, str(device))
+        if key not in self._queries:
+            self._queries[key] = sampled_queries(length, self.sample).to(device)
+        return self._queries[key]
+
+    def record(self, layer: int, logits: Tensor, rows: Tensor) -> None:
+        """Add the attention of queries at positions ``rows [Q]`` whose pre-softmax
+        logits over keys 0..K-1 are ``logits [B, H, Q, K]`` (-inf where masked)."""
+        logits = logits.float()
+        keys = torch.arange(logits.shape[-1], device=logits.device)
+        distance = (rows[:, None] - keys[None, :]).clamp(min=0).float()  # [Q, K]
+        log_p = torch.log_softmax(logits, dim=-1)
+        p = log_p.exp()
+        entropy = -torch.where(p > 0, p * log_p, torch.zeros_like(p)).sum(-1)
+        seen = (rows + 1).float()  # keys each query sees
+        stats = torch.stack(
+            (
+                entropy,
+                entropy / seen.log(),
+                (p * distance).sum(-1),
+                p[..., :SINK_TOKENS].sum(-1),
+                (p * (distance >= self.train_length)).sum(-1),
+                logits.amax(-1),
+            ),
+            dim=-1,
+        )  # [B, H, Q, STATS]
+        tally = stats.double().sum(dim=(0, 2)).cpu()
+        if layer in self._sums:
+            self._sums[layer] += tally
+        else:
+            self._sums[layer] = tally
+        self._counts[layer] = self._counts.get(layer, 0) + logits.shape[0] * logits.shape[2]
+
+    def result(self) -> AttentionDiagnostics | None:
+        """The means so far; None when nothing was recorded."""
+        if not self._sums:
+            return None
+        layers = sorted(self._sums)
+        per_head = torch.stack([self._sums[i] / self._counts[i] for i in layers])
+        return AttentionDiagnostics(per_head, self._counts[layers[0]])
+
+    def record_sampled(
+        self,
+        layer: int,
+        q: Tensor,
+        k: Tensor,
+        *,
+        block_rows: int,
+        bias_rows: Callable[[int, int], Tensor] | None = None,
+        decay: Any = None,
+        factors: Tensor | None = None,
+        scale: float | None = None,
+    ) -> None:
+        """Write out and record the logits of the sampled queries of ``q``, ``k``
+        ``[B, H, T, d]`` (q already scaled by ``factors``), block by block of
+        ``block_rows`` queries: with ``bias_rows(start, end)`` (the causal bias of
+        queries [start, end) over keys [0, end)), scaled by ``factors`` as attention
+        scales it, or with xPos's block ``decay``; causal in any case."""
+        length = q.shape[-2]
+        sample = self.queries(length, q.device)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        for start in range(0, length, block_rows):
+            end = min(length, start + block_rows)
+            picked = sample[(sample >= start) & (sample < end)]
+            if not len(picked):
+                continue
+            qb, kb = q[:, :, picked].float(), k[:, :, :end].float()
+            if decay is not None:
+                q_scale, k_scale = decay.scales(start, end)
+                qb = scale_pairs(qb, q_scale[..., picked - start, :])
+                kb = scale_pairs(kb, k_scale)
+            logits = torch.matmul(qb, kb.transpose(-1, -2)) * scale
+            if bias_rows is not None:
+                bias = bias_rows(start, end)[:, picked - start].float()  # [H, Q, end]
+                if factors is not None:
+                    bias = bias * factors[picked][None, :, None]
+                logits = logits + bias
+            future = torch.arange(end, device=q.device)[None, :] > picked[:, None]
+            self.record(layer, logits.masked_fill(future, float("-inf")), picked)
+
+
+@dataclass(frozen=True)
+class LayerProbe:
+    """The probe as one layer's attention sees it."""
+
+    probe: AttentionProbe
+    layer: int
+
+    def record(self, q: Tensor, k: Tensor, **options: Any) -> None:
+        self.probe.record_sampled(self.layer, q, k, **options)
+
+
+@contextlib.contextmanager
+def attribute_set(owner: object, name: str, value: object) -> Iterator[None]:
+    """``owner.name`` set to ``value`` for the duration, then put back."""
+    before = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, before)
