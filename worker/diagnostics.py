@@ -38,12 +38,16 @@ from torch import Tensor
 
 from worker.encodings.rope import scale_pairs
 
-# Query positions sampled per window, and the first tokens whose mass is the sink's.
+# Query positions sampled per window, the sampled queries a point records at most (its
+# first windows'), and the first tokens whose mass is the sink's.
 QUERY_SAMPLE = 256
+QUERY_BUDGET = 4096
 SINK_TOKENS = 4
 # What the probe measures, in the order of its tally (jobs.metrics names the metric
 # each one is stored as, ``Metric.diagnostic``).
 STATS = ("entropy", "normalised_entropy", "distance", "sink_mass", "beyond_mass", "max_logit")
+# The logit of a masked key where the probe writes one out.
+MASKED = float("-inf")
 # Per-head values are stored while layers x heads stay within this.
 MAX_STORED_HEADS = 1024
 # Sampled query rows written out at once by a model without query blocks (hf:).
@@ -113,9 +117,12 @@ class AttentionDiagnostics:
 class AttentionProbe:
     """Tallies the attention statistics of sampled queries, per layer and head."""
 
-    def __init__(self, train_length: int, sample: int = QUERY_SAMPLE) -> None:
+    def __init__(
+        self, train_length: int, sample: int = QUERY_SAMPLE, budget: int = QUERY_BUDGET
+    ) -> None:
         self.train_length = train_length
         self.sample = sample
+        self.budget = budget
         self._sums: dict[int, Tensor] = {}  # layer -> [heads, STATS] float64
         self._counts: dict[int, int] = {}
         self._queries: dict[tuple[int, str], Tensor] = {}
@@ -132,22 +139,35 @@ class AttentionProbe:
 
     def record(self, layer: int, logits: Tensor, rows: Tensor) -> None:
         """Add the attention of queries at positions ``rows [Q]`` whose pre-softmax
-        logits over keys 0..K-1 are ``logits [B, H, Q, K]`` (-inf where masked)."""
-        logits = logits.float()
-        keys = torch.arange(logits.shape[-1], device=logits.device)
-        distance = (rows[:, None] - keys[None, :]).clamp(min=0).float()  # [Q, K]
-        log_p = torch.log_softmax(logits, dim=-1)
-        p = log_p.exp()
-        entropy = -torch.where(p > 0, p * log_p, torch.zeros_like(p)).sum(-1)
-        seen = (rows + 1).float()  # keys each query sees
+        logits over keys 0..K-1 are ``logits [B, H, Q, K]`` (-inf, or MASKED, where
+        masked). A few passes over the logits: the softmax by hand, its entropy as
+        log(sum e^z') - sum p z' with z' = z - max z (no cancellation when one key
+        takes everything), distances by one matrix-vector product."""
+        z = logits.float()
+        top = z.amax(-1, keepdim=True)
+        # Below -80, e^z' (< 2e-35) is negligible beside the largest's 1: clamped there
+        # it stays a normal float (exp of a subnormal result is ten times slower) and
+        # the masked keys' p z' is 0, not 0 x -inf.
+        shifted = (z - top).clamp_(min=-80.0)
+        p = shifted.exp()
+        total = p.sum(-1, keepdim=True)
+        p /= total
+        entropy = total.squeeze(-1).log() - torch.linalg.vecdot(p, shifted)
+        keys = torch.arange(z.shape[-1], device=z.device, dtype=z.dtype)
+        distance = rows.to(z.dtype) - torch.matmul(p, keys)
+        beyond = torch.zeros_like(entropy)
+        if int(rows.max()) >= self.train_length:
+            far = (rows[:, None] - keys[None, :].long()) >= self.train_length  # [Q, K]
+            beyond = torch.linalg.vecdot(p, far.to(z.dtype))
+        seen = (rows + 1).to(z.dtype)  # keys each query sees
         stats = torch.stack(
             (
                 entropy,
                 entropy / seen.log(),
-                (p * distance).sum(-1),
+                distance,
                 p[..., :SINK_TOKENS].sum(-1),
-                (p * (distance >= self.train_length)).sum(-1),
-                logits.amax(-1),
+                beyond,
+                top.squeeze(-1),
             ),
             dim=-1,
         )  # [B, H, Q, STATS]
@@ -157,6 +177,13 @@ class AttentionProbe:
         else:
             self._sums[layer] = tally
         self._counts[layer] = self._counts.get(layer, 0) + logits.shape[0] * logits.shape[2]
+
+    def windows(self, layer: int, batch: int, per_window: int) -> int:
+        """How many of a batch's windows this layer still records: every window until
+        ``budget`` queries are recorded (the first windows of a point, the same ones
+        whatever else is evaluated)."""
+        left = self.budget - self._counts.get(layer, 0)
+        return max(0, min(batch, -(-left // max(1, per_window))))
 
     def result(self) -> AttentionDiagnostics | None:
         """The means so far; None when nothing was recorded."""
@@ -185,6 +212,10 @@ class AttentionProbe:
         scales it, or with xPos's block ``decay``; causal in any case."""
         length = q.shape[-2]
         sample = self.queries(length, q.device)
+        windows = self.windows(layer, q.shape[0], len(sample))
+        if not windows:
+            return
+        q, k = q[:windows], k[:windows]
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         for start in range(0, length, block_rows):
             end = min(length, start + block_rows)
@@ -193,17 +224,24 @@ class AttentionProbe:
                 continue
             qb, kb = q[:, :, picked].float(), k[:, :, :end].float()
             if decay is not None:
-                q_scale, k_scale = decay.scales(start, end)
+                q_scale, k_scale = (_first(t, windows) for t in decay.scales(start, end))
                 qb = scale_pairs(qb, q_scale[..., picked - start, :])
                 kb = scale_pairs(kb, k_scale)
             logits = torch.matmul(qb, kb.transpose(-1, -2)) * scale
             if bias_rows is not None:
-                bias = bias_rows(start, end)[:, picked - start].float()  # [H, Q, end]
+                # [H, Q, end], or [B, 1, Q, end] (an hf: model's mask)
+                bias = _first(bias_rows(start, end), windows)[..., picked - start, :].float()
                 if factors is not None:
-                    bias = bias * factors[picked][None, :, None]
+                    bias = bias * factors[picked][:, None]
                 logits = logits + bias
             future = torch.arange(end, device=q.device)[None, :] > picked[:, None]
-            self.record(layer, logits.masked_fill(future, float("-inf")), picked)
+            self.record(layer, logits.masked_fill(future, MASKED), picked)
+
+
+def _first(x: Tensor, windows: int) -> Tensor:
+    """The first ``windows`` sequences of a per-sequence ``x [B, ...]`` (4 dims); a
+    shared one as it is."""
+    return x[:windows] if x.dim() == 4 else x
 
 
 @dataclass(frozen=True)
