@@ -47,7 +47,7 @@ def measure(encodings: list[str], lengths: list[int], tokens: int, rounds: int) 
                 for on in (False, True)
             }
 
-            def run(on: bool) -> tuple[float, float]:
+            def run(on: bool, model=model, specs=specs, length=length) -> tuple[float, float]:
                 started = time.perf_counter()
                 row = evaluate_length(
                     model,

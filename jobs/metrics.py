@@ -259,6 +259,11 @@ METRICS: dict[str, Metric] = {
 }
 
 
+# The diagnostic each curve's growth from 1x to its longest length is summarised by
+# (``attn_entropy_growth``, jobs.analysis).
+GROWTH_DIAGNOSTIC = "attn_entropy"
+
+
 def metric_named(name: str) -> Metric:
     """The registered metric called ``name``; ValueError for an unknown one."""
     try:

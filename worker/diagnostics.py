@@ -41,7 +41,7 @@ from worker.encodings.rope import scale_pairs
 # Query positions sampled per window, the sampled queries a point records at most (its
 # first windows'), and the first tokens whose mass is the sink's.
 QUERY_SAMPLE = 256
-QUERY_BUDGET = 4096
+QUERY_BUDGET = 2048
 SINK_TOKENS = 4
 # What the probe measures, in the order of its tally (jobs.metrics names the metric
 # each one is stored as, ``Metric.diagnostic``).

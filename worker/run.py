@@ -24,7 +24,7 @@ import torch
 
 from jobs import analysis
 from jobs.errors import UserError
-from jobs.metrics import Kind, kind_of
+from jobs.metrics import GROWTH_DIAGNOSTIC, Kind, kind_of
 from jobs.results_schema import Evaluation
 from jobs.spec import RunSpec, StudySpec
 from worker.catalog.corpora import SourcePolicy
@@ -147,8 +147,17 @@ class RunResult:
             for row in self.evaluations
         )
         extra = self.order.as_summaries() if self.order else None
+        growth = [
+            (row.variant, row.protocol, row.length, getattr(row, GROWTH_DIAGNOSTIC))
+            for row in self.evaluations
+        ]
         return analysis.summarize_points(
-            points, train_length=train_length, metric=metric, extra=extra, effective=effective
+            points,
+            train_length=train_length,
+            metric=metric,
+            extra=extra,
+            effective=effective,
+            growth=growth,
         )
 
     def to_dict(

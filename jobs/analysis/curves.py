@@ -274,6 +274,7 @@ def summarize_points(
     metric: str,
     extra: Mapping[str, float] | None = None,
     effective: Mapping[str, float | None] | None = None,
+    growth: Iterable[tuple[str, str, int, float | None]] | None = None,
 ) -> list[Summary]:
     """``summarize_run`` for every curve of one run, its points given as (variant,
     protocol, length, metric value or None), plus ``extra`` named values (the order
@@ -282,7 +283,11 @@ def summarize_points(
     With a non-default ``effective`` (the study's ``eval.effective_length``), each curve
     also gets ``effective_length_bound``: the value its effective length was held to (the
     absolute threshold, or the relative one applied to that curve's 1x score); the
-    default adds no row, so existing studies' summaries are unchanged."""
+    default adds no row, so existing studies' summaries are unchanged.
+
+    ``growth`` (the run's points of ``jobs.metrics.GROWTH_DIAGNOSTIC``, with
+    eval.diagnostics) adds ``attn_entropy_growth`` per curve: its value at the longest
+    length less its value at the training length."""
     curves: dict[tuple[str, str], dict[int, float | None]] = {}
     for variant, protocol, length, value in points:
         curves.setdefault((variant, protocol), {})[length] = value
@@ -307,9 +312,26 @@ def summarize_points(
         is not None
     ]
     out += [Summary(EXTRA_VARIANT, ANY_PROTOCOL, k, v) for k, v in (extra or {}).items()]
-    return out
+    return out + growth_summaries(growth or (), train_length)
 
 
+def growth_summaries(
+    points: Iterable[tuple[str, str, int, float | None]], train_length: int
+) -> list[Summary]:
+    """Per curve of a diagnostic's points: the value at its longest length less the value
+    at the training length (both measured; none otherwise)."""
+    curves: dict[tuple[str, str], dict[int, float]] = {}
+    for variant, protocol, length, value in points:
+        if value is not None and not pd.isna(value):
+            curves.setdefault((variant, protocol), {})[length] = float(value)
+    return [
+        Summary(variant, protocol, GROWTH_SUMMARY, curve[max(curve)] - curve[train_length])
+        for (variant, protocol), curve in sorted(curves.items())
+        if train_length in curve and max(curve) > train_length
+    ]
+
+
+GROWTH_SUMMARY = "attn_entropy_growth"
 BOUND_SUMMARY = "effective_length_bound"
 SHORT_CONTEXT_SUMMARY = "short_context_ratio"
 

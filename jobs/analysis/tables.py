@@ -308,6 +308,7 @@ SUMMARY_LABELS = {
     "order_sensitivity": "order sensitivity",
     "order_ordered_loss": "loss, ordered",
     "order_shuffled_loss": "loss, shuffled",
+    "attn_entropy_growth": "entropy growth",
 }
 
 
@@ -320,6 +321,7 @@ KEY_SUMMARIES = (
     "short_context_ratio",
     "mean_log_ppl",
     "order_sensitivity",
+    "attn_entropy_growth",  # only with eval.diagnostics
 )
 
 

@@ -184,12 +184,22 @@ def results(
         float | None,
         typer.Option("--factor", help="pairwise: only this multiple of the training length."),
     ] = None,
+    metric: Annotated[
+        str | None,
+        typer.Option(
+            "--metric",
+            help="curves as a table: the metric shown (default: the study's), e.g. loss or an "
+            "attention diagnostic such as attn_entropy (csv and json carry every one).",
+        ),
+    ] = None,
 ) -> None:
     """A study's results: its curves, their summaries, or pairwise comparisons."""
     from db import queries
     from jobs.metrics import Kind, kind_of
 
     _check_results_options(study, output, view, factor, protocol)
+    if metric is not None and view != "curves":
+        fail("--metric applies to --view curves only", code=2)
     url = _database()
     studies = queries.studies(url, [study])
     if studies.empty:
@@ -208,6 +218,9 @@ def results(
             "language modelling",
             code=2,
         )
+    if metric is not None:
+        row = row.copy()
+        row["metric"] = _shown_metric(metric, row)
     frame, title = _view_frame(url, row, view, protocol, factor)
     frame, note = _mark_imported(url, row, frame, output)
     _print_results(frame, row, view, output, title)
@@ -216,6 +229,21 @@ def results(
             console.print(note, highlight=False)
         else:
             typer.echo(f"note: {note}", err=True)
+
+
+def _shown_metric(name: str, study) -> str:
+    """``--metric``: a registered metric an evaluation of the study's task carries."""
+    from jobs.metrics import METRICS, kind_of
+
+    kind = kind_of(study["metric"])
+    allowed = [m.name for m in METRICS.values() if m.measured_by(kind)]
+    if name not in allowed:
+        fail(
+            f"--metric {name[:60]!r} is not a metric of study {int(study['id'])} "
+            f"({study['task']}); allowed: {', '.join(allowed)}",
+            code=2,
+        )
+    return name
 
 
 def _mark_imported(url: str, row, frame, output: str):
@@ -286,6 +314,7 @@ def _view_frame(url: str, row, view: str, protocol: str | None, factor: float | 
 
 def _print_results(frame, row, view: str, output: str, title: str) -> None:
     from jobs import analysis
+    from jobs.metrics import metric_named
     from jobs.render.watch import curve_table, frame_table
 
     study = int(row["id"])
@@ -295,6 +324,11 @@ def _print_results(frame, row, view: str, output: str, title: str) -> None:
         typer.echo(frame.to_json(orient="records"))
     elif view == "curves":
         console.print(curve_table(frame.assign(protocol=frame["protocol_label"]), row))
+        if metric_named(str(row["metric"])).diagnostic and frame[row["metric"]].isna().all():
+            console.print(
+                f"study {study}: no {row['metric']}: its spec has no eval.diagnostics "
+                "(docs/diagnostics.md)"
+            )
     elif frame.empty:
         if sum(int(row[status] or 0) for status in ACTIVE) == 0:
             console.print(

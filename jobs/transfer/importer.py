@@ -37,7 +37,7 @@ from jobs.audit import Action, record, run_count
 from jobs.errors import UserError
 from jobs.files import FileRefused, read_bounded
 from jobs.lifecycle import import_run
-from jobs.metrics import METRICS, Kind, measured, metric_named
+from jobs.metrics import GROWTH_DIAGNOSTIC, METRICS, Kind, diagnostics, measured, metric_named
 from jobs.results_schema import MAX_RESULTS_BYTES, RunRecord, parse_results
 from jobs.results_schema import Evaluation as Row
 from jobs.service import new_study
@@ -134,6 +134,7 @@ def _check_values(where: str, run: RunRecord, spec) -> None:
             continue
         _check_metrics(at, row, spec.task, byte_level=spec.model.hf is None)
         _check_groups(at, row, spec)
+        _check_attention(at, row)
         if _bad(row.tokens, 0, MAX_COUNT) or _bad(row.peak_memory_bytes, 0, MAX_COUNT):
             raise ImportProblem(f"{at}: tokens and peak_memory_bytes must be 0..2^53")
         if _bad(row.tokens_per_second, 0) or _bad(row.factor, 1e-9):
@@ -243,6 +244,48 @@ def _check_groups(at: str, row: Row, spec) -> None:
         raise ImportProblem(f"{at}: group accuracies must be within 0..1")
 
 
+MAX_LAYERS = 1024  # an evaluated model's layers, at most
+MAX_HEADS = 1024  # per-head diagnostics are stored up to this many heads in all
+
+
+def _check_attention(at: str, row: Row) -> None:
+    """Per-layer diagnostics (``Evaluation.attention``) as the probe writes them: a
+    known diagnostic's finite values, a bounded number of them, with the means."""
+    attention = row.attention
+    if attention is None:
+        return
+    names = {m.name for m in diagnostics()}
+    if row.attn_entropy is None or set(attention) != {"queries", "layers", "heads"}:
+        raise ImportProblem(
+            f"{at}: attention must hold queries, layers and heads, beside the diagnostics"
+        )
+    queries, layers, heads = attention["queries"], attention["layers"], attention["heads"]
+    if not isinstance(queries, int) or _bad(queries, 1, MAX_COUNT):
+        raise ImportProblem(f"{at}: attention.queries must be a count of sampled queries")
+    for part, most, nested in ((layers, MAX_LAYERS, False), (heads, MAX_HEADS, True)):
+        if part is None and nested:
+            continue
+        if not isinstance(part, dict) or set(part) != names:
+            raise ImportProblem(f"{at}: attention per layer must name {', '.join(sorted(names))}")
+        for values in part.values():
+            cells = _flattened(values) if nested else values
+            if (
+                not isinstance(cells, list)
+                or not 0 < len(cells) <= most
+                or not all(isinstance(v, float | int) and math.isfinite(v) for v in cells)
+            ):
+                raise ImportProblem(
+                    f"{at}: attention values must be 1 to {most} finite numbers per diagnostic"
+                )
+
+
+def _flattened(values: object) -> object:
+    """A list of lists as one list; anything else as it is (and refused)."""
+    if isinstance(values, list) and all(isinstance(row, list) for row in values):
+        return [v for row in values for v in row]
+    return values
+
+
 def _check_metrics(at: str, row: Row, task, *, byte_level: bool = True) -> None:
     """The metrics of an evaluation point (``jobs.metrics``): the loss and the task's
     metric present, no metric of another kind of task, each within its range, and those
@@ -279,12 +322,16 @@ def _summaries(spec, run: RunRecord) -> list:
     column = metric_named(metric).column
     points = ((e.variant, e.protocol, e.length, getattr(e, column)) for e in run.evaluations)
     probe = {s.name: s.value for s in run.summaries if s.protocol == ANY_PROTOCOL}
+    growth = (
+        (e.variant, e.protocol, e.length, getattr(e, GROWTH_DIAGNOSTIC)) for e in run.evaluations
+    )
     return summarize_points(
         points,
         train_length=spec.train.length,
         metric=metric,
         extra=probe or None,
         effective=effective_setting(spec),
+        growth=growth,
     )
 
 

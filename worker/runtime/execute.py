@@ -26,6 +26,7 @@ from jobs import lifecycle
 from jobs.errors import UserError
 from jobs.files import private_folder
 from jobs.lifecycle import ClaimedRun, LeaseLost
+from jobs.metrics import GROWTH_DIAGNOSTIC
 from jobs.quotas import deadline_reason
 from jobs.safe_text import redact_urls
 from jobs.settings import Settings, get_settings
@@ -140,6 +141,9 @@ def _train_and_evaluate(claimed: ClaimedRun, spec, run, beat) -> str:
         metric=metric,
         extra=result.order.as_summaries() if result.order else None,
         effective=effective_setting(spec),
+        growth=store.stored_points(url, run_id, GROWTH_DIAGNOSTIC)
+        if spec.eval.diagnostics
+        else None,
     )
     store.record_summaries(claimed, summaries)
     provenance = {**result.provenance, "resumed_from_step": result.train.resumed_from}
