@@ -24,6 +24,7 @@ from dashboard.curves import (
     summarize,
     training_figure,
 )
+from dashboard.diagnostics_view import render_diagnostics
 from dashboard.heatmaps import heatmap_figure
 from db import queries
 from jobs import analysis
@@ -122,6 +123,7 @@ def render() -> None:
         per = "token of each model" if own_models else "token"
         _positions(view, line_colors(summary), per if hf_models else "byte")
     _training(view, line_colors(summary))
+    render_diagnostics(view, train_lengths, list(line_colors(summary)))
     st.subheader("Results")
     table = seed_summary_table(summary, metric).frame()
     st.dataframe(table, width="stretch", key="results")

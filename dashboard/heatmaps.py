@@ -29,14 +29,18 @@ def heatmap_figure(
     y_title: str,
     train_length: int | None = None,
     reverse_y: bool = False,
+    value: str | None = None,
+    bounds: tuple[float, float] | None = (0.0, 1.0),
 ) -> go.Figure:
     """``table`` (rows on y, columns on x, accuracies in [0, 1] or NaN) as a heatmap on
     a fixed colour scale from 0 to 1, each cell's value written in it and an empty cell
     where the table has none. With ``train_length`` the columns are evaluation lengths:
     the training length's column is named so and a dashed line marks its right edge
     (cells right of it are past training). ``reverse_y`` puts the first row at the top
-    (depth 0, the start of the context)."""
-    accuracy = headline(Kind.ANSWER).name
+    (depth 0, the start of the context). ``value`` names another quantity than accuracy
+    (an attention diagnostic), with its own ``bounds`` (None: the data's range)."""
+    accuracy = value or headline(Kind.ANSWER).name
+    low, high = bounds if bounds is not None else (None, None)
     z = [[None if math.isnan(value) else float(value) for value in row] for row in table.to_numpy()]
     x = [
         plot_text(_tick(value) + (" (train)" if value == train_length else ""))
@@ -48,11 +52,11 @@ def heatmap_figure(
             z=z,
             x=x,
             y=y,
-            zmin=0,
-            zmax=1,
+            zmin=low,
+            zmax=high,
             colorscale=COLOR_SCALE,
             colorbar={"title": {"text": plot_text(accuracy)}},
-            texttemplate="%{z:.2f}",
+            texttemplate="%{z:.3g}" if bounds is None else "%{z:.2f}",
             xgap=1,
             ygap=1,
             hovertemplate=f"{plot_text(y_title)} %{{y}}<br>{plot_text(x_title)} %{{x}}<br>"

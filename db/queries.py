@@ -305,6 +305,16 @@ def position_bins(url: str, evaluation_ids: Sequence[int]) -> pd.DataFrame:
     return _frame(url, statement)
 
 
+def attention(url: str, evaluation_ids: Sequence[int]) -> dict[int, dict]:
+    """The per-layer diagnostics (``evaluations.attention``) of the evaluations given:
+    evaluation id -> the JSON, for those that have it."""
+    statement = select(Evaluation.id, Evaluation.attention).where(
+        Evaluation.id.in_(evaluation_ids), Evaluation.attention.is_not(None)
+    )
+    with engine_for(normalize_url(url)).connect() as connection:
+        return {int(i): value for i, value in connection.execute(statement) if value}
+
+
 TRAIN_POINTS_PER_STUDY = 5_000
 """The most training points the Compare page loads per study (the curves are drawn
 from at most this many rows, however long and many the runs)."""
