@@ -11,8 +11,8 @@ import numpy as np
 import plotly.graph_objects as go
 import streamlit as st
 
-from jobs.safe_text import plot_text
-from worker.catalog.encodings import REGISTRY, SCALINGS
+from jobs.safe_text import markdown, plot_text
+from worker.catalog.encodings import LOGN, REGISTRY, SCALINGS, TEMPERATURES
 
 
 @st.cache_resource(max_entries=32)
@@ -182,7 +182,39 @@ def render() -> None:
         )
         st.caption(" · ".join(f"**{n}**: {s.summary}" for n, s in SCALINGS.items()))
 
+    render_logn(train_length)
     render_equivariance()
+
+
+def logn_curve(train_length: int, longest: int) -> tuple[np.ndarray, np.ndarray]:
+    """Positions 1..longest (the keys a query sees) and log-n scaling's factor there,
+    max(1, ln n / ln L) (worker.diagnostics.logn_factors, without torch)."""
+    n = np.arange(1, longest + 1, dtype=np.float64)
+    return n, np.maximum(1.0, np.log(n) / np.log(train_length))
+
+
+def render_logn(train_length: int) -> None:
+    entry = TEMPERATURES[LOGN]
+    st.subheader("Log-n attention scaling (every encoding)")
+    n, factors = logn_curve(train_length, 32 * train_length)
+    st.plotly_chart(
+        _line_figure(
+            n,
+            {f"{LOGN} factor, L = {train_length}": factors},
+            "keys the query sees (n)",
+            "factor on the attention logits",
+            log_x=True,
+        ),
+        key="logn",
+        width="stretch",
+    )
+    st.caption(
+        markdown(
+            f"{LOGN}: {entry.summary}. Formula: {entry.formula}. References: {entry.reference}. "
+            f"At 8 x L the factor is {factors[8 * train_length - 1]:.3f}; a variant adds it "
+            "as +logn (ntk:auto+logn) or alone (logn)."
+        )
+    )
 
 
 @st.cache_data(max_entries=4)

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from dashboard.common import queue_warning, served_queues
 from jobs.routing import preferred_queue
 from jobs.spec import PROTOCOLS, QUEUES, EvalSpec, ModelSpec, TrainSpec
-from worker.catalog.encodings import REGISTRY, SCALINGS
+from worker.catalog.encodings import LOGN, NO_SCALING, REGISTRY, SCALINGS, TEMPERATURES
 from worker.catalog.models import MODEL_PRESETS
 from worker.catalog.params import Param
 from worker.catalog.tasks import DEFAULT_TASK, TASKS
@@ -324,7 +324,7 @@ def _variant_inputs(
     )
     if not finetuned:
         return variants
-    listed = [v for v in evaluation.get("variants", []) if isinstance(v, str) and "+" in v]
+    listed = [v for v in evaluation.get("variants", []) if isinstance(v, str) and "+ft" in v]
     tuned = st.text_input(
         "Fine-tuned RoPE variants",
         ", ".join(listed),
@@ -424,7 +424,25 @@ def evaluation_inputs(
         help="Also score each window's second half with its first half shuffled: "
         "how much each model relies on word order.",
     )
+    chosen["diagnostics"] = st.checkbox(
+        "Attention diagnostics",
+        value=evaluation.get("diagnostics", False),
+        key=key("diagnostics"),
+        help="At every point: attention entropy, mean distance, sink mass, mass past the "
+        "training length and the largest logit, per layer, from sampled queries; every "
+        "other number unchanged (Compare's Diagnostics view; docs/diagnostics.md).",
+    )
     chosen_variants = _variant_inputs(evaluation, key, variants, finetuned) if variants else []
+    given = [v for v in evaluation.get("variants", []) if isinstance(v, str)]
+    if st.checkbox(
+        "Also with log-n scaling (logn)",
+        value=any(v == LOGN or v.endswith(f"+{LOGN}") for v in given),
+        key=key("logn"),
+        help=f"{TEMPERATURES[LOGN].summary} ({TEMPERATURES[LOGN].reference}). Adds the "
+        "trained model with it (logn) and each chosen variant with it (ntk:auto+logn).",
+    ):
+        chosen_variants = [LOGN, *chosen_variants]
+        chosen_variants += [f"{v}+{LOGN}" for v in chosen_variants if v not in (LOGN, NO_SCALING)]
     if chosen_variants:
         chosen["variants"] = chosen_variants
     return chosen

@@ -29,6 +29,24 @@ SEEDED_SPEC = parse_spec(
 )
 
 
+def _diagnostics(length: int, spreads: bool, layers: int = 2) -> dict:
+    """Attention diagnostics as eval.diagnostics stores them: rope's attention spreads
+    past the training length (32), alibi's stays local."""
+    past = max(0.0, math.log(length / 32))
+    entropy = [2.0 + layer * 0.3 + (0.8 if spreads else 0.05) * past for layer in range(layers)]
+    beyond = [(0.2 if spreads else 0.01) * past / (1 + layer) for layer in range(layers)]
+    per_layer = {
+        "attn_entropy": entropy,
+        "attn_entropy_norm": [e / math.log(length) for e in entropy],
+        "attn_distance": [length / (4 if spreads else 16)] * layers,
+        "attn_sink_mass": [0.1 + 0.05 * layer for layer in range(layers)],
+        "attn_beyond_mass": beyond,
+        "attn_max_logit": [4.0 - 0.2 * layer for layer in range(layers)],
+    }
+    means = {name: sum(values) / layers for name, values in per_layer.items()}
+    return means | {"attention": {"queries": 512, "layers": per_layer, "heads": None}}
+
+
 def seed_study(settings: Settings) -> int:
     submitted = submit(SEEDED_SPEC, settings=settings, send=lambda run_id: None, actor="tester")
     url = settings.database
@@ -67,6 +85,7 @@ def seed_study(settings: Settings) -> int:
                         PositionBin(0, 1, loss + 0.5, 8),
                         PositionBin(1, length, loss, 504),
                     ],
+                    **_diagnostics(length, spreads=index < 2),
                 ),
             )
         # As a worker does at the end of a run: summaries from every stored point.

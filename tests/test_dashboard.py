@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -274,7 +275,17 @@ def test_compare_draws_curves_with_seed_intervals(settings) -> None:
     app.query_params["studies"] = str(study)
     app.run()
     assert not app.exception
-    curves, positions, training = figures(app)
+    curves, positions, training, diagnosed, heatmap = figures(app)
+    # The Diagnostics view: entropy against length per line, and rope's (the first line
+    # in the curves' order is alibi) per layer and length, the training length named.
+    assert [t["name"] for t in diagnosed["data"] if t.get("mode") == "lines+markers"] == [
+        "alibi",
+        "rope",
+    ]
+    assert diagnosed["layout"]["yaxis"]["type"] == "linear"
+    cells = heatmap["data"][0]
+    assert cells["y"] == ["0", "1"] and cells["x"] == ["32 (train)", "64", "128"]
+    assert cells["z"][0] == pytest.approx([2.0, 2.0 + 0.05 * math.log(2), 2.0 + 0.05 * math.log(4)])
     # The training loss of the runs behind the curves: mean over seeds, seeds as a band.
     trained = {t["name"]: t for t in training["data"] if t.get("mode") == "lines"}
     assert sorted(trained) == ["alibi", "rope"]

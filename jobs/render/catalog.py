@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from worker.catalog.encodings import REGISTRY, SCALINGS, EncodingInfo
+from worker.catalog.encodings import REGISTRY, SCALINGS, TEMPERATURES, EncodingInfo
 
 ENCODING_COLUMNS = ("name", "family", "parameters", "summary")
 SCALING_COLUMNS = ("name", "summary")
+TEMPERATURE_COLUMNS = ("name", "summary", "reference")
 
 
 def _parameters(entry: EncodingInfo) -> str:
@@ -26,6 +27,10 @@ def encoding_rows() -> list[tuple[str, str, str, str]]:
 
 def scaling_rows() -> list[tuple[str, str]]:
     return [(s.name, s.summary) for s in SCALINGS.values()]
+
+
+def temperature_rows() -> list[tuple[str, str, str]]:
+    return [(t.name, t.summary, t.reference) for t in TEMPERATURES.values()]
 
 
 def scalable_names() -> str:
@@ -46,6 +51,9 @@ def catalog_markdown() -> str:
         markdown_table(ENCODING_COLUMNS, encoding_rows())
         + f"\n\nRoPE inference-time scalings (apply to {scalable_names()}):\n\n"
         + markdown_table(SCALING_COLUMNS, scaling_rows())
+        + "\n\nInference-time attention scalings (apply to every encoding, alone or after a "
+        "RoPE scaling: `logn`, `ntk:auto+logn`; [diagnostics](diagnostics.md#log-n-scaling)):"
+        "\n\n" + markdown_table(TEMPERATURE_COLUMNS, temperature_rows())
     )
 
 
