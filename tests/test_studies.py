@@ -19,7 +19,7 @@ STUDIES = sorted((ROOT / "studies").glob("*.yaml"))
 @pytest.mark.parametrize("path", STUDIES, ids=lambda path: path.name)
 def test_the_study_specs_load(path: Path) -> None:
     spec = load_spec(path)
-    assert spec.model.preset == "tiny"
+    assert spec.model.preset in ("tiny", "small")  # the sizes a CPU trains in minutes
     assert spec.eval.lengths[0] == spec.train.length
 
 

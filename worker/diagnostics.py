@@ -257,7 +257,14 @@ class LayerProbe:
 
 @contextlib.contextmanager
 def attribute_set(owner: object, name: str, value: object) -> Iterator[None]:
-    """``owner.name`` set to ``value`` for the duration, then put back."""
+    """``owner.name`` set to ``value`` for the duration, then put back. A model without
+    the attribute (a stand-in that scores another way) is left alone while ``value`` is
+    None; asked for more, it is a ValueError."""
+    if not hasattr(owner, name):
+        if value is not None:
+            raise ValueError(f"{type(owner).__name__} has no {name}: it cannot evaluate this")
+        yield
+        return
     before = getattr(owner, name)
     setattr(owner, name, value)
     try:
