@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 from annotated_types import Ge, Le
 from conftest import dashboard_settings
 from dashboard_seed import seed_study
@@ -429,3 +430,17 @@ def test_a_retrieval_task_s_numbers_are_bounded_by_the_catalogue_on_submit(setti
     app.number_input(key="custom:niah.num_keys").set_value(4).run()
     assert not app.error and app.button(key="submit").disabled is False
     assert "num_keys: 4" in app.code[0].value
+
+
+def test_diagnostics_and_log_n_are_chosen_on_submit(settings) -> None:
+    """The Submit form's attention diagnostics and log-n scaling reach the spec: the
+    trained model with logn, and each chosen RoPE variant with it too."""
+    app = AppTest.from_file(APP, default_timeout=60).run()
+    app.multiselect(key="custom:variants").set_value(["ntk:auto"]).run()
+    app.checkbox(key="custom:diagnostics").check().run()
+    app.checkbox(key="custom:logn").check().run()
+    assert not app.exception, app.exception
+    assert not app.error and app.button(key="submit").disabled is False
+    spec = yaml.safe_load(app.code[0].value)
+    assert spec["eval"]["diagnostics"] is True
+    assert spec["eval"]["variants"] == ["logn", "ntk:auto", "ntk:auto+logn"]
