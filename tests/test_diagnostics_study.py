@@ -118,3 +118,24 @@ def test_a_point_records_at_most_its_budget_of_queries() -> None:
             model(torch.randint(0, 256, (2, 64)))  # 2 windows of 8 sampled queries
     # 20 queries: the first 3 windows (24), none after
     assert probe.result().queries == 24
+
+
+def test_the_study_script_prints_its_three_tables(payload: dict, tmp_path: Path) -> None:
+    """studies/why_curves_bend.py as a user runs it on a results.json: the curves past
+    L, the rank correlations and log-n's effect, which is none at 1x."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(payload))
+    script = Path(__file__).resolve().parents[1] / "studies" / "why_curves_bend.py"
+    done = subprocess.run(
+        [sys.executable, str(script), str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "## Curves past L = 16 (means over seeds)" in out
+    assert "| without logn | 2 | norm. entropy |" in out  # rope and alibi, at 4x
+    assert "| every curve | 5 |" in out  # and their logn twins, and ntk:auto+logn
+    at_1x = [line for line in out.splitlines() if line.startswith("| ") and " | 1 | " in line]
+    assert at_1x and all(line.endswith("| 0.000 |") for line in at_1x)
