@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from annotated_types import Ge, Le
@@ -359,6 +361,19 @@ def test_explore_renders_every_encoding(settings, name: str) -> None:
     if REGISTRY[name].scalable:
         names = {t["name"] for f in drawn for t in f["data"] if "name" in t}
         assert {"trained (none)", "pi (s=8)", "ntk (s=8)", "yarn (s=8)"} <= names
+    # Log-n scaling applies to every encoding: its factor against the keys a query sees,
+    # 1 up to L (the length, 64) and log n / log L past it.
+    logn = next(t for f in drawn for t in f["data"] if t.get("name") == "logn factor, L = 64")
+    factors = _values(logn["y"])
+    assert (factors[:64] == 1.0).all()
+    assert factors[127] == pytest.approx(math.log(128) / math.log(64))
+
+
+def _values(array: object) -> np.ndarray:
+    """A trace's values as Plotly's JSON has them: a list, or a typed array (base64)."""
+    if isinstance(array, dict):
+        return np.frombuffer(base64.b64decode(array["bdata"]), dtype=array["dtype"])
+    return np.asarray(array)
 
 
 def test_explore_shows_the_equivariance_error_of_every_encoding(settings) -> None:
