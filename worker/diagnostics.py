@@ -31,6 +31,7 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -126,10 +127,26 @@ class AttentionProbe:
         self._sums: dict[int, Tensor] = {}  # layer -> [heads, STATS] float64
         self._counts: dict[int, int] = {}
         self._queries: dict[tuple[int, str], Tensor] = {}
+        # What every layer of one forward pass shares (the bias rows of the sampled
+        # queries, xPos's block scales), built once for the pass's ``_source``.
+        self._source: object = None
+        self._memo: dict[tuple, Any] = {}
 
     def reset(self) -> None:
         self._sums.clear()
         self._counts.clear()
+        self._source, self._memo = None, {}
+
+    def _shared(self, source: object, key: tuple, build: Callable[[], Any]) -> Any:
+        """``build()``, once per ``key`` while the layers read the same ``source`` (one
+        forward pass's bias or decay); every time without a source."""
+        if source is None:
+            return build()
+        if self._source is not source:
+            self._source, self._memo = source, {}
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
 
     def queries(self, length: int, device: torch.device) -> Tensor:
         key = (length, str(device))
@@ -204,12 +221,15 @@ class AttentionProbe:
         decay: Any = None,
         factors: Tensor | None = None,
         scale: float | None = None,
+        source: object = None,
     ) -> None:
         """Write out and record the logits of the sampled queries of ``q``, ``k``
         ``[B, H, T, d]`` (q already scaled by ``factors``), block by block of
         ``block_rows`` queries: with ``bias_rows(start, end)`` (the causal bias of
         queries [start, end) over keys [0, end)), scaled by ``factors`` as attention
-        scales it, or with xPos's block ``decay``; causal in any case."""
+        scales it, or with xPos's block ``decay``; causal in any case. The bias and
+        the decay are built once per ``source`` (what every layer of a forward pass
+        shares: its AttentionBias, its tables), not once per layer."""
         length = q.shape[-2]
         sample = self.queries(length, q.device)
         windows = self.windows(layer, q.shape[0], len(sample))
@@ -223,19 +243,41 @@ class AttentionProbe:
             if not len(picked):
                 continue
             qb, kb = q[:, :, picked].float(), k[:, :, :end].float()
+            key = (start, end, windows)
             if decay is not None:
-                q_scale, k_scale = (_first(t, windows) for t in decay.scales(start, end))
+                q_scale, k_scale = self._shared(
+                    source, ("decay", *key), partial(_decay_scales, decay, start, end, windows)
+                )
                 qb = scale_pairs(qb, q_scale[..., picked - start, :])
                 kb = scale_pairs(kb, k_scale)
             logits = torch.matmul(qb, kb.transpose(-1, -2)) * scale
             if bias_rows is not None:
-                # [H, Q, end], or [B, 1, Q, end] (an hf: model's mask)
-                bias = _first(bias_rows(start, end), windows)[..., picked - start, :].float()
-                if factors is not None:
-                    bias = bias * factors[picked][:, None]
+                bias = self._shared(
+                    source,
+                    ("bias", *key),
+                    partial(_sampled_bias, bias_rows, start, end, picked, windows, factors),
+                )
                 logits = logits + bias
             future = torch.arange(end, device=q.device)[None, :] > picked[:, None]
             self.record(layer, logits.masked_fill(future, MASKED), picked)
+
+
+def _decay_scales(decay: Any, start: int, end: int, windows: int) -> tuple[Tensor, Tensor]:
+    return tuple(_first(t, windows) for t in decay.scales(start, end))  # type: ignore[return-value]
+
+
+def _sampled_bias(
+    bias_rows: Callable[[int, int], Tensor],
+    start: int,
+    end: int,
+    picked: Tensor,
+    windows: int,
+    factors: Tensor | None,
+) -> Tensor:
+    """The bias of the sampled queries ``picked`` of block [start, end): ``[H, Q, end]``,
+    or ``[B, 1, Q, end]`` (an hf: model's mask), scaled by their log-n factors."""
+    bias = _first(bias_rows(start, end), windows)[..., picked - start, :].float()
+    return bias if factors is None else bias * factors[picked][:, None]
 
 
 def _first(x: Tensor, windows: int) -> Tensor:

@@ -269,7 +269,15 @@ class CausalSelfAttention(nn.Module):
             block = attn_bias.block_rows if attn_bias is not None else MAX_BLOCK_ROWS
             if decay is not None:
                 block = min(block, decay.max_rows)
-            probe.record(q, k, block_rows=block, bias_rows=rows, decay=decay, factors=factors)
+            probe.record(
+                q,
+                k,
+                block_rows=block,
+                bias_rows=rows,
+                decay=decay,
+                factors=factors,
+                source=attn_bias if attn_bias is not None else tables,
+            )
         if decay is not None:
             if not causal:
                 raise ValueError("xPos's decay beyond one table's span is causal only")
