@@ -164,6 +164,19 @@ def service_settings(tmp_path: Path, **values: Any) -> Settings:
     return config
 
 
+def study_results(spec: dict[str, Any], device: str | None = None) -> dict[str, Any]:
+    """The results.json document `posbench run` writes for ``spec``, run in this process
+    (on ``device``, or this machine's default)."""
+    from jobs.settings import get_settings
+    from jobs.spec import parse_spec
+    from worker.run import prepared_task, resolve_device, run_study
+
+    parsed, settings = parse_spec(spec), get_settings()
+    task = prepared_task(parsed, settings.corpus_cache)
+    chosen = resolve_device(default=device or settings.device)
+    return run_study(parsed, task=task, device=chosen).to_dict()
+
+
 def worker_environment(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **env: str
 ) -> Iterator[Settings]:

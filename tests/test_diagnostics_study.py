@@ -9,15 +9,12 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import isolated_env, posbench_cli
+from conftest import isolated_env, posbench_cli, service_settings, study_results
 
 from db import queries
-from db.migrate import upgrade
 from jobs.metrics import diagnostics
-from jobs.settings import Settings, get_settings
-from jobs.spec import parse_spec
+from jobs.settings import Settings
 from worker.diagnostics import AttentionProbe, sampled_queries
-from worker.run import prepared_task, resolve_device, run_study
 
 SPEC = {
     "name": "why-curves-bend",
@@ -35,16 +32,12 @@ SPEC = {
 
 @pytest.fixture(scope="module")
 def payload() -> dict:
-    spec, settings = parse_spec(SPEC), get_settings()
-    task = prepared_task(spec, settings.corpus_cache)
-    return run_study(spec, task=task, device=resolve_device(default=settings.device)).to_dict()
+    return study_results(SPEC)
 
 
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
-    config = Settings(home=tmp_path / "home")
-    upgrade(config.database)
-    return config
+    return service_settings(tmp_path)
 
 
 def test_every_point_carries_its_diagnostics_and_logn_is_a_variant(payload: dict) -> None:
@@ -80,7 +73,7 @@ def test_imported_diagnostics_are_stored_and_shown(
 ) -> None:
     path = tmp_path / "results.json"
     path.write_text(json.dumps(payload))
-    env = isolated_env(settings.home, COLUMNS="200")
+    env = isolated_env(settings.home, POSBENCH_DATABASE_URL=settings.database, COLUMNS="200")
     done = posbench_cli("import", str(path), env=env)
     assert done.returncode == 0, done.stderr
     curves = queries.curves(settings.database, study_ids=[1])

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import isolated_env, posbench_cli
+from conftest import isolated_env, posbench_cli, study_results
 
 from db import queries
 from db.migrate import upgrade
@@ -27,9 +27,7 @@ SPEC = {
 
 @pytest.fixture(scope="module")
 def payload() -> dict:
-    spec, settings = parse_spec(SPEC), get_settings()
-    task = prepared_task(spec, settings.corpus_cache)
-    return run_study(spec, task=task, device=resolve_device(default=settings.device)).to_dict()
+    return study_results(SPEC)
 
 
 # A fine-tuned variant (rope only: alibi is not rotary), its curve a point a step.

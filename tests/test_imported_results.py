@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from conftest import dashboard_settings, isolated_env, posbench_cli
+from conftest import dashboard_settings, isolated_env, posbench_cli, study_results
 from dashboard_seed import seed_study
 from sqlalchemy import update
 from test_dashboard import page, plain
@@ -19,9 +19,8 @@ from db import queries
 from db.engine import engine_for, normalize_url, transaction
 from db.migrate import current, downgrade, head, upgrade
 from db.models import Run
-from jobs.settings import Settings, get_settings
+from jobs.settings import Settings
 from jobs.spec import parse_spec
-from worker.run import prepared_task, resolve_device, run_study
 from worker.runtime.cache import cached_models
 
 NOTE = "imported from a results.json (posbench import), not trained by this service's workers"
@@ -29,9 +28,7 @@ NOTE = "imported from a results.json (posbench import), not trained by this serv
 
 @pytest.fixture(scope="module")
 def payload() -> dict:
-    spec, settings = parse_spec(SPEC), get_settings()
-    task = prepared_task(spec, settings.corpus_cache)
-    return run_study(spec, task=task, device=resolve_device(default=settings.device)).to_dict()
+    return study_results(SPEC)
 
 
 @pytest.fixture

@@ -95,3 +95,30 @@ def wait_http(url: str, timeout: float) -> None:
         except OSError:
             time.sleep(0.5)
     raise TimeoutError(f"{url} did not answer")
+
+
+@contextlib.contextmanager
+def running_dashboard(env: dict[str, str]) -> Iterator[str]:
+    """`posbench dashboard` of this checkout on a free loopback port with ``env`` (its
+    settings; PYTHONPATH is set to the checkout), answering: its base URL. Stopped with
+    SIGINT on leaving."""
+    import signal
+    import subprocess
+    import sys
+
+    port = free_port()
+    command = ["dashboard", "--port", str(port), "--address", "127.0.0.1"]
+    dashboard = subprocess.Popen(
+        [sys.executable, "-m", "jobs.cli", *command],
+        cwd=ROOT,
+        env={**env, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(f"{base}/_stcore/health", timeout=90)
+        yield base
+    finally:
+        dashboard.send_signal(signal.SIGINT)
+        dashboard.wait(timeout=60)

@@ -19,7 +19,14 @@ from db import queries
 from db.migrate import upgrade
 from jobs.settings import get_settings
 
-from .browser import SCREENSHOTS, free_port, patient_page, require_chromium, wait_http
+from .browser import (
+    SCREENSHOTS,
+    free_port,
+    patient_page,
+    require_chromium,
+    running_dashboard,
+    wait_http,
+)
 from .conftest import ROOT
 
 APP = str(ROOT / "dashboard" / "app.py")
@@ -113,45 +120,19 @@ def test_every_page_answers_at_its_own_url(tmp_path: Path) -> None:
 
     database = f"sqlite:///{tmp_path}/posbench.db"
     upgrade(database)
-    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("POSBENCH_")}
-    # PYTHONPATH: the dashboard of this checkout, whatever copy of posbench is installed.
-    env.update(
-        {"POSBENCH_HOME": str(tmp_path), "POSBENCH_DATABASE_URL": database, "PYTHONPATH": str(ROOT)}
-    )
-    dashboard = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "jobs.cli",
-            "dashboard",
-            "--port",
-            str(port),
-            "--address",
-            "127.0.0.1",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(f"{base}/_stcore/health", timeout=90)
-        with patient_page(browser_path) as page:
-            navigation = page.get_by_test_id("stSidebarNav").get_by_role("link")
-            for path, (title, heading) in PAGE_URLS.items():
-                page.goto(base + path)
-                expect(page.get_by_role("heading", name=heading, level=1)).to_be_visible()
-                # Streamlit says "Page not found" while the page runs: wait until it ran.
-                expect(page.get_by_test_id("stApp")).to_have_attribute(
-                    "data-test-script-state", "notRunning"
-                )
-                expect(page.get_by_text("Page not found")).to_have_count(0)
-                expect(page).to_have_url(f"{base}/{title.lower()}")  # "/" shows /submit
-                # Each page is listed once, and the one shown is marked.
-                expect(navigation).to_have_text(["Submit", "Queue", "Compare", "Explore"])
-                expect(navigation.and_(page.locator("[aria-current=page]"))).to_have_text(title)
-    finally:
-        dashboard.send_signal(signal.SIGINT)
-        dashboard.wait(timeout=60)
+    env.update({"POSBENCH_HOME": str(tmp_path), "POSBENCH_DATABASE_URL": database})
+    with running_dashboard(env) as base, patient_page(browser_path) as page:
+        navigation = page.get_by_test_id("stSidebarNav").get_by_role("link")
+        for path, (title, heading) in PAGE_URLS.items():
+            page.goto(base + path)
+            expect(page.get_by_role("heading", name=heading, level=1)).to_be_visible()
+            # Streamlit says "Page not found" while the page runs: wait until it ran.
+            expect(page.get_by_test_id("stApp")).to_have_attribute(
+                "data-test-script-state", "notRunning"
+            )
+            expect(page.get_by_text("Page not found")).to_have_count(0)
+            expect(page).to_have_url(f"{base}/{title.lower()}")  # "/" shows /submit
+            # Each page is listed once, and the one shown is marked.
+            expect(navigation).to_have_text(["Submit", "Queue", "Compare", "Explore"])
+            expect(navigation.and_(page.locator("[aria-current=page]"))).to_have_text(title)

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 from db.migrate import upgrade
@@ -18,8 +15,7 @@ from jobs.transfer.importer import import_results
 from worker.catalog.models import MODEL_PRESETS
 from worker.run import prepared_task, resolve_device, run_study
 
-from .browser import SCREENSHOTS, free_port, patient_page, require_chromium, wait_http
-from .conftest import ROOT
+from .browser import SCREENSHOTS, patient_page, require_chromium, running_dashboard
 
 SPEC = {
     "name": "why-curves-bend",
@@ -43,53 +39,31 @@ def test_the_diagnostics_view_draws_curves_and_a_layer_by_length_heatmap(tmp_pat
     path.write_text(json.dumps(results))
     import_results(path, actor="tester", settings=settings)
 
-    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("POSBENCH_")}
-    env.update(
-        {
-            "POSBENCH_HOME": str(settings.home),
-            "POSBENCH_DATABASE_URL": settings.database,
-            "PYTHONPATH": str(ROOT),
-        }
-    )
-    dashboard = subprocess.Popen(
-        [sys.executable, "-m", "jobs.cli", "dashboard", "--port", str(port)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    base = f"http://127.0.0.1:{port}"
+    env.update({"POSBENCH_HOME": str(settings.home), "POSBENCH_DATABASE_URL": settings.database})
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    try:
-        wait_http(f"{base}/_stcore/health", timeout=90)
-        with patient_page(browser_path) as page:
-            page.goto(f"{base}/compare?studies=1")
-            expect(page.get_by_role("heading", name="Diagnostics")).to_be_visible()
-            expect(page.get_by_text("attn_entropy against evaluation length")).to_be_visible()
-            heatmap = page.get_by_text("attn_entropy by layer and evaluation length")
-            expect(heatmap).to_be_visible()
-            # The training length's column is named; a row per layer of the model,
-            # a cell per length, each an entropy (> 0).
-            chart = page.locator(".js-plotly-plot").filter(has=heatmap)
-            expect(chart.get_by_text("16 (train)")).to_be_visible()
-            drawn = chart.evaluate("plot => ({y: plot.data[0].y, z: plot.data[0].z})")
-            layers = MODEL_PRESETS["tiny"]["n_layers"]
-            assert drawn["y"] == [str(layer) for layer in range(layers)]
-            assert [len(row) for row in drawn["z"]] == [3] * layers  # lengths 16, 32, 64
-            assert all(value > 0 for row in drawn["z"] for value in row)
-            page.get_by_role("combobox", name="Diagnostic").click()
-            page.keyboard.type("attn_beyond_mass")
-            page.keyboard.press("Enter")
-            expect(page.get_by_text("attn_beyond_mass against evaluation length")).to_be_visible()
-            expect(
-                page.get_by_text("attn_beyond_mass by layer and evaluation length")
-            ).to_be_visible()
-            page.get_by_text(
-                "attn_beyond_mass by layer and evaluation length"
-            ).scroll_into_view_if_needed()
-            page.screenshot(path=SCREENSHOTS / "diagnostics.png", full_page=True)
-    finally:
-        dashboard.send_signal(signal.SIGINT)
-        dashboard.wait(timeout=60)
+    with running_dashboard(env) as base, patient_page(browser_path) as page:
+        page.goto(f"{base}/compare?studies=1")
+        expect(page.get_by_role("heading", name="Diagnostics")).to_be_visible()
+        expect(page.get_by_text("attn_entropy against evaluation length")).to_be_visible()
+        heatmap = page.get_by_text("attn_entropy by layer and evaluation length")
+        expect(heatmap).to_be_visible()
+        # The training length's column is named; a row per layer of the model,
+        # a cell per length, each an entropy (> 0).
+        chart = page.locator(".js-plotly-plot").filter(has=heatmap)
+        expect(chart.get_by_text("16 (train)")).to_be_visible()
+        drawn = chart.evaluate("plot => ({y: plot.data[0].y, z: plot.data[0].z})")
+        layers = MODEL_PRESETS["tiny"]["n_layers"]
+        assert drawn["y"] == [str(layer) for layer in range(layers)]
+        assert [len(row) for row in drawn["z"]] == [3] * layers  # lengths 16, 32, 64
+        assert all(value > 0 for row in drawn["z"] for value in row)
+        page.get_by_role("combobox", name="Diagnostic").click()
+        page.keyboard.type("attn_beyond_mass")
+        page.keyboard.press("Enter")
+        expect(page.get_by_text("attn_beyond_mass against evaluation length")).to_be_visible()
+        expect(page.get_by_text("attn_beyond_mass by layer and evaluation length")).to_be_visible()
+        page.get_by_text(
+            "attn_beyond_mass by layer and evaluation length"
+        ).scroll_into_view_if_needed()
+        page.screenshot(path=SCREENSHOTS / "diagnostics.png", full_page=True)
     assert (SCREENSHOTS / "diagnostics.png").stat().st_size > 10_000
