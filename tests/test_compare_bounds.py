@@ -98,6 +98,10 @@ def test_the_compare_page_asks_for_a_bounded_load(
     app.run()
     assert not app.exception
     assert asked == [queries.TRAIN_POINTS_PER_STUDY]
-    training = json.loads(app.get("plotly_chart")[-1].proto.spec)
+    charts = [json.loads(chart.proto.spec) for chart in app.get("plotly_chart")]
+    # The training chart: the one with validation lines.
+    training = next(
+        c for c in charts if any(t.get("name") == "rope (validation)" for t in c["data"])
+    )
     trained = {t["name"]: t for t in training["data"] if t.get("mode") == "lines"}
     assert trained["rope"]["x"] == [20, 40]  # short runs load whole
