@@ -1,0 +1,263 @@
+"""One prepared GPU run: every GPU figure and a study at real scale, within a budget.
+
+    python -m benchmarks.gpu_suite [--budget-s 480] [--out DIR] [--device cuda] [--tiny]
+
+A lent GPU comes for about 15 minutes of device time, start-up included, so the whole
+GPU story is this one command. It runs the parts in order of value, each in a process
+of its own, and stops cleanly before the budget:
+
+1. ``train``: training throughput and utilisation of every encoding on the ``base``
+   preset at 512, bf16, eager and compiled (``benchmarks.gpu_train``);
+2. ``study``: nope, rope, alibi, t5 and sinusoidal, with rope also under YaRN, on the
+   ``base`` preset (25M parameters) trained at 512 and evaluated at 1x to 16x
+   (``posbench run``); its results.json is ready for ``posbench import``;
+3. ``hf``: a 134M Llama evaluated by posbench against a plain transformers loop
+   (``benchmarks.hf_eval``);
+4. ``decode``: greedy decoding with a KV cache against transformers' ``generate``
+   (``benchmarks.decode``).
+
+It prints a one-line plan first (each part's estimated seconds). A part whose estimate
+no longer fits what is left of the budget is skipped; a part still running when the
+budget ends is stopped. Either way the reason is recorded. ``DIR/report.json`` and
+``DIR/report.md`` hold the device, the torch and CUDA versions, every part's figures
+and what did not run. Each part's own JSON and log are in ``DIR`` too.
+
+``--tiny`` runs every part on the CPU with tiny shapes, in under 2 minutes
+(``tests/test_gpu_suite.py``), so the script is known to work before a device exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from jobs.render.tables import markdown_rows
+from worker.catalog.encodings import REGISTRY
+
+ROOT = Path(__file__).resolve().parents[1]
+STUDY_ENCODINGS = ["nope", "rope", "alibi", "t5", "sinusoidal"]
+
+
+def one_per_family() -> list[str]:
+    """The first registered encoding of each family: the tiny run's training set."""
+    first: dict[str, str] = {}
+    for name, entry in REGISTRY.items():
+        first.setdefault(entry.family, name)
+    return list(first.values())
+
+
+def study_spec(tiny: bool) -> dict[str, Any]:
+    """The real-scale study: 25M parameters (``base``), 600 steps of 32 x 512 tokens,
+    1x to 16x; tiny: the ``tiny`` preset, a few steps, 1x to 4x of 16."""
+    if tiny:
+        train = {"length": 16, "steps": 4, "batch_size": 2}
+        evaluation = {"lengths": [16, 32, 64], "tokens": 256}
+        model = "tiny"
+    else:
+        train = {"length": 512, "steps": 600, "batch_size": 32, "lr": 1e-3}
+        evaluation = {"lengths": [512, 1024, 2048, 4096, 8192], "tokens": 65_536}
+        model = "base"
+    return {
+        "name": "gpu-real-scale",
+        "task": "lm",
+        "model": model,
+        "train": {**train, "val_every": 0},
+        "encodings": STUDY_ENCODINGS,
+        "seeds": [0],
+        "eval": {**evaluation, "variants": ["yarn"], "order_probe": False},
+    }
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    measures: str
+    estimate_s: float  # on a GPU of the H100 class
+    tiny_estimate_s: float  # --tiny, on a 2-core CPU
+    command: Callable[[bool, Path, str], list[str]]  # (tiny, folder, device) -> argv
+
+
+def _train(tiny: bool, folder: Path, device: str) -> list[str]:
+    shape = ["--preset", "tiny", "--length", "32", "--batch", "2", "--steps", "1"]
+    if tiny:
+        shape += ["--modes", "eager", "--encodings", *one_per_family()]
+    else:
+        shape = ["--preset", "base", "--length", "512", "--batch", "32", "--steps", "20"]
+    return ["benchmarks.gpu_train", "--device", device, *shape, "--out", str(folder / "train.json")]
+
+
+def _study(tiny: bool, folder: Path, device: str) -> list[str]:
+    spec = folder / "study-spec.json"
+    spec.write_text(json.dumps(study_spec(tiny), indent=1))
+    return ["jobs.cli", "run", str(spec), "--device", device, "--out", str(folder / "study")]
+
+
+def _hf(tiny: bool, folder: Path, device: str) -> list[str]:
+    size = ["--size", "tiny", "--factors", "1", "2", "--rounds", "1", "--tokens", "512"]
+    if tiny:
+        size += ["--no-memory"]
+    else:
+        size = ["--size", "150m", "--rounds", "3"]
+    return ["benchmarks.hf_eval", "--device", device, *size, "--out", str(folder / "hf.json")]
+
+
+def _decode(tiny: bool, folder: Path, device: str) -> list[str]:
+    shape = ["--train-length", "16", "--factors", "1", "2", "--rounds", "1"]
+    if tiny:
+        shape += ["--encodings", "rope", "alibi", "--train-steps", "3", "--threads", "1"]
+    else:
+        shape = ["--preset", "small", "--train-length", "512", "--rounds", "3"]
+    return ["benchmarks.decode", "--device", device, *shape, "--out", str(folder / "decode.json")]
+
+
+PARTS = (
+    Part("train", "training tokens/s and MFU per encoding, eager and compiled", 150, 10, _train),
+    Part("study", "a study at real scale: ppl from 1x to 16x per encoding", 200, 15, _study),
+    Part("hf", "an HF Llama evaluated by posbench against transformers", 60, 15, _hf),
+    Part("decode", "KV-cache decoding against transformers' generate", 60, 15, _decode),
+)
+
+
+def device_facts(device: str) -> dict[str, Any]:
+    facts: dict[str, Any] = {
+        "device": device,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
+    if device.startswith("cuda") and torch.cuda.is_available():
+        facts["device_name"] = torch.cuda.get_device_name(torch.device(device))
+    else:
+        facts["device_name"] = "cpu"
+    return facts
+
+
+def run_part(part: Part, tiny: bool, folder: Path, device: str, left: float) -> dict[str, Any]:
+    """Run ``part`` in a process of its own for at most ``left`` seconds: its status,
+    seconds and figures (the JSON it wrote, when it did)."""
+    estimate = part.tiny_estimate_s if tiny else part.estimate_s
+    record: dict[str, Any] = {"part": part.name, "measures": part.measures, "estimate_s": estimate}
+    if estimate > left:
+        return record | {"status": f"skipped: needs about {estimate:.0f} s, {left:.0f} s left"}
+    argv = [sys.executable, "-m", *part.command(tiny, folder, device)]
+    env = {**os.environ, "POSBENCH_HOME": str(folder / "home")}
+    started = time.monotonic()
+    with open(folder / f"{part.name}.log", "w") as log:
+        try:
+            done = subprocess.run(
+                argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=left
+            )
+        except subprocess.TimeoutExpired:
+            seconds = time.monotonic() - started
+            return record | {"status": "stopped at the budget", "seconds": round(seconds, 1)}
+    record["seconds"] = round(time.monotonic() - started, 1)
+    if done.returncode != 0:
+        return record | {"status": f"failed (exit {done.returncode}; see {part.name}.log)"}
+    record["status"] = "done"
+    record["figures"] = _figures(part.name, folder)
+    return record
+
+
+def _figures(name: str, folder: Path) -> Any:
+    if name == "study":
+        results = folder / "study" / "results.json"
+        return {"results": str(results), "rows": study_rows(json.loads(results.read_text()))}
+    path = folder / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def study_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Perplexity per (encoding, variant) and length of a results.json."""
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    for run in results["runs"]:
+        for point in run["evaluations"]:
+            key = (run["label"], point["variant"])
+            row = rows.setdefault(key, {"encoding": key[0], "variant": key[1]})
+            value = point["perplexity"]
+            row[str(point["length"])] = None if value is None else round(value, 3)
+    return list(rows.values())
+
+
+def markdown_report(report: dict[str, Any]) -> str:
+    facts = report["facts"]
+    lines = [
+        f"# GPU suite on {facts['device_name']}",
+        "",
+        f"torch {facts['torch']}, CUDA {facts['cuda']}, budget {report['budget_s']:.0f} s, "
+        f"used {report['seconds']:.0f} s{' (--tiny)' if report['tiny'] else ''}.",
+        "",
+        markdown_rows(
+            ["part", "measures", "status", "seconds"],
+            [
+                [p["part"], p["measures"], p["status"], p.get("seconds", "")]
+                for p in report["parts"]
+            ],
+        ),
+    ]
+    for part in report["parts"]:
+        figures = part.get("figures")
+        rows = figures.get("rows") if isinstance(figures, dict) else None
+        if rows:
+            columns = list(dict.fromkeys(key for row in rows for key in row))
+            lines += ["", f"## {part['part']}", ""]
+            lines.append(
+                markdown_rows(columns, [[row.get(c, "") for c in columns] for row in rows])
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _cell(value: object) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def plan_line(tiny: bool, budget: float, device: str) -> str:
+    parts = ", ".join(
+        f"{p.name} ~{p.tiny_estimate_s if tiny else p.estimate_s:.0f} s" for p in PARTS
+    )
+    return f"plan (budget {budget:.0f} s on {device}): {parts}"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget-s", type=float, default=480.0)
+    parser.add_argument("--out", type=Path, default=Path("gpu-suite"))
+    parser.add_argument("--device", default=None, help="default: cuda when present, else cpu")
+    parser.add_argument("--tiny", action="store_true", help="every part, tiny, on the CPU")
+    args = parser.parse_args(argv)
+    if args.budget_s <= 0:
+        parser.error("--budget-s must be positive")
+    device = args.device or ("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(plan_line(args.tiny, args.budget_s, device), flush=True)
+    started = time.monotonic()
+    parts = []
+    for part in PARTS:
+        left = args.budget_s - (time.monotonic() - started)
+        parts.append(run_part(part, args.tiny, args.out, device, left))
+        print(f"{part.name}: {parts[-1]['status']}", flush=True)
+    report = {
+        "facts": device_facts(device),
+        "tiny": args.tiny,
+        "budget_s": args.budget_s,
+        "seconds": round(time.monotonic() - started, 1),
+        "parts": parts,
+        "not_yet": "evaluation tokens/s and memory from 1x to 32x on the GPU "
+        "(benchmarks.eval_length runs on the CPU only)",
+    }
+    (args.out / "report.json").write_text(json.dumps(report, indent=1))
+    (args.out / "report.md").write_text(markdown_report(report))
+    print(f"report: {args.out / 'report.md'}", flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    main()
