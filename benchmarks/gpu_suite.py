@@ -41,10 +41,13 @@ from typing import Any
 
 import torch
 
+from jobs.metrics import Kind, headline
 from jobs.render.tables import markdown_rows
 from worker.catalog.encodings import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[1]
+METRIC = headline(Kind.LANGUAGE_MODELLING).column  # the study's: language modelling
+FINISHED = "finished"  # a part's status when it ran to its end
 STUDY_ENCODINGS = ["nope", "rope", "alibi", "t5", "sinusoidal"]
 
 
@@ -162,7 +165,7 @@ def run_part(part: Part, tiny: bool, folder: Path, device: str, left: float) -> 
     record["seconds"] = round(time.monotonic() - started, 1)
     if done.returncode != 0:
         return record | {"status": f"failed (exit {done.returncode}; see {part.name}.log)"}
-    record["status"] = "done"
+    record["status"] = FINISHED
     record["figures"] = _figures(part.name, folder)
     return record
 
@@ -176,13 +179,14 @@ def _figures(name: str, folder: Path) -> Any:
 
 
 def study_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """Perplexity per (encoding, variant) and length of a results.json."""
+    """The study's metric (perplexity) per (encoding, variant) and length of a
+    results.json."""
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     for run in results["runs"]:
         for point in run["evaluations"]:
             key = (run["label"], point["variant"])
             row = rows.setdefault(key, {"encoding": key[0], "variant": key[1]})
-            value = point["perplexity"]
+            value = point[METRIC]
             row[str(point["length"])] = None if value is None else round(value, 3)
     return list(rows.values())
 

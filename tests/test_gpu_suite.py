@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.gpu_suite import PARTS, STUDY_ENCODINGS, one_per_family
+from benchmarks.gpu_suite import FINISHED, PARTS, STUDY_ENCODINGS, one_per_family
 from jobs.results_schema import parse_results
 from worker.catalog.encodings import REGISTRY
 
@@ -33,7 +33,7 @@ def test_every_part_runs_tiny_on_the_cpu_and_reports(tmp_path: Path) -> None:
     assert lines[0].startswith("plan (budget 480 s on cpu): train ~")
     report = json.loads((tmp_path / "report.json").read_text())
     assert [p["part"] for p in report["parts"]] == [p.name for p in PARTS]
-    assert all(p["status"] == "done" for p in report["parts"]), report["parts"]
+    assert all(p["status"] == FINISHED for p in report["parts"]), report["parts"]
     assert report["facts"]["torch"] and report["seconds"] < 120
     figures = {p["part"]: p["figures"] for p in report["parts"]}
     # Training: one encoding of each family of the catalogue.
