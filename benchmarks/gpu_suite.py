@@ -7,7 +7,8 @@ GPU story is this one command. It runs the parts in order of value, each in a pr
 of its own, and stops cleanly before the budget:
 
 1. ``train``: training throughput and utilisation of every encoding on the ``base``
-   preset at 512, bf16, eager and compiled (``benchmarks.gpu_train``);
+   preset at 512, bf16, eager and compiled, beside x-transformers' model of the same
+   shape trained by the same step (``benchmarks.gpu_train --xtransformers``);
 2. ``study``: nope, rope, alibi, t5 and sinusoidal, with rope also under YaRN, on the
    ``base`` preset (25M parameters) trained at 512 and evaluated at 1x to 16x
    (``posbench run``); its results.json is ready for ``posbench import``;
@@ -96,6 +97,7 @@ def _train(tiny: bool, folder: Path, device: str) -> list[str]:
         shape += ["--modes", "eager", "--encodings", *one_per_family()]
     else:
         shape = ["--preset", "base", "--length", "512", "--batch", "32", "--steps", "20"]
+    shape += ["--xtransformers"]
     return ["benchmarks.gpu_train", "--device", device, *shape, "--out", str(folder / "train.json")]
 
 

@@ -1,14 +1,18 @@
 """Training throughput on a GPU: every encoding on a model preset, bf16, eager and compiled.
 
     python -m benchmarks.gpu_train [--preset base] [--length 512] [--batch 32] [--steps 20]
-                                   [--encodings rope alibi] [--peak-tflops 989] [--out FILE]
+                                   [--encodings rope alibi] [--peak-tflops 989] [--xtransformers]
+                                   [--out FILE]
 
 The GPU half of the performance issue, prepared as one short script for a lent GPU:
 for each encoding, a posbench model of the preset trains under bf16 autocast with the
 fused AdamW (as ``worker.training`` does), eagerly and under torch.compile, and reports
 tokens/s and utilisation = model FLOPs/s / the GPU's dense bf16 peak. The peak comes from
-``--peak-tflops`` or a small table of known GPUs. Runs on the CPU too (``--device cpu``,
-fp32, no peak), which is how it is checked without a GPU.
+``--peak-tflops`` or a small table of known GPUs. With ``--xtransformers``, x-transformers'
+model of the same shape (its fastest faithful configuration, ``benchmarks.harness``)
+trains by the same step right after each of ours, and the ratio of tokens/s is
+reported. Runs on the CPU too (``--device cpu``, fp32, no peak), which is how it is
+checked without a GPU.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.harness import xtransformers_model
 from jobs.render.tables import markdown_rows
 from worker.catalog.encodings import REGISTRY
 from worker.model import PRESETS, build_model
@@ -46,9 +51,20 @@ def measure(
     steps: int,
     device: torch.device,
     compiled: bool,
+    xtransformers: bool = False,
 ) -> dict[str, float]:
+    """One encoding's training steps: posbench's model of ``preset``, or (``xtransformers``)
+    x-transformers' of the same shape in its fastest faithful configuration, trained by
+    the same step; FLOPs are counted on posbench's model for both."""
     params = {"max_position": 4 * length} if encoding == "randomized" else {}
-    model = build_model(preset, encoding, train_length=length, **params).to(device).train()
+    ours = build_model(preset, encoding, train_length=length, **params)
+    flops_per_token = ours.flops_per_token(length)
+    if xtransformers:
+        shape = PRESETS[preset]
+        ours = xtransformers_model(
+            encoding, length, dim=shape.d_model, depth=shape.n_layers, heads=shape.n_heads
+        )
+    model = ours.to(device).train()
     forward = torch.compile(model) if compiled else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda" or None)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
@@ -79,7 +95,7 @@ def measure(
     rate = steps * batch * length / elapsed
     return {
         "tokens_per_s": rate,
-        "flops_per_s": rate * model.flops_per_token(length),
+        "flops_per_s": rate * flops_per_token,
         "warmup_s": warmup,
         "peak_memory_gib": (
             torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
@@ -97,6 +113,12 @@ def main() -> None:
     parser.add_argument("--modes", nargs="*", default=["eager", "compiled"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--peak-tflops", type=float)
+    parser.add_argument(
+        "--xtransformers",
+        action="store_true",
+        help="also train x-transformers' model of the same shape by the same step, each "
+        "encoding's two back to back, and report the ratio",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -120,6 +142,21 @@ def main() -> None:
             )
             row[f"{mode}_warmup_s"] = round(result["warmup_s"], 1)
             row[f"{mode}_peak_memory_gib"] = round(result["peak_memory_gib"], 2)
+            if args.xtransformers:
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                theirs = measure(
+                    encoding,
+                    args.preset,
+                    args.length,
+                    args.batch,
+                    args.steps,
+                    device,
+                    compiled=mode == "compiled",
+                    xtransformers=True,
+                )
+                row[f"{mode}_xt_tokens_per_s"] = round(theirs["tokens_per_s"])
+                row[f"{mode}_ratio"] = round(result["tokens_per_s"] / theirs["tokens_per_s"], 3)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
         rows.append(row)

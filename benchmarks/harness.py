@@ -68,12 +68,18 @@ def posbench_model(encoding: str, max_length: int) -> nn.Module:
     return build_model(config, encoding, train_length=max_length, **params)
 
 
-def xtransformers_model(encoding: str, max_length: int) -> nn.Module:
+def xtransformers_model(
+    encoding: str, max_length: int, dim: int = DIM, depth: int = DEPTH, heads: int = HEADS
+) -> nn.Module:
+    """x-transformers' model of ``encoding`` in its fastest faithful configuration, of
+    the issue's sizes or the ones given (rotary over the whole head, as ours)."""
     from x_transformers import Decoder, TransformerWrapper
 
     wrapper, layers, flash = XT_CONFIGS[encoding]
+    if "rotary_emb_dim" in layers:
+        layers = {**layers, "rotary_emb_dim": dim // heads}
     decoder = Decoder(
-        dim=DIM, depth=DEPTH, heads=HEADS, attn_dim_head=HEAD_DIM, attn_flash=flash, **layers
+        dim=dim, depth=depth, heads=heads, attn_dim_head=dim // heads, attn_flash=flash, **layers
     )
     return TransformerWrapper(
         num_tokens=VOCAB, max_seq_len=max_length, attn_layers=decoder, **wrapper

@@ -16,6 +16,7 @@ def test_the_gpu_training_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
     args = ["--device", "cpu", "--preset", "tiny", "--length", "32", "--batch", "2"]
     args += ["--steps", "1", "--modes", "eager", "--encodings", "nope", "alibi"]
     args += ["--peak-tflops", "0.001"]  # a made-up peak: utilisation is then reported
+    args += ["--xtransformers"]  # x-transformers' model of the same shape, same step
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.gpu_train", *args, "--out", str(out)],
         cwd=ROOT,
@@ -29,3 +30,7 @@ def test_the_gpu_training_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
     assert all(row["eager_tokens_per_s"] > 0 for row in report["rows"])
     assert report["peak_flops"] == 1e9
     assert all(row["eager_utilisation"] > 0 for row in report["rows"])
+    assert all(row["eager_xt_tokens_per_s"] > 0 for row in report["rows"])
+    for row in report["rows"]:  # rounded: tokens/s to units, the ratio to 3 decimals
+        ratio = row["eager_tokens_per_s"] / row["eager_xt_tokens_per_s"]
+        assert abs(row["eager_ratio"] - ratio) < 0.01 * ratio

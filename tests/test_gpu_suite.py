@@ -41,6 +41,7 @@ def test_every_part_runs_tiny_on_the_cpu_and_reports(tmp_path: Path) -> None:
     assert trained == one_per_family()
     assert {REGISTRY[name].family for name in trained} == {e.family for e in REGISTRY.values()}
     assert all(row["eager_tokens_per_s"] > 0 for row in figures["train"]["rows"])
+    assert all(row["eager_ratio"] > 0 for row in figures["train"]["rows"])  # x-transformers
     # The study: a results.json posbench import reads, every encoding and rope + yarn.
     results = parse_results(Path(figures["study"]["results"]).read_bytes())
     assert [run.label for run in results.runs] == STUDY_ENCODINGS
