@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -127,7 +128,8 @@ def main() -> None:
     for encoding in args.encodings:
         row: dict[str, object] = {"encoding": encoding}
         for mode in args.modes:
-            result = measure(
+            steps = partial(
+                measure,
                 encoding,
                 args.preset,
                 args.length,
@@ -136,6 +138,7 @@ def main() -> None:
                 device,
                 compiled=mode == "compiled",
             )
+            result = steps()
             row[f"{mode}_tokens_per_s"] = round(result["tokens_per_s"])
             row[f"{mode}_utilisation"] = (
                 round(result["flops_per_s"] / peak, 3) if peak is not None else None
@@ -145,16 +148,7 @@ def main() -> None:
             if args.xtransformers:
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
-                theirs = measure(
-                    encoding,
-                    args.preset,
-                    args.length,
-                    args.batch,
-                    args.steps,
-                    device,
-                    compiled=mode == "compiled",
-                    xtransformers=True,
-                )
+                theirs = steps(xtransformers=True)
                 row[f"{mode}_xt_tokens_per_s"] = round(theirs["tokens_per_s"])
                 row[f"{mode}_ratio"] = round(result["tokens_per_s"] / theirs["tokens_per_s"], 3)
             if device.type == "cuda":

@@ -205,6 +205,8 @@ def test_log_n_factors_follow_the_formula() -> None:
         assert float(factors[position]) == pytest.approx(
             math.log(position + 1) / math.log(16), rel=1e-7
         )
+    # A span of positions (the decode protocol's new queries): the same factors.
+    assert torch.equal(logn_factors(100, 16, CPU, start=90), factors[90:])
     with pytest.raises(ValueError, match="training length >= 2"):
         logn_factors(4, 1, CPU)
 

@@ -270,7 +270,7 @@ def _attend(
             step.masks[first, last] = _mask(enc, step, first, last, visible, q.dtype)
         mask = step.masks[first, last]
         if factors is not None and mask is not None and mask.dtype != torch.bool:
-            mask = mask * factors[first:last, None].to(mask.dtype)
+            mask = scale_rows(mask, factors[first:last])
         blocks.append(
             F.scaled_dot_product_attention(q_block, k_block, values[:, :, :visible], attn_mask=mask)
         )
@@ -332,9 +332,9 @@ def _forward(model: Transformer, tokens: Tensor, cache: KVCache) -> Tensor:
     x = cache.encoding.embed(x, positions)
     heads = model.config.n_heads
     factors = None
-    if model.logn_length is not None:
-        every = logn_factors(cache.total, model.logn_length, tokens.device)
-        factors = None if every is None else every[step.query_index]
+    if model.logn_length is not None:  # the new queries' positions: written..written+count-1
+        end = cache.written + count
+        factors = logn_factors(end, model.logn_length, tokens.device, start=cache.written)
     for layer, block in enumerate(model.blocks):
         attn = block.attn
         qkv = attn.qkv(block.attn_norm(x))

@@ -55,21 +55,25 @@ MAX_STORED_HEADS = 1024
 ROWS_AT_ONCE = 32
 
 
-def logn_factors(length: int, train_length: int, device: torch.device) -> Tensor | None:
-    """``[length]`` float32 factors max(1, log n / log L) for the queries at positions
-    0..length-1 (n = position + 1); None when ``length <= L`` (every factor 1)."""
+def logn_factors(
+    length: int, train_length: int, device: torch.device, start: int = 0
+) -> Tensor | None:
+    """``[length - start]`` float32 factors max(1, log n / log L) for the queries at
+    positions start..length-1 (n = position + 1); None when ``length <= L`` (every
+    factor 1)."""
     if train_length < 2:
         raise ValueError(f"log-n scaling needs a training length >= 2, got {train_length}")
     if length <= train_length:
         return None
-    n = torch.arange(1, length + 1, dtype=torch.float64)
+    n = torch.arange(start + 1, length + 1, dtype=torch.float64)
     factors = (n.log() / math.log(train_length)).clamp(min=1.0)
     return factors.to(device=device, dtype=torch.float32)
 
 
 def scale_rows(x: Tensor, factors: Tensor | None) -> Tensor:
     """``x [..., T, d]`` with row t multiplied by ``factors[t]`` (in float32, rounded once
-    to x's dtype); x itself without factors."""
+    to x's dtype); x itself without factors. Queries, and the bias rows or masks of the
+    same queries ``[..., T, keys]``, are scaled by this one rule."""
     if factors is None:
         return x
     return (x.float() * factors[:, None]).to(x.dtype)
@@ -277,7 +281,7 @@ def _sampled_bias(
     """The bias of the sampled queries ``picked`` of block [start, end): ``[H, Q, end]``,
     or ``[B, 1, Q, end]`` (an hf: model's mask), scaled by their log-n factors."""
     bias = _first(bias_rows(start, end), windows)[..., picked - start, :].float()
-    return bias if factors is None else bias * factors[picked][:, None]
+    return bias if factors is None else scale_rows(bias, factors[picked])
 
 
 def _first(x: Tensor, windows: int) -> Tensor:

@@ -294,7 +294,7 @@ class CausalSelfAttention(nn.Module):
                 end = min(length, start + attn_bias.block_rows)
                 bias = attn_bias.rows(start, end)
                 if factors is not None:
-                    bias = bias * factors[start:end, None].to(bias.dtype)
+                    bias = scale_rows(bias, factors[start:end])
                 blocks.append(
                     biased_attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end], bias)
                 )

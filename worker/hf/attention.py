@@ -76,18 +76,26 @@ def _register() -> None:
     AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
 
 
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The HF ``model``'s attention modules: those that call an attention function with
+    their layer's index and scaling."""
+    return [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
+
+
 @contextlib.contextmanager
 def attending(
-    model: nn.Module, factors: Tensor | None, probe: AttentionProbe | None
+    model: nn.Module,
+    modules: list[nn.Module],
+    factors: Tensor | None,
+    probe: AttentionProbe | None,
 ) -> Iterator[None]:
-    """One pass of the HF ``model`` with log-n ``factors`` and the ``probe`` (neither: HF's
-    own sdpa, untouched)."""
+    """One pass of the HF ``model`` (its attention ``modules``) with log-n ``factors`` and
+    the ``probe`` (neither: HF's own sdpa, untouched)."""
     if factors is None and probe is None:
         yield
         return
     _register()
     config = model.config
-    modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
     before = config._attn_implementation
     config._attn_implementation = IMPLEMENTATION
     for module in modules:

@@ -32,7 +32,7 @@ from worker.catalog.hf_models import HfModelError, ModelFacts
 from worker.catalog.params import is_positive_int
 from worker.catalog.scalings import SCALINGS, Rotary
 from worker.diagnostics import AttentionProbe, logn_factors
-from worker.hf.attention import attending
+from worker.hf.attention import attending, attention_modules
 from worker.model import ModelConfig
 
 
@@ -97,6 +97,7 @@ class HfCausalLM(nn.Module):
         self.encoding = HfPositions(f"{facts.model_type} {facts.encoding}", facts.max_positions)
         self.config = _size(model.config)
         self._rotary_names = [name for name, _ in self._rotary_modules()]
+        self._attention = attention_modules(model)  # what log-n and the probe reach
         # Log-n scaling past this length, and the attention probe (worker.hf.attention).
         self.logn_length: int | None = None
         self.probe: AttentionProbe | None = None
@@ -126,7 +127,7 @@ class HfCausalLM(nn.Module):
         factors = None
         if self.logn_length is not None:
             factors = logn_factors(tokens.shape[-1], self.logn_length, tokens.device)
-        with attending(self.hf, factors, self.probe):
+        with attending(self.hf, self._attention, factors, self.probe):
             outputs = self.hf.base_model(input_ids=tokens, use_cache=False)
         return float32_logits(outputs.last_hidden_state, self.hf.get_output_embeddings())
 
