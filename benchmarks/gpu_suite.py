@@ -9,17 +9,20 @@ of its own, and stops cleanly before the budget:
 1. ``train``: training throughput and utilisation of every encoding on the ``base``
    preset at 512, bf16, eager and compiled, beside x-transformers' model of the same
    shape trained by the same step (``benchmarks.gpu_train --xtransformers``);
-2. ``study``: nope, rope, alibi, t5 and sinusoidal, with rope also under YaRN, on the
+2. ``eval``: evaluation tokens/s and peak memory of every encoding from 1x to 32x of
+   512 (16,384 tokens), beside NoPE and x-transformers (``benchmarks.gpu_eval``);
+3. ``study``: nope, rope, alibi, t5 and sinusoidal, with rope also under YaRN, on the
    ``base`` preset (25M parameters) trained at 512 and evaluated at 1x to 16x
    (``posbench run``); its results.json is ready for ``posbench import``;
-3. ``hf``: a 134M Llama evaluated by posbench against a plain transformers loop
+4. ``hf``: a 134M Llama evaluated by posbench against a plain transformers loop
    (``benchmarks.hf_eval``);
-4. ``decode``: greedy decoding with a KV cache against transformers' ``generate``
+5. ``decode``: greedy decoding with a KV cache against transformers' ``generate``
    (``benchmarks.decode``).
 
 It prints a one-line plan first (each part's estimated seconds). A part whose estimate
-no longer fits what is left of the budget is skipped; a part still running when the
-budget ends is stopped. Either way the reason is recorded. ``DIR/report.json`` and
+no longer fits what is left of the budget is skipped; a part still running at 1.5 times
+its estimate, or when the budget ends, is stopped, keeping the figures it wrote so far.
+Either way the reason is recorded. ``DIR/report.json`` and
 ``DIR/report.md`` hold the device, the torch and CUDA versions, every part's figures
 and what did not run. Each part's own JSON and log are in ``DIR`` too.
 
@@ -42,6 +45,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.gpu_targets import targets
 from jobs.metrics import Kind, headline
 from jobs.render.tables import markdown_rows
 from worker.catalog.encodings import REGISTRY
@@ -50,6 +54,8 @@ ROOT = Path(__file__).resolve().parents[1]
 METRIC = headline(Kind.LANGUAGE_MODELLING).column  # the study's: language modelling
 FINISHED = "finished"  # a part's status when it ran to its end
 STUDY_ENCODINGS = ["nope", "rope", "alibi", "t5", "sinusoidal"]
+# Measured compiled too: the utilisation target's (rope, nope) and a bias of each kind.
+COMPILED = ["nope", "rope", "alibi", "t5"]
 
 
 def one_per_family() -> list[str]:
@@ -88,23 +94,49 @@ class Part:
     measures: str
     estimate_s: float  # on a GPU of the H100 class
     tiny_estimate_s: float  # --tiny, on a 2-core CPU
-    command: Callable[[bool, Path, str], list[str]]  # (tiny, folder, device) -> argv
+    command: Callable[[bool, Path, str], list[str]]  # (tiny, folder, device) -> python's argv
 
 
 def _train(tiny: bool, folder: Path, device: str) -> list[str]:
     shape = ["--preset", "tiny", "--length", "32", "--batch", "2", "--steps", "1"]
     if tiny:
         shape += ["--modes", "eager", "--encodings", *one_per_family()]
-    else:
+    else:  # every encoding eagerly, then compiled those the targets name (a compile each)
         shape = ["--preset", "base", "--length", "512", "--batch", "32", "--steps", "20"]
+        shape += ["--compiled-encodings", *COMPILED]
     shape += ["--xtransformers"]
-    return ["benchmarks.gpu_train", "--device", device, *shape, "--out", str(folder / "train.json")]
+    return [
+        "-m",
+        "benchmarks.gpu_train",
+        "--device",
+        device,
+        *shape,
+        "--out",
+        str(folder / "train.json"),
+    ]
+
+
+def _eval(tiny: bool, folder: Path, device: str) -> list[str]:
+    if tiny:
+        shape = ["--preset", "tiny", "--train-length", "16", "--factors", "1", "4", "32"]
+        shape += ["--rounds", "1", "--encodings", *one_per_family()]
+    else:
+        shape = ["--preset", "base", "--train-length", "512", "--rounds", "3"]
+    return [
+        "-m",
+        "benchmarks.gpu_eval",
+        "--device",
+        device,
+        *shape,
+        "--out",
+        str(folder / "eval.json"),
+    ]
 
 
 def _study(tiny: bool, folder: Path, device: str) -> list[str]:
     spec = folder / "study-spec.json"
     spec.write_text(json.dumps(study_spec(tiny), indent=1))
-    return ["jobs.cli", "run", str(spec), "--device", device, "--out", str(folder / "study")]
+    return ["-m", "jobs.cli", "run", str(spec), "--device", device, "--out", str(folder / "study")]
 
 
 def _hf(tiny: bool, folder: Path, device: str) -> list[str]:
@@ -113,7 +145,7 @@ def _hf(tiny: bool, folder: Path, device: str) -> list[str]:
         size += ["--no-memory"]
     else:
         size = ["--size", "150m", "--rounds", "3"]
-    return ["benchmarks.hf_eval", "--device", device, *size, "--out", str(folder / "hf.json")]
+    return ["-m", "benchmarks.hf_eval", "--device", device, *size, "--out", str(folder / "hf.json")]
 
 
 def _decode(tiny: bool, folder: Path, device: str) -> list[str]:
@@ -122,15 +154,27 @@ def _decode(tiny: bool, folder: Path, device: str) -> list[str]:
         shape += ["--encodings", "rope", "alibi", "--train-steps", "3", "--threads", "1"]
     else:
         shape = ["--preset", "small", "--train-length", "512", "--rounds", "3"]
-    return ["benchmarks.decode", "--device", device, *shape, "--out", str(folder / "decode.json")]
+    return [
+        "-m",
+        "benchmarks.decode",
+        "--device",
+        device,
+        *shape,
+        "--out",
+        str(folder / "decode.json"),
+    ]
 
 
 PARTS = (
     Part("train", "training tokens/s and MFU per encoding, eager and compiled", 150, 10, _train),
-    Part("study", "a study at real scale: ppl from 1x to 16x per encoding", 200, 15, _study),
+    Part("eval", "evaluation tokens/s and memory per encoding, 1x to 32x", 60, 10, _eval),
+    Part("study", "a study at real scale: ppl from 1x to 16x per encoding", 150, 15, _study),
     Part("hf", "an HF Llama evaluated by posbench against transformers", 60, 15, _hf),
     Part("decode", "KV-cache decoding against transformers' generate", 60, 15, _decode),
 )
+# A part may run this many times its estimate (the budget left permitting) before it
+# is stopped, so that one slow part does not take the time of all that follow it.
+OVERRUN = 1.5
 
 
 def device_facts(device: str) -> dict[str, Any]:
@@ -153,31 +197,41 @@ def run_part(part: Part, tiny: bool, folder: Path, device: str, left: float) -> 
     record: dict[str, Any] = {"part": part.name, "measures": part.measures, "estimate_s": estimate}
     if estimate > left:
         return record | {"status": f"skipped: needs about {estimate:.0f} s, {left:.0f} s left"}
-    argv = [sys.executable, "-m", *part.command(tiny, folder, device)]
+    for stale in _outputs(part.name, folder):  # an earlier run's, in a folder used again
+        stale.unlink(missing_ok=True)
+    argv = [sys.executable, *part.command(tiny, folder, device)]
     env = {**os.environ, "POSBENCH_HOME": str(folder / "home")}
+    limit = left if tiny else min(left, OVERRUN * estimate)
     started = time.monotonic()
     with open(folder / f"{part.name}.log", "w") as log:
         try:
             done = subprocess.run(
-                argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=left
+                argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=limit
             )
+            status = FINISHED if done.returncode == 0 else f"failed (exit {done.returncode})"
         except subprocess.TimeoutExpired:
-            seconds = time.monotonic() - started
-            return record | {"status": "stopped at the budget", "seconds": round(seconds, 1)}
+            status = f"stopped after {limit:.0f} s"
     record["seconds"] = round(time.monotonic() - started, 1)
-    if done.returncode != 0:
-        return record | {"status": f"failed (exit {done.returncode}; see {part.name}.log)"}
-    record["status"] = FINISHED
-    record["figures"] = _figures(part.name, folder)
-    return record
+    # What a stopped or failed part measured before it ended is kept (the parts rewrite
+    # their JSON as they go), marked partial.
+    figures = _figures(part.name, folder)
+    if status != FINISHED:
+        status += f"; see {part.name}.log" + ("; partial figures kept" if figures else "")
+    return record | {"status": status, "figures": figures}
+
+
+def _outputs(name: str, folder: Path) -> list[Path]:
+    return [folder / f"{name}.json", folder / name / "results.json"]
 
 
 def _figures(name: str, folder: Path) -> Any:
-    if name == "study":
-        results = folder / "study" / "results.json"
+    part_json, results = _outputs(name, folder)
+    if results.exists():  # the study's, ready for posbench import
         return {"results": str(results), "rows": study_rows(json.loads(results.read_text()))}
-    path = folder / f"{name}.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    try:
+        return json.loads(part_json.read_text()) if part_json.exists() else None
+    except json.JSONDecodeError:  # stopped while writing it
+        return None
 
 
 def study_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -208,6 +262,19 @@ def markdown_report(report: dict[str, Any]) -> str:
                 for p in report["parts"]
             ],
         ),
+        "",
+        "## targets",
+        "",
+        *(
+            [
+                f"The targets are an H100-class GPU's; on {facts['device_name']} these rows "
+                "only show that the checks run.",
+                "",
+            ]
+            if report["tiny"] or facts["device"] == "cpu"
+            else []
+        ),
+        markdown_rows(["target", "measured", "held"], report["targets"]),
     ]
     for part in report["parts"]:
         figures = part.get("figures")
@@ -256,8 +323,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "budget_s": args.budget_s,
         "seconds": round(time.monotonic() - started, 1),
         "parts": parts,
-        "not_yet": "evaluation tokens/s and memory from 1x to 32x on the GPU "
-        "(benchmarks.eval_length runs on the CPU only)",
+        "targets": targets(parts),
     }
     (args.out / "report.json").write_text(json.dumps(report, indent=1))
     (args.out / "report.md").write_text(markdown_report(report))

@@ -1,7 +1,8 @@
 """Training throughput on a GPU: every encoding on a model preset, bf16, eager and compiled.
 
     python -m benchmarks.gpu_train [--preset base] [--length 512] [--batch 32] [--steps 20]
-                                   [--encodings rope alibi] [--peak-tflops 989] [--xtransformers]
+                                   [--encodings rope alibi] [--compiled-encodings rope]
+                                   [--peak-tflops 989] [--xtransformers]
                                    [--out FILE]
 
 The GPU half of the performance issue, prepared as one short script for a lent GPU:
@@ -104,14 +105,55 @@ def measure(
     }
 
 
+def measure_mode(row: dict[str, object], mode: str, args: argparse.Namespace) -> None:
+    """Fill ``row`` (one encoding) with ``mode``'s figures, ours and (``--xtransformers``)
+    theirs; a failure (a compiler error, memory) is recorded in the row, not raised."""
+    device = torch.device(args.device)
+    peak = peak_flops(device, args.peak_tflops)
+    steps = partial(
+        measure,
+        str(row["encoding"]),
+        args.preset,
+        args.length,
+        args.batch,
+        args.steps,
+        device,
+        compiled=mode == "compiled",
+    )
+    try:
+        result = steps()
+        row[f"{mode}_tokens_per_s"] = round(result["tokens_per_s"])
+        row[f"{mode}_utilisation"] = (
+            round(result["flops_per_s"] / peak, 3) if peak is not None else None
+        )
+        row[f"{mode}_warmup_s"] = round(result["warmup_s"], 1)
+        row[f"{mode}_peak_memory_gib"] = round(result["peak_memory_gib"], 2)
+        if args.xtransformers:
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            theirs = steps(xtransformers=True)
+            row[f"{mode}_xt_tokens_per_s"] = round(theirs["tokens_per_s"])
+            row[f"{mode}_ratio"] = round(result["tokens_per_s"] / theirs["tokens_per_s"], 3)
+    except Exception as error:  # one encoding's failure must not lose the others' figures
+        row[f"{mode}_failed"] = f"{type(error).__name__}: {str(error)[:160]}"
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="base", choices=sorted(PRESETS))
     parser.add_argument("--length", type=int, default=512)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--encodings", nargs="*", default=list(REGISTRY))
+    parser.add_argument("--encodings", nargs="*", default=list(REGISTRY), choices=list(REGISTRY))
     parser.add_argument("--modes", nargs="*", default=["eager", "compiled"])
+    parser.add_argument(
+        "--compiled-encodings",
+        nargs="*",
+        choices=list(REGISTRY),
+        help="the encodings measured compiled (default: all); compiling takes a while each",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--peak-tflops", type=float)
     parser.add_argument(
@@ -123,49 +165,28 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     device = torch.device(args.device)
-    peak = peak_flops(device, args.peak_tflops)
-    rows = []
-    for encoding in args.encodings:
-        row: dict[str, object] = {"encoding": encoding}
-        for mode in args.modes:
-            steps = partial(
-                measure,
-                encoding,
-                args.preset,
-                args.length,
-                args.batch,
-                args.steps,
-                device,
-                compiled=mode == "compiled",
-            )
-            result = steps()
-            row[f"{mode}_tokens_per_s"] = round(result["tokens_per_s"])
-            row[f"{mode}_utilisation"] = (
-                round(result["flops_per_s"] / peak, 3) if peak is not None else None
-            )
-            row[f"{mode}_warmup_s"] = round(result["warmup_s"], 1)
-            row[f"{mode}_peak_memory_gib"] = round(result["peak_memory_gib"], 2)
-            if args.xtransformers:
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
-                theirs = steps(xtransformers=True)
-                row[f"{mode}_xt_tokens_per_s"] = round(theirs["tokens_per_s"])
-                row[f"{mode}_ratio"] = round(result["tokens_per_s"] / theirs["tokens_per_s"], 3)
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     title = (
         f"training, {args.preset} preset, batch {args.batch} x {args.length}, "
         f"{'bf16 autocast' if device.type == 'cuda' else 'fp32'} on {name}"
     )
-    columns = list(rows[0])
+    peak = peak_flops(device, args.peak_tflops)
+    rows: list[dict[str, object]] = [{"encoding": encoding} for encoding in args.encodings]
+    compiled = set(args.encodings if args.compiled_encodings is None else args.compiled_encodings)
+    # Every encoding eagerly first, then compiled: a run stopped early has the cheap
+    # figures of all of them. The JSON is rewritten after each measurement.
+    for mode in args.modes:
+        for row in rows:
+            if mode == "compiled" and row["encoding"] not in compiled:
+                continue
+            measure_mode(row, mode, args)
+            print(json.dumps(row), flush=True)
+            if args.out is not None:
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps({"title": title, "peak_flops": peak, "rows": rows}))
+    columns = list(dict.fromkeys(key for row in rows for key in row))
     print(f"\n### {title}\n")
-    print(markdown_rows(columns, [[row[c] for c in columns] for row in rows]))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"title": title, "peak_flops": peak, "rows": rows}))
+    print(markdown_rows(columns, [[row.get(c, "") for c in columns] for row in rows]))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_the_gpu_training_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
     out = tmp_path / "gpu.json"
     args = ["--device", "cpu", "--preset", "tiny", "--length", "32", "--batch", "2"]
-    args += ["--steps", "1", "--modes", "eager", "--encodings", "nope", "alibi"]
+    args += ["--steps", "1", "--modes", "eager", "compiled", "--encodings", "nope", "alibi"]
+    args += ["--compiled-encodings"]  # none: compiling is what --compiled-encodings limits
     args += ["--peak-tflops", "0.001"]  # a made-up peak: utilisation is then reported
     args += ["--xtransformers"]  # x-transformers' model of the same shape, same step
     done = subprocess.run(
@@ -27,6 +28,7 @@ def test_the_gpu_training_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     report = json.loads(out.read_text())
     assert [row["encoding"] for row in report["rows"]] == ["nope", "alibi"]
+    assert not any(key.startswith("compiled") for row in report["rows"] for key in row)
     assert all(row["eager_tokens_per_s"] > 0 for row in report["rows"])
     assert report["peak_flops"] == 1e9
     assert all(row["eager_utilisation"] > 0 for row in report["rows"])
@@ -34,3 +36,17 @@ def test_the_gpu_training_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
     for row in report["rows"]:  # rounded: tokens/s to units, the ratio to 3 decimals
         ratio = row["eager_tokens_per_s"] / row["eager_xt_tokens_per_s"]
         assert abs(row["eager_ratio"] - ratio) < 0.01 * ratio
+
+
+def test_evaluation_memory_is_divided_by_nopes_at_the_same_length() -> None:
+    from benchmarks.gpu_eval import against_nope
+
+    rows = [
+        {"encoding": "nope", "length": 512, "posbench_peak_memory_mib": 100.0},
+        {"encoding": "nope", "length": 16384, "posbench_peak_memory_mib": 400.0},
+        {"encoding": "alibi", "length": 512, "posbench_peak_memory_mib": 150.0},
+        {"encoding": "alibi", "length": 16384, "posbench_peak_memory_mib": 440.0},
+        {"encoding": "learned", "length": 16384, "posbench_tokens_per_s": "beyond its table"},
+    ]
+    against_nope(rows)
+    assert [row.get("memory_vs_nope") for row in rows] == [1.0, 1.0, 1.5, 1.1, None]

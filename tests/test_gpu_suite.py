@@ -9,7 +9,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.gpu_suite import FINISHED, PARTS, STUDY_ENCODINGS, one_per_family
+import pytest
+
+from benchmarks import gpu_targets
+from benchmarks.gpu_suite import (
+    FINISHED,
+    PARTS,
+    STUDY_ENCODINGS,
+    Part,
+    one_per_family,
+    plan_line,
+    run_part,
+)
 from jobs.results_schema import parse_results
 from worker.catalog.encodings import REGISTRY
 
@@ -42,6 +53,14 @@ def test_every_part_runs_tiny_on_the_cpu_and_reports(tmp_path: Path) -> None:
     assert {REGISTRY[name].family for name in trained} == {e.family for e in REGISTRY.values()}
     assert all(row["eager_tokens_per_s"] > 0 for row in figures["train"]["rows"])
     assert all(row["eager_ratio"] > 0 for row in figures["train"]["rows"])  # x-transformers
+    # Evaluation: NoPE first, every family at 1x, 4x and 32x, beside x-transformers.
+    evaluated = figures["eval"]["rows"]
+    assert [(row["encoding"], row["factor"]) for row in evaluated] == [
+        (name, factor) for name in one_per_family() for factor in (1, 4, 32)
+    ]
+    assert max(row["length"] for row in evaluated) == 32 * 16
+    assert all(row["posbench_tokens_per_s"] > 0 and row["ratio"] > 0 for row in evaluated)
+    assert {row["batch"] for row in evaluated} == {32, 8, 1}  # the same tokens a pass
     # The study: a results.json posbench import reads, every encoding and rope + yarn.
     results = parse_results(Path(figures["study"]["results"]).read_bytes())
     assert [run.label for run in results.runs] == STUDY_ENCODINGS
@@ -49,9 +68,17 @@ def test_every_part_runs_tiny_on_the_cpu_and_reports(tmp_path: Path) -> None:
     assert ("rope", "yarn:auto") in lines_of_study and len(lines_of_study) == 6
     assert all(row["loss_agrees"] for row in figures["hf"]["rows"])
     assert all(row["tokens_per_s"] > 0 for row in figures["decode"]["rows"])
+    # The targets are read off the figures; on the CPU, MFU and memory are not measured.
+    held = {row[0].split(",")[0]: row[2] for row in report["targets"]}
+    assert len(report["targets"]) == 5
+    assert held["bf16 MFU >= 40%"] == held["evaluation memory at 32x <= 1.2x NoPE's"]
+    assert held["bf16 MFU >= 40%"] == gpu_targets.NOT_MEASURED
+    assert set(held.values()) <= {"yes", "no", gpu_targets.NOT_MEASURED}
     markdown = (tmp_path / "report.md").read_text()
-    for title in ("# GPU suite on cpu", "## train", "## study", "## hf", "## decode"):
+    for title in ("# GPU suite on cpu", "## targets", "## train", "## eval", "## study"):
         assert title in markdown
+    assert "## hf" in markdown and "## decode" in markdown
+    assert "only show that the checks run" in markdown
 
 
 def test_a_part_that_does_not_fit_the_budget_is_skipped_with_the_reason(tmp_path: Path) -> None:
@@ -61,3 +88,84 @@ def test_a_part_that_does_not_fit_the_budget_is_skipped_with_the_reason(tmp_path
     for part in report["parts"]:
         assert part["status"].startswith("skipped: needs about "), part
     assert "skipped: needs about" in (tmp_path / "report.md").read_text()
+
+
+def _writes_then(tmp_path: Path, then: str) -> Part:
+    """A part that writes eval.json (one row), then runs ``then``."""
+    out = tmp_path / "eval.json"
+    code = f'open({str(out)!r}, \'w\').write(\'{{"rows": [{{"encoding": "nope"}}]}}\'); {then}'
+    return Part("eval", "a stand-in", 1, 1, lambda tiny, folder, device: ["-c", code])
+
+
+def test_a_part_past_its_share_of_the_budget_is_stopped_and_keeps_its_figures(
+    tmp_path: Path,
+) -> None:
+    # Estimate 1 s: stopped at 1.5 s although the budget has 300 left.
+    record = run_part(
+        _writes_then(tmp_path, "import time; time.sleep(60)"), False, tmp_path, "cpu", 300
+    )
+    assert record["status"].startswith("stopped after 2 s; see eval.log; partial figures kept")
+    assert record["seconds"] < 30
+    assert record["figures"]["rows"] == [{"encoding": "nope"}]
+
+
+def test_a_failed_part_reports_its_exit_and_never_an_earlier_runs_figures(tmp_path: Path) -> None:
+    (tmp_path / "eval.json").write_text('{"rows": [{"encoding": "stale"}]}')
+    failing = Part("eval", "a stand-in", 1, 1, lambda tiny, folder, device: ["-c", "exit(3)"])
+    record = run_part(failing, False, tmp_path, "cpu", 300)
+    assert record["status"] == "failed (exit 3); see eval.log"
+    assert record["figures"] is None
+
+
+def _row(encoding: str, **figures: object) -> dict[str, object]:
+    return {"encoding": encoding, **figures}
+
+
+def test_the_targets_hold_or_not_as_the_figures_say() -> None:
+    train = [
+        _row("nope", compiled_utilisation=0.45, eager_ratio=1.1, compiled_ratio=1.05),
+        _row("rope", compiled_utilisation=0.41, eager_ratio=1.3),
+        _row("alibi", eager_ratio=1.25, compiled_ratio=1.3),
+        _row("t5", eager_ratio=1.4),
+    ]
+    evaluation = [
+        _row("nope", factor=32, memory_vs_nope=1.0),
+        _row("alibi", factor=32, memory_vs_nope=1.15),
+        _row("alibi", factor=1, memory_vs_nope=3.0),  # only 32x counts
+    ]
+    study = [
+        {"encoding": "alibi", "variant": "none", "512": 10.0, "8192": 10.5},
+        {"encoding": "sinusoidal", "variant": "none", "512": 10.0, "8192": 90.0},
+        {"encoding": "rope", "variant": "none", "512": 10.0, "8192": 60.0},
+        {"encoding": "rope", "variant": "yarn:auto", "512": 10.0, "8192": 14.0},
+    ]
+    parts = [
+        {"part": "train", "figures": {"rows": train}},
+        {"part": "eval", "figures": {"rows": evaluation}},
+        {"part": "study", "figures": {"rows": study}},
+    ]
+    rows = gpu_targets.targets(parts)
+    assert [row[2] for row in rows] == ["yes"] * 5, rows
+    assert rows[0][1] == "nope 0.45, rope 0.41"
+    assert rows[4][1] == "longest / 1x: alibi 1.05, sinusoidal 9, rope 6, rope+yarn:auto 1.4"
+    # Each target fails on its own figure.
+    train[1]["compiled_utilisation"] = 0.39
+    train[3]["eager_ratio"] = 1.19
+    evaluation[1]["memory_vs_nope"] = 1.21
+    study[3]["8192"] = 70.0  # yarn worse than unscaled rope: not between
+    held = [row[2] for row in gpu_targets.targets(parts)]
+    assert held == ["no", "no", "yes", "no", "no"]
+    train[0]["compiled_ratio"] = 0.9
+    assert gpu_targets.targets(parts)[2][1:] == ["lowest nope 0.9", "no"]
+
+
+@pytest.mark.parametrize("missing", ["train", "eval", "study"])
+def test_a_target_without_its_figures_is_not_measured(missing: str) -> None:
+    parts = [{"part": name, "figures": {"rows": []}} for name in ("train", "eval", "study")]
+    parts = [part for part in parts if part["part"] != missing]
+    assert {row[2] for row in gpu_targets.targets(parts)} == {gpu_targets.NOT_MEASURED}
+
+
+def test_the_manual_shows_the_plan_the_suite_prints_on_a_gpu() -> None:
+    manual = (ROOT / "docs" / "performance.md").read_text()
+    assert plan_line(False, 480, "cuda") + "\n" in manual
