@@ -54,8 +54,9 @@ ROOT = Path(__file__).resolve().parents[1]
 METRIC = headline(Kind.LANGUAGE_MODELLING).column  # the study's: language modelling
 FINISHED = "finished"  # a part's status when it ran to its end
 STUDY_ENCODINGS = ["nope", "rope", "alibi", "t5", "sinusoidal"]
-# Measured compiled too: the utilisation target's (rope, nope) and a bias of each kind.
-COMPILED = ["nope", "rope", "alibi", "t5"]
+# Measured compiled too, in this order: one encoding of each family, the utilisation
+# target's (rope, nope) first, then T5's learned bias.
+COMPILED = ["nope", "rope", "alibi", "sinusoidal", "t5"]
 
 
 def one_per_family() -> list[str]:
@@ -227,7 +228,13 @@ def _outputs(name: str, folder: Path) -> list[Path]:
 def _figures(name: str, folder: Path) -> Any:
     part_json, results = _outputs(name, folder)
     if results.exists():  # the study's, ready for posbench import
-        return {"results": str(results), "rows": study_rows(json.loads(results.read_text()))}
+        spec = json.loads((folder / f"{name}-spec.json").read_text())
+        return {
+            "results": str(results),
+            "model": spec["model"],
+            "train": spec["train"],
+            "rows": study_rows(json.loads(results.read_text())),
+        }
     try:
         return json.loads(part_json.read_text()) if part_json.exists() else None
     except json.JSONDecodeError:  # stopped while writing it
@@ -282,6 +289,14 @@ def markdown_report(report: dict[str, Any]) -> str:
         if rows:
             columns = list(dict.fromkeys(key for row in rows for key in row))
             lines += ["", f"## {part['part']}", ""]
+            if "train" in figures:  # the study: how it was trained, and where its results are
+                train = figures["train"]
+                lines += [
+                    f"`{figures['model']}` trained {train['steps']} steps of "
+                    f"{train['batch_size']} x {train['length']}; results: `{figures['results']}` "
+                    "(ready for `posbench import`).",
+                    "",
+                ]
             lines.append(
                 markdown_rows(columns, [[row.get(c, "") for c in columns] for row in rows])
             )

@@ -5,8 +5,10 @@ asserted, only that each part ran and reported)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -66,6 +68,7 @@ def test_every_part_runs_tiny_on_the_cpu_and_reports(tmp_path: Path) -> None:
     assert [run.label for run in results.runs] == STUDY_ENCODINGS
     lines_of_study = {(row["encoding"], row["variant"]) for row in figures["study"]["rows"]}
     assert ("rope", "yarn:auto") in lines_of_study and len(lines_of_study) == 6
+    assert figures["study"]["train"]["steps"] == 4  # the steps it was trained, reported
     assert all(row["loss_agrees"] for row in figures["hf"]["rows"])
     assert all(row["tokens_per_s"] > 0 for row in figures["decode"]["rows"])
     # The targets are read off the figures; on the CPU, MFU and memory are not measured.
@@ -79,6 +82,7 @@ def test_every_part_runs_tiny_on_the_cpu_and_reports(tmp_path: Path) -> None:
         assert title in markdown
     assert "## hf" in markdown and "## decode" in markdown
     assert "only show that the checks run" in markdown
+    assert "`tiny` trained 4 steps of 2 x 16; results: " in markdown
 
 
 def test_a_part_that_does_not_fit_the_budget_is_skipped_with_the_reason(tmp_path: Path) -> None:
@@ -169,3 +173,35 @@ def test_a_target_without_its_figures_is_not_measured(missing: str) -> None:
 def test_the_manual_shows_the_plan_the_suite_prints_on_a_gpu() -> None:
     manual = (ROOT / "docs" / "performance.md").read_text()
     assert plan_line(False, 480, "cuda") + "\n" in manual
+
+
+def test_the_real_runs_command_lines_are_accepted_before_a_device_is_lent(
+    tmp_path: Path,
+) -> None:
+    """Every part's full-size command, started on the CPU: none may stop on its arguments
+    or its spec (a typo there would cost a lent GPU's run). Each has 30 seconds to fail;
+    a part still working then has got past them, and is stopped."""
+    started = {}
+    for part in PARTS:
+        folder = tmp_path / part.name
+        folder.mkdir()
+        started[part.name] = subprocess.Popen(
+            [sys.executable, *part.command(False, folder, "cpu")],
+            cwd=ROOT,
+            env={**os.environ, "POSBENCH_HOME": str(folder / "home")},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    deadline = time.monotonic() + 30
+    try:
+        for name, process in started.items():
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                continue  # past its arguments and its spec: working
+            assert process.returncode == 0, f"{name}: {process.stderr.read()[-2000:]}"
+    finally:
+        for process in started.values():
+            process.kill()
+            process.wait()
