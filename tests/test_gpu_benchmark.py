@@ -50,3 +50,26 @@ def test_evaluation_memory_is_divided_by_nopes_at_the_same_length() -> None:
     ]
     against_nope(rows)
     assert [row.get("memory_vs_nope") for row in rows] == [1.0, 1.0, 1.5, 1.1, None]
+
+
+def test_a_length_one_side_cannot_run_is_marked_and_the_other_side_still_measured(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "eval.json"
+    args = ["--device", "cpu", "--preset", "tiny", "--train-length", "16", "--factors", "1", "4"]
+    args += ["--rounds", "1", "--encodings", "learned", "--out", str(out)]
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_eval", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = {(row["encoding"], row["factor"]): row for row in json.loads(out.read_text())["rows"]}
+    assert list(rows) == [("nope", 1), ("nope", 4), ("learned", 1), ("learned", 4)]
+    assert rows["learned", 1]["posbench_tokens_per_s"] > 0 and rows["learned", 1]["ratio"] > 0
+    # 4x is past the learned table's 16 rows: no figure made up, x-transformers' measured.
+    assert rows["learned", 4]["posbench_tokens_per_s"] == "beyond its table"
+    assert rows["learned", 4]["xt_tokens_per_s"] > 0 and "ratio" not in rows["learned", 4]
+    assert rows["learned", 4]["batch"] == 1 and rows["nope", 1]["batch"] == 4
