@@ -22,7 +22,8 @@ of its own, and stops cleanly before the budget:
 It prints a one-line plan first (each part's estimated seconds). A part whose estimate
 no longer fits what is left of the budget is skipped; a part still running at 1.5 times
 its estimate, or when the budget ends, is stopped, keeping the figures it wrote so far.
-Either way the reason is recorded. ``DIR/report.json`` and
+Either way the reason is recorded. The report is rewritten after every part, so a
+suite killed from outside keeps the report of what it finished. ``DIR/report.json`` and
 ``DIR/report.md`` hold the device, the torch and CUDA versions, every part's figures
 and what did not run. Each part's own JSON and log are in ``DIR`` too.
 
@@ -98,6 +99,11 @@ class Part:
     command: Callable[[bool, Path, str], list[str]]  # (tiny, folder, device) -> python's argv
 
 
+def _module(module: str, device: str, shape: list[str], out: Path) -> list[str]:
+    """python's argv for a benchmark module: ``--device``, its shape and ``--out``."""
+    return ["-m", module, "--device", device, *shape, "--out", str(out)]
+
+
 def _train(tiny: bool, folder: Path, device: str) -> list[str]:
     shape = ["--preset", "tiny", "--length", "32", "--batch", "2", "--steps", "1"]
     if tiny:
@@ -106,15 +112,7 @@ def _train(tiny: bool, folder: Path, device: str) -> list[str]:
         shape = ["--preset", "base", "--length", "512", "--batch", "32", "--steps", "20"]
         shape += ["--compiled-encodings", *COMPILED]
     shape += ["--xtransformers"]
-    return [
-        "-m",
-        "benchmarks.gpu_train",
-        "--device",
-        device,
-        *shape,
-        "--out",
-        str(folder / "train.json"),
-    ]
+    return _module("benchmarks.gpu_train", device, shape, folder / "train.json")
 
 
 def _eval(tiny: bool, folder: Path, device: str) -> list[str]:
@@ -123,15 +121,7 @@ def _eval(tiny: bool, folder: Path, device: str) -> list[str]:
         shape += ["--rounds", "1", "--encodings", *one_per_family()]
     else:
         shape = ["--preset", "base", "--train-length", "512", "--rounds", "3"]
-    return [
-        "-m",
-        "benchmarks.gpu_eval",
-        "--device",
-        device,
-        *shape,
-        "--out",
-        str(folder / "eval.json"),
-    ]
+    return _module("benchmarks.gpu_eval", device, shape, folder / "eval.json")
 
 
 def _study(tiny: bool, folder: Path, device: str) -> list[str]:
@@ -146,7 +136,7 @@ def _hf(tiny: bool, folder: Path, device: str) -> list[str]:
         size += ["--no-memory"]
     else:
         size = ["--size", "150m", "--rounds", "3"]
-    return ["-m", "benchmarks.hf_eval", "--device", device, *size, "--out", str(folder / "hf.json")]
+    return _module("benchmarks.hf_eval", device, size, folder / "hf.json")
 
 
 def _decode(tiny: bool, folder: Path, device: str) -> list[str]:
@@ -155,15 +145,7 @@ def _decode(tiny: bool, folder: Path, device: str) -> list[str]:
         shape += ["--encodings", "rope", "alibi", "--train-steps", "3", "--threads", "1"]
     else:
         shape = ["--preset", "small", "--train-length", "512", "--rounds", "3"]
-    return [
-        "-m",
-        "benchmarks.decode",
-        "--device",
-        device,
-        *shape,
-        "--out",
-        str(folder / "decode.json"),
-    ]
+    return _module("benchmarks.decode", device, shape, folder / "decode.json")
 
 
 PARTS = (
@@ -261,6 +243,15 @@ def markdown_report(report: dict[str, Any]) -> str:
         "",
         f"torch {facts['torch']}, CUDA {facts['cuda']}, budget {report['budget_s']:.0f} s, "
         f"used {report['seconds']:.0f} s{' (--tiny)' if report['tiny'] else ''}.",
+        *(
+            [
+                "",
+                "Not reached yet (the suite was still running): "
+                f"{', '.join(report['not_reached'])}.",
+            ]
+            if report["not_reached"]
+            else []
+        ),
         "",
         markdown_rows(
             ["part", "measures", "status", "seconds"],
@@ -327,21 +318,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.out.mkdir(parents=True, exist_ok=True)
     print(plan_line(args.tiny, args.budget_s, device), flush=True)
     started = time.monotonic()
-    parts = []
+    parts: list[dict[str, Any]] = []
     for part in PARTS:
         left = args.budget_s - (time.monotonic() - started)
         parts.append(run_part(part, args.tiny, args.out, device, left))
         print(f"{part.name}: {parts[-1]['status']}", flush=True)
-    report = {
-        "facts": device_facts(device),
-        "tiny": args.tiny,
-        "budget_s": args.budget_s,
-        "seconds": round(time.monotonic() - started, 1),
-        "parts": parts,
-        "targets": targets(parts),
-    }
-    (args.out / "report.json").write_text(json.dumps(report, indent=1))
-    (args.out / "report.md").write_text(markdown_report(report))
+        # Written after every part: a suite killed from outside (a device's own time
+        # limit) leaves the report of the parts it finished.
+        report = {
+            "facts": device_facts(device),
+            "tiny": args.tiny,
+            "budget_s": args.budget_s,
+            "seconds": round(time.monotonic() - started, 1),
+            "parts": parts,
+            "not_reached": [p.name for p in PARTS[len(parts) :]],
+            "targets": targets(parts),
+        }
+        (args.out / "report.json").write_text(json.dumps(report, indent=1))
+        (args.out / "report.md").write_text(markdown_report(report))
     print(f"report: {args.out / 'report.md'}", flush=True)
     return report
 

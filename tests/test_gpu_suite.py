@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -205,3 +206,30 @@ def test_the_real_runs_command_lines_are_accepted_before_a_device_is_lent(
         for process in started.values():
             process.kill()
             process.wait()
+
+
+def test_a_suite_killed_from_outside_leaves_the_report_of_the_parts_it_finished(
+    tmp_path: Path,
+) -> None:
+    suite_process = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.gpu_suite", "--tiny", "--out", str(tmp_path)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # its parts too, when it is killed
+    )
+    report_file = tmp_path / "report.json"
+    try:
+        deadline = time.monotonic() + 120
+        while not report_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        os.killpg(suite_process.pid, signal.SIGKILL)
+        suite_process.wait()
+    report = json.loads(report_file.read_text())
+    finished = [part["part"] for part in report["parts"]]
+    assert finished and finished == [p.name for p in PARTS[: len(finished)]]
+    assert report["not_reached"] == [p.name for p in PARTS[len(finished) :]]
+    assert report["parts"][0]["status"] == FINISHED
+    markdown = (tmp_path / "report.md").read_text()
+    assert "Not reached yet (the suite was still running): " in markdown

@@ -5,7 +5,6 @@ dashboard (scenarios 3 to 6 of docs/service.md#faults)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -132,16 +131,29 @@ def test_the_artifacts_disk_fills_up_while_a_checkpoint_is_written(
 
 
 def _full_disk(stage: Stage, site: Site) -> None:
-    stage.start_worker("w1")
+    # The run waits before its periodic checkpoint at step 120 (the hook in
+    # tests/faults/slow) until the disk is full: however fast it trains, that checkpoint
+    # and every later one meet the full disk.
+    gate = stage.folder / "gate"
+    stage.start_worker(
+        "w1",
+        slow=True,
+        POSBENCH_FAULTS_GATE_STEP="120",
+        POSBENCH_FAULTS_GATE_FILE=str(gate),
+    )
     stage.wait_ready("w1")
     (run_id,) = stage.submit("full-disk", 600)
     folder = stage.artifacts / "runs"
-    stage.wait_run(run_id, lambda r: r["step"] >= 100, 120, "100 steps")
+    wait_until(
+        lambda: b"waits at the gate" in stage.log("w1").read_bytes(),
+        120,
+        "the checkpoint at step 120 to wait at the gate",
+    )
     filler = stage.artifacts / "filler"
     with filler.open("wb") as handle:  # all but 256 KiB: no checkpoint fits any more
         free = os.statvfs(stage.artifacts).f_bavail * os.statvfs(stage.artifacts).f_frsize
-        with contextlib.suppress(OSError):  # a checkpoint being written took some
-            handle.write(b"\0" * max(0, free - 256 * 1024))
+        handle.write(b"\0" * max(0, free - 256 * 1024))
+    gate.touch()
     run = stage.wait_run(run_id, lambda r: r["status"] == "failed", 180, "the run to fail")
     reason = run["failure_reason"]
     print(f"a full artifacts disk: the run failed with: {reason}")
@@ -153,8 +165,8 @@ def _full_disk(stage: Stage, site: Site) -> None:
     done = stage.cli("retry", str(_study(stage)))
     assert done.returncode == 0, done.stderr
     run = stage.wait_run(run_id, lambda r: r["status"] == "done", 180, "the retried run")
-    resumed = run["provenance"]["resumed_from_step"]
-    assert resumed % 20 == 0 and 100 <= resumed < 600  # the last whole checkpoint
+    # The last whole checkpoint: step 100, the one before the gate.
+    assert run["provenance"]["resumed_from_step"] == 100
     assert_whole(stage, run_id, site.reference(600))
 
 
