@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -233,3 +235,88 @@ def test_a_suite_killed_from_outside_leaves_the_report_of_the_parts_it_finished(
     assert report["parts"][0]["status"] == FINISHED
     markdown = (tmp_path / "report.md").read_text()
     assert "Not reached yet (the suite was still running): " in markdown
+
+
+PROBE = """
+import atexit, os, sys
+
+def _record():
+    from importlib import metadata
+    owners = metadata.packages_distributions()
+    names = {d for m in list(sys.modules) for d in owners.get(m.partition(".")[0], [])}
+    with open(os.environ["IMPORTED_DISTRIBUTIONS"], "a") as out:
+        out.write("".join(name + "\\n" for name in names))
+
+atexit.register(_record)
+"""
+
+
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name.strip()).lower()
+
+
+def _listed(path: Path) -> list[str]:
+    lines = (line.partition("#")[0].strip() for line in path.read_text().splitlines())
+    return [line for line in lines if line]
+
+
+def test_the_device_script_runs_the_suite_and_brings_back_what_the_device_tool_returns(
+    tmp_path: Path,
+) -> None:
+    """``gpu_device.sh run --tiny`` on the CPU (no wheels): what comes back fits the device
+    tool's limits, and every distribution any part imported is in the device's image or
+    among the wheels ``prepare`` fetches (a probe on PYTHONPATH records them)."""
+    out, probe = tmp_path / "out", tmp_path / "probe"
+    out.mkdir()
+    probe.mkdir()
+    (probe / "sitecustomize.py").write_text(PROBE)
+    imported = tmp_path / "imported.txt"
+    env = {
+        **os.environ,
+        "OUT": str(out),
+        "WHEELS": str(tmp_path / "no-wheels"),
+        "SUITE_DIR": str(tmp_path / "suite"),
+        "PYTHON": sys.executable,
+        "PYTHONPATH": str(probe),
+        "IMPORTED_DISTRIBUTIONS": str(imported),
+    }
+    done = subprocess.run(
+        ["bash", "benchmarks/gpu_device.sh", "run", "--tiny"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    names = sorted(path.name for path in out.iterdir())
+    assert names == ["gpu-suite.tar.gz", "report.json", "report.md", "study-results.json"]
+    assert all(path.stat().st_size < 16 * 2**20 for path in out.iterdir())
+    parse_results((out / "study-results.json").read_bytes())
+    with tarfile.open(out / "gpu-suite.tar.gz") as archive:
+        members = [Path(name) for name in archive.getnames()]
+    assert {"train.json", "eval.json", "hf.json", "decode.json", "study.log"} <= {
+        member.name for member in members
+    }
+    assert not [member for member in members if "home" in member.parts]  # checkpoints
+    # The import closure: the image's distributions, the carried wheels, posbench itself.
+    image = _listed(ROOT / "benchmarks" / "gpu_device_image.txt")
+    aliases = dict(
+        (_normal(a), _normal(b)) for a, _, b in (line.partition("=") for line in image) if b
+    )
+    there = {_normal(line) for line in image if "=" not in line}
+    carried = {
+        _normal(line.split("==")[0]) for line in _listed(ROOT / "benchmarks" / "gpu_device.txt")
+    }
+    seen = {_normal(name) for name in imported.read_text().split()}
+    assert {"torch", "x-transformers", "sqlalchemy", "transformers"} <= seen  # it recorded
+    missing = {name for name in seen if aliases.get(name, name) not in there | carried}
+    assert missing <= {"posbench"}, f"not on the device nor carried: {sorted(missing)}"
+
+
+def test_the_carried_wheels_are_the_versions_the_tests_run_with() -> None:
+    from importlib import metadata
+
+    for line in _listed(ROOT / "benchmarks" / "gpu_device.txt"):
+        name, _, version = line.partition("==")
+        assert metadata.version(name) == version, line
