@@ -59,7 +59,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import Contender, interleave, peak_bytes, quartiles
+from benchmarks.harness import (
+    Contender,
+    cuda_peak_bytes,
+    interleave,
+    peak_bytes,
+    quartiles,
+    synchronize,
+)
 from jobs.render.tables import markdown_rows
 
 REFERENCE = "transformers"
@@ -139,11 +146,6 @@ def export(model: Any, encoding: str, plan: Plan, folder: Path) -> Any:
     return hf.eval()
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @dataclass
 class Outcome:
     """A contender's last call: its new tokens and the bytes its cache held."""
@@ -162,7 +164,7 @@ def posbench_work(model: Any, plan: Plan, length: int, outcome: Outcome) -> Call
         with torch.inference_mode():
             cache = new_cache(model, plan.batch, length)
             outcome.tokens = greedy(model, prompt, new, cache)
-        _synchronize(plan.device)
+        synchronize(plan.device)
         outcome.kv_bytes = cache.nbytes() * plan.batch
         return plan.batch * new
 
@@ -183,7 +185,7 @@ def transformers_work(hf: Any, plan: Plan, length: int, outcome: Outcome) -> Cal
                 use_cache=True,
                 return_dict_in_generate=True,
             )
-        _synchronize(plan.device)
+        synchronize(plan.device)
         outcome.tokens = out.sequences[:, prompt.shape[1] :]
         outcome.kv_bytes = _cache_bytes(getattr(out, "cache", None) or out.past_key_values)
         return plan.batch * new
@@ -255,12 +257,7 @@ def release_free_heap() -> bool:
 def peak_memory(device: torch.device, run: Callable[[], object]) -> int:
     """Peak bytes of one ``run`` above what was allocated (CUDA) or resident (CPU)."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        run()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - before
+        return cuda_peak_bytes(device, run)
     release_free_heap()
     return peak_bytes(run)
 

@@ -34,18 +34,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.harness import xtransformers_model
+from benchmarks.harness import cuda_peak_bytes, synchronize, xtransformers_model
 from jobs.render.tables import markdown_rows
 from worker.catalog.encodings import REGISTRY
 from worker.encodings.base import PositionOutOfRange
 from worker.model import PRESETS, build_model
 
 MIB = 2**20
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def forward_pass(model: nn.Module, tokens: torch.Tensor) -> Callable[[], None]:
@@ -66,13 +61,7 @@ def pass_memory(run: Callable[[], None], device: torch.device) -> float | None:
     """MiB one pass allocates above what was allocated before it: the CUDA allocator's
     peak. None on the CPU, where freed pages are reused in place and an in-process
     peak says little (``benchmarks.eval_length`` measures it in fresh processes)."""
-    if device.type != "cuda":
-        return None
-    synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    run()
-    return (torch.cuda.max_memory_allocated(device) - before) / MIB
+    return cuda_peak_bytes(device, run) / MIB if device.type == "cuda" else None
 
 
 def measure_point(

@@ -280,7 +280,7 @@ def markdown_report(report: dict[str, Any]) -> str:
         if rows:
             columns = list(dict.fromkeys(key for row in rows for key in row))
             lines += ["", f"## {part['part']}", ""]
-            if "train" in figures:  # the study: how it was trained, and where its results are
+            if "results" in figures:  # the study: how it was trained, where its results are
                 train = figures["train"]
                 lines += [
                     f"`{figures['model']}` trained {train['steps']} steps of "

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import xtransformers_model
+from benchmarks.harness import synchronize, xtransformers_model
 from jobs.render.tables import markdown_rows
 from worker.catalog.encodings import REGISTRY
 from worker.model import PRESETS, build_model
@@ -80,19 +80,15 @@ def measure(
         loss.backward()
         optimizer.step()
 
-    def synchronize() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     started = time.perf_counter()
     for _ in range(3):  # warm-up: compilation, autotuning, allocator
         step()
-    synchronize()
+    synchronize(device)
     warmup = time.perf_counter() - started
     started = time.perf_counter()
     for _ in range(steps):
         step()
-    synchronize()
+    synchronize(device)
     elapsed = time.perf_counter() - started
     rate = steps * batch * length / elapsed
     return {

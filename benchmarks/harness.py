@@ -160,6 +160,22 @@ def interleave(
     return statistics.median(references)
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU): before a clock is read."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def cuda_peak_bytes(device: torch.device, run: Callable[[], object]) -> int:
+    """The CUDA allocator's peak while ``run`` runs, above what was allocated before it."""
+    synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    run()
+    synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
 def peak_bytes(run: Callable[[], object]) -> int:
     """Peak resident memory while ``run`` runs, above what the process held before.
 

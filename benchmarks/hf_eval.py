@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.harness import Contender, interleave, peak_bytes, quartiles
+from benchmarks.harness import Contender, cuda_peak_bytes, interleave, peak_bytes, quartiles
 from benchmarks.hf_build import NAME, SIZES, Size, generated_documents, save_model, text_task
 from jobs.render.tables import markdown_rows
 
@@ -215,12 +215,7 @@ def peak_memory(setup: Setup, run: Callable[[], object]) -> int:
     """Peak bytes of one ``run`` above what was allocated (CUDA) or resident (CPU)
     before it."""
     if setup.device.type == "cuda":
-        torch.cuda.synchronize(setup.device)
-        before = torch.cuda.memory_allocated(setup.device)
-        torch.cuda.reset_peak_memory_stats(setup.device)
-        run()
-        torch.cuda.synchronize(setup.device)
-        return torch.cuda.max_memory_allocated(setup.device) - before
+        return cuda_peak_bytes(setup.device, run)
     return peak_bytes(run)
 
 
