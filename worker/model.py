@@ -19,7 +19,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from worker.catalog.models import MODEL_PRESETS
+from worker.attention import (
+    MAX_FLEX_SHAPES,
+    Choice,
+    Kernel,
+    Notes,
+    choose,
+    fits_compiled,
+    flex,
+    score_mod,
+)
+from worker.catalog.models import ATTN_IMPLEMENTATIONS, MODEL_PRESETS
 from worker.catalog.params import is_positive_int
 from worker.diagnostics import AttentionProbe, LayerProbe, logn_factors, scale_rows
 from worker.encodings import build
@@ -96,14 +106,21 @@ class AttentionBias:
         device: torch.device,
         budget: int = SCORE_BUDGET,
         causal: bool = True,
+        written: bool | None = None,
     ) -> None:
         self.encoding = encoding
         self.causal = causal
         self.dtype = dtype
         self.device = device
         per_row = batch_size * encoding.n_heads * length
-        learned = torch.is_grad_enabled() and any(p.requires_grad for p in encoding.parameters())
-        longest = WRITTEN_OUT_BLOCK_ROWS if written_out(device, learned) else MAX_BLOCK_ROWS
+        if written is None:
+            learned = torch.is_grad_enabled() and any(
+                p.requires_grad for p in encoding.parameters()
+            )
+            written = written_out(device, learned)
+        # Whether each block's scores are written out (eager) or go through SDPA.
+        self.written = written
+        longest = WRITTEN_OUT_BLOCK_ROWS if written else MAX_BLOCK_ROWS
         self.block_rows = max(1, min(length, longest, budget // per_row))
         by_distance = getattr(encoding, "distance_bias", None) if causal else None
         self.by_distance = by_distance(length) if by_distance is not None else None
@@ -151,12 +168,33 @@ def written_out_biased_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) 
     return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
-def biased_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
+def biased_attention(
+    q: Tensor, k: Tensor, v: Tensor, bias: Tensor, written: bool | None = None
+) -> Tensor:
     """softmax(q k^T / sqrt(d) + bias) v for ``bias`` of shape [heads, queries, keys],
-    by whichever path ``written_out`` picks."""
-    if written_out(q.device, bias.requires_grad):
+    written out or through SDPA (``written``; None: whichever ``written_out`` picks)."""
+    if written is None:
+        written = written_out(q.device, bias.requires_grad)
+    if written:
         return written_out_biased_attention(q, k, v, bias)
     return fused_biased_attention(q, k, v, bias)
+
+
+def written_out_causal_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
+    """Attention without a bias, the scores written out (``eager``): causal in blocks of
+    query rows (block [s, e) needs keys [0, e) only), or both ways at once."""
+    length = q.shape[-2]
+    if not causal:
+        return written_out_biased_attention(q, k, v, q.new_zeros(1, length, length))
+    blocks = []
+    for start in range(0, length, WRITTEN_OUT_BLOCK_ROWS):
+        end = min(length, start + WRITTEN_OUT_BLOCK_ROWS)
+        future = torch.ones(end - start, end, dtype=torch.bool, device=q.device).triu(start + 1)
+        mask = q.new_zeros(end - start, end).masked_fill(future, float("-inf"))
+        blocks.append(
+            written_out_biased_attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end], mask)
+        )
+    return torch.cat(blocks, dim=2)
 
 
 class _SplitHeads(torch.autograd.Function):
@@ -256,10 +294,12 @@ class CausalSelfAttention(nn.Module):
         causal: bool = True,
         factors: Tensor | None = None,
         probe: LayerProbe | None = None,
+        kernel: Kernel | None = None,
     ) -> Tensor:
         """Causal self-attention; ``causal=False`` (probes only) attends both ways,
         with ``attn_bias`` built non-causal to match. ``factors`` (log-n scaling) multiply
-        each query's logits; ``probe`` reads the attention of sampled queries."""
+        each query's logits; ``probe`` reads the attention of sampled queries; ``kernel``
+        says which implementation runs (default: sdpa, or the bias's own choice)."""
         batch, length, d_model = x.shape
         q, k, v = split_heads(self.qkv(x), self.n_heads, tables)  # each [B, H, T, head_dim]
         q = scale_rows(q, factors)
@@ -278,15 +318,20 @@ class CausalSelfAttention(nn.Module):
                 factors=factors,
                 source=attn_bias if attn_bias is not None else tables,
             )
+        written = attn_bias.written if attn_bias is not None else None
         if decay is not None:
             if not causal:
                 raise ValueError("xPos's decay beyond one table's span is causal only")
             y = decayed_attention(q, k, v, decay)
+        elif kernel is not None and kernel.implementation == "flex_attention":
+            y = flex(q, k, v, kernel.score_mod, causal=causal)
         elif attn_bias is None:
-            # No bias: the fused causal kernel (flash) serves.
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            if kernel is not None and kernel.implementation == "eager":
+                y = written_out_causal_attention(q, k, v, causal)
+            else:  # no bias: the fused causal kernel (flash) serves
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         elif not causal:
-            y = biased_attention(q, k, v, attn_bias.full)
+            y = biased_attention(q, k, v, attn_bias.full, written)
         else:
             # Queries in blocks; block [s, e) only needs keys up to e.
             blocks = []
@@ -296,7 +341,9 @@ class CausalSelfAttention(nn.Module):
                 if factors is not None:
                     bias = scale_rows(bias, factors[start:end])
                 blocks.append(
-                    biased_attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end], bias)
+                    biased_attention(
+                        q[:, :, start:end], k[:, :, :end], v[:, :, :end], bias, written
+                    )
                 )
             y = torch.cat(blocks, dim=2)
         y = y.transpose(1, 2).reshape(batch, length, d_model)
@@ -329,8 +376,9 @@ class Block(nn.Module):
         attn_bias: AttentionBias | None,
         factors: Tensor | None = None,
         probe: LayerProbe | None = None,
+        kernel: Kernel | None = None,
     ) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), tables, attn_bias, True, factors, probe)
+        x = x + self.attn(self.attn_norm(x), tables, attn_bias, True, factors, probe, kernel)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -355,6 +403,11 @@ class Transformer(nn.Module):
         # Log-n scaling past this length, and the attention probe (worker.diagnostics).
         self.logn_length: int | None = None
         self.probe: AttentionProbe | None = None
+        # Which attention implementation to run (worker.attention), what ran in training
+        # and in evaluation (a run's provenance), and the fallbacks already told.
+        self.attn_implementation = "auto"
+        self.attention_ran: dict[str, list[str]] = {"train": [], "eval": []}
+        self.attention_notes = Notes()
         self._init_weights(seed)
 
     def _init_weights(self, seed: int) -> None:
@@ -387,16 +440,6 @@ class Transformer(nn.Module):
         positions = self.encoding.positions(batch, length, tokens.device)
         x = self.token_embedding(tokens) * math.sqrt(self.config.d_model)
         x = self.encoding.embed(x, positions)
-        attn_bias = None
-        if self.encoding.has_bias:
-            dtype = (
-                torch.get_autocast_dtype(tokens.device.type)
-                if torch.is_autocast_enabled(tokens.device.type)
-                else x.dtype
-            )
-            attn_bias = AttentionBias(
-                self.encoding, length, batch, dtype, tokens.device, self.attention_score_budget
-            )
         # Rotary tables, like the bias, are built once per pass and shared by the layers.
         tables = self.encoding.rotary_tables(positions)
         if tables is not None and tables.decay is not None:
@@ -407,15 +450,93 @@ class Transformer(nn.Module):
         factors = None
         if self.logn_length is not None:
             factors = logn_factors(length, self.logn_length, tokens.device)
+        dtype = (
+            torch.get_autocast_dtype(tokens.device.type)
+            if torch.is_autocast_enabled(tokens.device.type)
+            else x.dtype
+        )
+        decaying = tables is not None and tables.decay is not None
+        kernel = self.attention_kernel(batch, length, tokens.device, dtype, factors, decaying)
+        attn_bias = None
+        # The probe reads bias rows beside the fused kernel too.
+        if self.encoding.has_bias and (
+            kernel.implementation != "flex_attention" or self.probe is not None
+        ):
+            attn_bias = AttentionBias(
+                self.encoding,
+                length,
+                batch,
+                dtype,
+                tokens.device,
+                self.attention_score_budget,
+                written=kernel.implementation == "eager",
+            )
         for i, block in enumerate(self.blocks):
             probe = LayerProbe(self.probe, i) if self.probe is not None else None
-            x = block(x, tables, attn_bias, factors, probe)
+            x = block(x, tables, attn_bias, factors, probe, kernel)
         x = self.final_norm(x)
         # Weight tying: the output layer is the token embedding (Press & Wolf 2017). In
         # float32 even under bf16 autocast: bf16 logits bias the loss (by up to 6e-4
         # nats per byte), and with 256 bytes the head is a tiny matmul.
         with torch.autocast(x.device.type, enabled=False):
             return F.linear(x.float(), self.token_embedding.weight.float())
+
+    def attention_choice(
+        self, device: torch.device, decaying: bool = False, backward: bool | None = None
+    ) -> Choice:
+        """What ``attn_implementation`` runs as for this encoding on ``device``, with a
+        backward to follow (default: whether gradients are on) or not."""
+        encoding = self.encoding
+        return choose(
+            self.attn_implementation,
+            device=device,
+            has_bias=encoding.has_bias,
+            fusable=encoding.fusable,
+            backward=torch.is_grad_enabled() if backward is None else backward,
+            learned=any(p.requires_grad for p in encoding.parameters()),
+            decay=decaying,
+        )
+
+    def attention_kernel(
+        self,
+        batch: int,
+        length: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        factors: Tensor | None = None,
+        decaying: bool = False,
+    ) -> Kernel:
+        """This pass's attention: the implementation (recorded, its fallback told once)
+        and, for flex, the encoding's bias as a score_mod built for ``length``."""
+        choice = self.attention_choice(device, decaying)
+        encoding = self.encoding
+        compiling = torch.compiler.is_compiling()
+        if choice.implementation == "flex_attention" and not compiling:
+            bias_form = type(encoding).__name__ if encoding.has_bias else None
+            shape = (batch, encoding.n_heads, length, encoding.head_dim, dtype, device.type)
+            if not fits_compiled((*shape, bias_form, factors is not None)):
+                note = f"over {MAX_FLEX_SHAPES} flex_attention shapes compiled: this one on sdpa"
+                choice = Choice("sdpa", note)
+        if not compiling:
+            self.note_attention(choice, backward=torch.is_grad_enabled())
+        if choice.implementation == "flex_attention" and encoding.has_bias:
+            return Kernel(choice.implementation, score_mod(encoding.bias_mod(length), factors))
+        return Kernel(choice.implementation)
+
+    def note_attention(self, choice: Choice, backward: bool) -> None:
+        """Record what ran (training: a pass with a backward) and tell its note once."""
+        ran = self.attention_ran["train" if backward and self.training else "eval"]
+        if choice.implementation not in ran:
+            ran.append(choice.implementation)
+        self.attention_notes.tell(choice.note)
+
+    def attention_record(self) -> dict[str, str | None]:
+        """What the provenance says: the requested implementation and what trained and
+        evaluated this model (several, comma-separated, where lengths differed)."""
+        return {
+            "requested": self.attn_implementation,
+            **{phase: ", ".join(ran) or None for phase, ran in self.attention_ran.items()},
+        }
 
     @contextlib.contextmanager
     def scaled(
@@ -469,9 +590,16 @@ def build_model(
     *,
     train_length: int,
     seed: int = 0,
+    attn_implementation: str = "auto",
     **encoding_params: object,
 ) -> Transformer:
-    """A model with ``encoding``; weights the encoding does not own depend on ``seed`` only."""
+    """A model with ``encoding``; weights the encoding does not own depend on ``seed`` only;
+    ``attn_implementation`` (worker.attention) says how its attention runs."""
+    if attn_implementation not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(
+            f"attn_implementation must be one of {', '.join(ATTN_IMPLEMENTATIONS)}, "
+            f"got {attn_implementation!r}"
+        )
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise ValueError(f"seed must be an integer in [0, 2^63), got {seed!r}")
     if isinstance(config, str):
@@ -492,4 +620,6 @@ def build_model(
             train_length=train_length,
             **encoding_params,
         )
-    return Transformer(config, position_encoding, seed=seed)
+    model = Transformer(config, position_encoding, seed=seed)
+    model.attn_implementation = attn_implementation
+    return model

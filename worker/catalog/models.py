@@ -11,3 +11,7 @@ MODEL_PRESETS: dict[str, dict[str, int]] = {
     "base": {"d_model": 512, "n_layers": 8, "n_heads": 8},
     "large": {"d_model": 768, "n_layers": 12, "n_heads": 12},
 }
+
+# How attention executes (worker.attention): named as HF transformers names them. An
+# execution choice like the device: no number changes beyond rounding, no hash either.
+ATTN_IMPLEMENTATIONS: tuple[str, ...] = ("auto", "eager", "sdpa", "flex_attention")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from worker.encodings.base import PositionEncoding, relative_distance
+from worker.encodings.base import BiasMod, PositionEncoding, relative_distance
 
 
 def alibi_slopes(n_heads: int) -> list[float]:
@@ -47,3 +47,12 @@ class ALiBi(PositionEncoding):
         """``[heads, length]``: the bias at distance 0..length-1 (a Toeplitz encoding)."""
         distance = torch.arange(length, device=self.slopes.device, dtype=torch.float32)
         return -self.slopes[:, None] * distance
+
+    def bias_mod(self, length: int, causal: bool = True) -> BiasMod:
+        """-m_h |i - j| computed in the kernel: nothing to read but the slopes."""
+        slopes = self.slopes
+
+        def alibi(h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+            return -slopes[h] * (q - k).abs()
+
+        return alibi

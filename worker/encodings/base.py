@@ -6,13 +6,16 @@
   ``rotate(q, k, positions)`` applies them);
 - ``bias(q_len, k_len)``: relative encodings return an additive attention bias
   ``[heads, q_len, k_len]`` for queries that are the *last* ``q_len`` of
-  ``k_len`` positions, so the model can ask for one block of query rows at a time.
+  ``k_len`` positions, so the model can ask for one block of query rows at a time;
+  ``bias_mod(length)`` says the same bias once more as a function of (head, query,
+  key) index tensors, the form a fused kernel takes (FlexAttention's ``score_mod``).
 
 Every hook defaults to "do nothing"; a family overrides only what it needs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -22,6 +25,10 @@ from worker.catalog.params import EncodingConfigError, is_positive_int, short_re
 
 if TYPE_CHECKING:
     from worker.encodings.rope import RotaryTables
+
+
+# (head, query, key) index tensors -> the bias of those pairs (the score_mod's addend).
+BiasMod = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 class PositionOutOfRange(ValueError):
@@ -73,6 +80,20 @@ class PositionEncoding(nn.Module):
     def bias(self, q_len: int, k_len: int) -> Tensor | None:
         return None
 
+    @property
+    def fusable(self) -> bool:
+        """Whether the bias has a fused form (``bias_mod``)."""
+        return type(self).bias_mod is not PositionEncoding.bias_mod
+
+    def bias_mod(self, length: int, causal: bool = True) -> BiasMod | None:
+        """``bias`` of a sequence of ``length`` as a function of (head, query, key) index
+        tensors, evaluated inside the fused kernel: whatever it reads is built here, once
+        per pass, as per-head or per-distance tensors (never 0-d; learned ones get their
+        gradient through the kernel). The kernel also evaluates it above the diagonal,
+        where the causal mask drops it: indices stay in range there. ``causal=False``:
+        the two-way probes' bias. None: no bias, or no fused form."""
+        return None
+
     def extra_repr(self) -> str:
         return f"n_heads={self.n_heads}, head_dim={self.head_dim}, train_length={self.train_length}"
 
@@ -90,6 +111,20 @@ def relative_distance(q_len: int, k_len: int, device: torch.device) -> Tensor:
     q_pos = torch.arange(k_len - q_len, k_len, device=device, dtype=torch.float32)
     k_pos = torch.arange(k_len, device=device, dtype=torch.float32)
     return q_pos[:, None] - k_pos[None, :]
+
+
+def distance_mod(by_distance: Tensor, symmetric: bool) -> BiasMod:
+    """The bias of a Toeplitz encoding, ``by_distance[h, i - j]`` for query i and key j.
+    A future key (j > i) reads distance |i - j| when the encoding is ``symmetric`` (ALiBi,
+    KERPLE: the two-way probes' bias) and 0 otherwise (T5 puts it in bucket 0)."""
+    table = by_distance.contiguous()
+
+    def at_distance(h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        distance = q - k
+        distance = distance.abs() if symmetric else distance.clamp(min=0)
+        return table[h, distance]
+
+    return at_distance
 
 
 def check_even(owner: str, what: str, value: int) -> None:

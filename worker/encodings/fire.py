@@ -18,7 +18,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from worker.encodings.base import PositionEncoding, relative_distance
+from worker.encodings.base import BiasMod, PositionEncoding, relative_distance
+
+# Cells of the grid on which the fused kernel reads f (``FIRE.bias_mod``): f is linear
+# inside a cell holding no knot and off by at most |slope change| x cell / 4 in the <= width
+# cells holding one (about 4e-6 for a slope change of 1 over [0, 1]).
+GRID_CELLS = 1 << 16
 
 
 class FIRE(PositionEncoding):
@@ -64,6 +69,31 @@ class FIRE(PositionEncoding):
 
     def bias(self, q_len: int, k_len: int) -> Tensor:
         return self.piecewise_bias(self.normalized_distance(q_len, k_len))
+
+    def bias_mod(self, length: int, causal: bool = True) -> BiasMod:
+        """f read off a grid: per pass, f at ``GRID_CELLS + 1`` evenly spaced points of the
+        normalised distances a key can have ([0, 1] for past keys; the two-way probes'
+        future keys reach psi(T - 1) / psi(L)), and per pair the normalised distance from
+        two per-position tables (psi of the distance, the query's normaliser), then a linear
+        interpolation between the two grid points around it. An MLP per pair would cost
+        width multiply-adds and, in training, width atomic adds per score; the grid costs
+        two reads, and its gradient reaches the MLP through the grid values, c and L
+        through the two tables."""
+        position = torch.arange(length, device=self.c.device, dtype=torch.float32)
+        normaliser = self.psi(torch.maximum(position, self.threshold)) + self.eps
+        psi_distance = self.psi(position)
+        span = 1.0 if causal else float(max(1.0, psi_distance[-1] / normaliser[0]))
+        grid = torch.linspace(0.0, span, GRID_CELLS + 1, device=self.c.device)
+        values = self.piecewise_bias(grid[None, :])[:, 0, :]  # [H, cells + 1]
+        rise = values[:, 1:] - values[:, :-1]  # [H, cells]: f's change across each cell
+        in_cells = psi_distance * (GRID_CELLS / span)  # the distance's psi, in cells
+
+        def fire(h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+            t = in_cells[(q - k).abs()] / normaliser[q]
+            cell = t.floor().clamp(0, GRID_CELLS - 1).to(torch.int64)
+            return values[h, cell] + rise[h, cell] * (t - cell)
+
+        return fire
 
     def pieces(self) -> tuple[Tensor, Tensor]:
         """f as the piecewise-linear function it is: ``(knots [m], table [m+1, 2H])``,

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from worker.encodings.base import PositionEncoding, relative_distance
+from worker.encodings.base import BiasMod, PositionEncoding, distance_mod, relative_distance
 
 EPS = 1e-2  # the floor the reference implementation clamps to
 POWER_MAX = 2.0
@@ -53,6 +53,11 @@ class _Kerple(PositionEncoding):
         """``[heads, length]``: the bias at distance 0..length-1 (a Toeplitz encoding)."""
         distance = torch.arange(length, device=self.raw_r1.device, dtype=torch.float32)
         return self.kernel(distance[None, :])[:, 0]
+
+    def bias_mod(self, length: int, causal: bool = True) -> BiasMod:
+        """The kernel at every distance, computed once per pass (its gradient reaches r1
+        and r2 through it) and read per pair."""
+        return distance_mod(self.distance_bias(length), symmetric=True)
 
     def __init__(self, **dims: int) -> None:
         super().__init__(**dims)

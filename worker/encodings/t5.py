@@ -16,7 +16,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from worker.encodings.base import PositionEncoding, relative_distance
+from worker.encodings.base import BiasMod, PositionEncoding, distance_mod, relative_distance
 
 
 def t5_bucket(distance: Tensor, num_buckets: int = 32, max_distance: int = 128) -> Tensor:
@@ -50,3 +50,8 @@ class T5Bias(PositionEncoding):
         """``[heads, length]``: the bias at distance 0..length-1 (a Toeplitz encoding)."""
         distance = torch.arange(length, device=self.table.device)
         return self.table[t5_bucket(distance, self.num_buckets, self.max_distance)].T
+
+    def bias_mod(self, length: int, causal: bool = True) -> BiasMod:
+        """The table read per distance (``distance_bias``); future keys fall in bucket 0,
+        as in ``t5_bucket``. The gradient reaches the table through the gather."""
+        return distance_mod(self.distance_bias(length), symmetric=False)
