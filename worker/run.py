@@ -194,6 +194,7 @@ def build_run_model(spec: StudySpec, run: RunSpec) -> Transformer:
         run.encoding.name,
         train_length=spec.train.length,
         seed=run.seed,
+        attn_implementation=spec.model.attn_implementation,
         **run.encoding.params,
     )
 
@@ -326,6 +327,7 @@ def run_one(
         train=trained,
         evaluations=rows,
         provenance=provenance(device, run.seed, task.fingerprint)
+        | {"attn_implementation": model.attention_record()}
         | ({"finetune": tuner.records} if tuner.records else {}),
         order=order,
     )

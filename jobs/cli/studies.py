@@ -26,6 +26,8 @@ from jobs.cli.common import (
 from jobs.render.terminal import console as terminal
 from jobs.render.terminal import notes, styled
 from jobs.status import ACTIVE, RUN_STATUSES, STOPPING, RunStatus
+from worker.catalog.models import ATTN_IMPLEMENTATIONS
+from worker.catalog.params import short_repr
 
 
 @app.command()
@@ -90,9 +92,28 @@ def run(
     device: Annotated[
         str | None, typer.Option("--device", help="cpu, cuda or cuda:N (default: auto).")
     ] = None,
+    attn_implementation: Annotated[
+        str | None,
+        typer.Option(
+            "--attn-implementation",
+            help=f"{', '.join(ATTN_IMPLEMENTATIONS)}: how attention runs (default: the "
+            "spec's model.attn_implementation, auto); no number changes beyond rounding.",
+        ),
+    ] = None,
 ) -> None:
     """Run a study in this process (no broker, no database): train, evaluate, report."""
     spec, told = _load(spec_file, preset)
+    if attn_implementation is not None:
+        if attn_implementation not in ATTN_IMPLEMENTATIONS:
+            fail(
+                f"--attn-implementation must be one of {', '.join(ATTN_IMPLEMENTATIONS)}, "
+                f"got {short_repr(attn_implementation)}",
+                code=2,
+            )
+        if spec.model.hf is not None and attn_implementation != "auto":
+            fail("--attn-implementation applies to posbench's own models, not a model.hf", code=2)
+        model = spec.model.model_copy(update={"attn_implementation": attn_implementation})
+        spec = spec.model_copy(update={"model": model})
     from jobs.runner import run_in_process
 
     run_in_process(spec, as_json=as_json, out=out, device=device, told=told)

@@ -21,7 +21,7 @@ from jobs.spec.base import (
 from worker.catalog.corpora import SourcePolicy
 from worker.catalog.encodings import REGISTRY, info
 from worker.catalog.hf_models import HF_ENCODING, MAX_NAME
-from worker.catalog.models import MODEL_PRESETS
+from worker.catalog.models import ATTN_IMPLEMENTATIONS, MODEL_PRESETS
 from worker.catalog.params import short_repr
 from worker.catalog.tasks import DEFAULT_TASK, TASKS, task_info
 
@@ -83,6 +83,13 @@ class ModelSpec(_Strict):
         description="a HuggingFace causal LM to evaluate as it is: a folder in a models root "
         "or, where an operator allows it, a hub id (docs/evaluate-your-own-model.md)",
     )
+    attn_implementation: Literal[ATTN_IMPLEMENTATIONS] = Field(  # type: ignore[valid-type]
+        "auto",
+        description="how attention runs: eager (scores written out), sdpa, flex_attention "
+        "(the bias as a fused score_mod), or auto (flex on CUDA for an encoding with a bias, "
+        "sdpa otherwise); changes no number beyond rounding and no hash, and results.json "
+        "records what trained and evaluated each run (docs/performance.md)",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -136,6 +143,11 @@ class ModelSpec(_Strict):
             raise ValueError(
                 f"model.hf may not contain {' '.join(markup)} (a folder name or a hub id has "
                 f"none of {' '.join(NOT_IN_MODEL_NAMES)})"
+            )
+        if self.attn_implementation != "auto":
+            raise ValueError(
+                "model.attn_implementation applies to posbench's own models; a model.hf "
+                "runs as transformers runs it (sdpa)"
             )
         given = [
             name

@@ -289,6 +289,9 @@ class Trainer:
         if spec.min_length is not None:  # drawn from the data generator: same for every run
             bounds = (spec.min_length, spec.length + 1)
             length = int(torch.randint(*bounds, (1,), generator=self.data_rng))
+        if spec.compile and not self.model.attention_ran["train"]:
+            # A compiled forward runs no Python to record what attention it traced.
+            self.model.note_attention(self.model.attention_choice(self.device, backward=True), True)
         for _ in range(spec.grad_accum):
             batch = self.task.train_batch(spec.batch_size, length, self.data_rng).to(self.device)
             with self._autocast:
