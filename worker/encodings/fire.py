@@ -15,6 +15,8 @@ progressive interpolation would first act at evaluation.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
@@ -82,15 +84,17 @@ class FIRE(PositionEncoding):
         position = torch.arange(length, device=self.c.device, dtype=torch.float32)
         normaliser = self.psi(torch.maximum(position, self.threshold)) + self.eps
         psi_distance = self.psi(position)
-        span = 1.0 if causal else float(max(1.0, psi_distance[-1] / normaliser[0]))
-        grid = torch.linspace(0.0, span, GRID_CELLS + 1, device=self.c.device)
+        # Cells of the same width over a longer span for the probes' future keys.
+        span = 1 if causal else math.ceil(float(psi_distance[-1] / normaliser[0]))
+        cells = GRID_CELLS * span
+        grid = torch.linspace(0.0, span, cells + 1, device=self.c.device)
         values = self.piecewise_bias(grid[None, :])[:, 0, :]  # [H, cells + 1]
         rise = values[:, 1:] - values[:, :-1]  # [H, cells]: f's change across each cell
-        in_cells = psi_distance * (GRID_CELLS / span)  # the distance's psi, in cells
+        in_cells = psi_distance * (cells / span)  # the distance's psi, in cells
 
         def fire(h: Tensor, q: Tensor, k: Tensor) -> Tensor:
             t = in_cells[(q - k).abs()] / normaliser[q]
-            cell = t.floor().clamp(0, GRID_CELLS - 1).to(torch.int64)
+            cell = t.floor().clamp(0, cells - 1).to(torch.int64)
             return values[h, cell] + rise[h, cell] * (t - cell)
 
         return fire
