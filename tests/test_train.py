@@ -590,3 +590,30 @@ def test_the_checkpoint_format_is_unchanged(task, tmp_path: Path) -> None:
         2,
     )
     assert set(state["interval"]) == {"loss_sum", "steps"}
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize(("task_name", "encoding"), [("lm", "rope"), ("copy", "nope")])
+def test_a_compiled_training_step_is_one_graph_that_trains_as_eager(
+    task_name: str, encoding: str, tmp_path: Path
+) -> None:
+    """train.compile traces forward and loss as one graph (AOTAutograd compiles the
+    backward with it): no graph break, so nothing waits for the device inside a step; the
+    scored targets of a synthetic task are weighted, not selected. Same curve as eager."""
+    from torch._dynamo.utils import counters
+
+    chosen = build_task(task_name)
+    chosen.prepare(tmp_path)
+    curves = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        model = build_model("tiny", encoding, train_length=16, seed=0)
+        spec = TrainSpec(length=16, steps=6, batch_size=4, progress_every=1, compile=compiled)
+        curves[compiled] = [p.loss for p in train(model, chosen, spec, seed=0, device=CPU).curve]
+        if compiled:
+            assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+            assert counters["stats"]["unique_graphs"] >= 1
+    assert curves[True] == pytest.approx(curves[False], rel=1e-4)
+    torch._dynamo.reset()

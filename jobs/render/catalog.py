@@ -8,7 +8,7 @@ from pathlib import Path
 
 from worker.catalog.encodings import REGISTRY, SCALINGS, TEMPERATURES, EncodingInfo
 
-ENCODING_COLUMNS = ("name", "family", "parameters", "summary")
+ENCODING_COLUMNS = ("name", "family", "parameters", "summary", "attention")
 SCALING_COLUMNS = ("name", "summary")
 TEMPERATURE_COLUMNS = ("name", "summary", "reference")
 
@@ -20,9 +20,10 @@ def _parameters(entry: EncodingInfo) -> str:
     return params or "-"
 
 
-def encoding_rows() -> list[tuple[str, str, str, str]]:
-    """One row per registered encoding: name, family, parameters (defaults), summary."""
-    return [(e.name, e.family, _parameters(e), e.summary) for e in REGISTRY.values()]
+def encoding_rows() -> list[tuple[str, str, str, str, str]]:
+    """One row per registered encoding: name, family, parameters (defaults), summary and
+    the attention kernel it runs on."""
+    return [(e.name, e.family, _parameters(e), e.summary, e.attention) for e in REGISTRY.values()]
 
 
 def scaling_rows() -> list[tuple[str, str]]:

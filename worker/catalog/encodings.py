@@ -72,6 +72,18 @@ class EncodingInfo:
     # (no position signal, or RoPE over the first rotary dimensions of each head), so
     # `posbench export-hf` can write a trained model as one (``hf_rotary``).
     hf_export: bool = False
+    # What its attention runs on where that is not its family's rule (``attention``).
+    attention_note: str | None = None
+
+    @property
+    def attention(self) -> str:
+        """The attention kernel this encoding runs on (worker.attention), for the docs and
+        `posbench encodings`."""
+        if self.attention_note is not None:
+            return self.attention_note
+        if self.family == "bias":
+            return "flex score_mod on CUDA; elsewhere sdpa blocks (CPU training: written out)"
+        return "sdpa (flash on CUDA)"
 
     def param(self, name: str) -> Param:
         for p in self.params:
@@ -226,6 +238,8 @@ REGISTRY: dict[str, EncodingInfo] = {
                 ),
             ),
             scalable=True,
+            attention_note="sdpa (flash on CUDA); past ~96 x scale_base positions sdpa blocks "
+            "(its decay overflows a score_mod)",
         ),
         EncodingInfo(
             name="alibi",

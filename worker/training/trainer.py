@@ -12,11 +12,12 @@ CUDA's atomic-add kernels make even two uninterrupted runs differ in the last bi
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -141,10 +142,39 @@ def make_optimizer(model: Transformer, spec: TrainSpec) -> torch.optim.AdamW | M
 
 
 def batch_loss(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
-    logits, targets = logits.float(), batch.targets
-    if batch.scored is not None:
-        return F.cross_entropy(logits[batch.scored], targets[batch.scored])
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    return scored_loss(logits, batch.targets, batch.scored)
+
+
+def scored_loss(
+    logits: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor | None
+) -> torch.Tensor:
+    """Mean cross-entropy over the targets (those ``scored`` where a task marks them).
+    Under torch.compile the scored ones are weighted instead of selected: a selection's
+    size depends on the data, which would stop the graph and wait for the device."""
+    logits = logits.float()
+    if scored is None:
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    if not torch.compiler.is_compiling():
+        return F.cross_entropy(logits[scored], targets[scored])
+    losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+    weights = scored.flatten().to(losses.dtype)
+    return (losses * weights).sum() / weights.sum()
+
+
+@contextlib.contextmanager
+def tf32_matmuls(device: torch.device) -> Iterator[None]:
+    """TF32 tensor cores for the float32 matmuls of training on CUDA (the tied output layer:
+    bf16 autocast covers the rest; TF32 keeps 3 more mantissa bits than bf16), restored
+    afterwards so that evaluation scores in full float32."""
+    if device.type != "cuda":
+        yield
+        return
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
 
 
 class Trainer:
@@ -194,8 +224,10 @@ class Trainer:
         # on the device so that a step needs no host sync, and its steps.
         self.loss_sum = torch.tensor(0.0, device=device)
         self.interval_steps = 0
-        self._forward = torch.compile(model) if spec.compile else model
         self._autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+        # train.compile: forward and loss as one compiled graph, whose backward AOTAutograd
+        # compiles with it; nothing in it waits for the device.
+        self._loss = torch.compile(self.micro_batch_loss) if spec.compile else self.micro_batch_loss
         self._started: float | None = None
         # Tokens read in this process since the last report, and when it was (throughput).
         self._timed_tokens, self._interval_start = 0, 0.0
@@ -249,6 +281,19 @@ class Trainer:
         end = spec.steps if stop_after is None else min(spec.steps, stop_after)
         self._started = self._interval_start = time.perf_counter()
         self._saved_clock = self._started  # the floor counts from the start (or the resume)
+        with tf32_matmuls(self.device):
+            self._fit_to(end)
+        self.model.eval()
+        return TrainResult(
+            steps=self.step,
+            final_loss=self.curve[-1].loss if self.curve else float("nan"),
+            resumed_from=resumed_from,
+            seconds=time.perf_counter() - self._started,
+            curve=self.curve,
+        )
+
+    def _fit_to(self, end: int) -> None:
+        spec = self.spec
         while self.step < end:
             self.train_step()
             validating = self.validate is not None and spec.val_every > 0
@@ -269,14 +314,6 @@ class Trainer:
             if report:
                 # Time spent reporting and checkpointing is not charged to the next interval.
                 self._interval_start = time.perf_counter()
-        self.model.eval()
-        return TrainResult(
-            steps=self.step,
-            final_loss=self.curve[-1].loss if self.curve else float("nan"),
-            resumed_from=resumed_from,
-            seconds=time.perf_counter() - self._started,
-            curve=self.curve,
-        )
 
     def train_step(self) -> None:
         """One optimizer step on the mean loss of ``grad_accum`` micro-batches."""
@@ -294,9 +331,7 @@ class Trainer:
             self.model.note_attention(self.model.attention_choice(self.device, backward=True), True)
         for _ in range(spec.grad_accum):
             batch = self.task.train_batch(spec.batch_size, length, self.data_rng).to(self.device)
-            with self._autocast:
-                logits = self._forward(batch.inputs)
-            loss = batch_loss(logits, batch) / spec.grad_accum
+            loss = self._loss(batch.inputs, batch.targets, batch.scored) / spec.grad_accum
             loss.backward()
             self.loss_sum += loss.detach()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), spec.grad_clip)
@@ -305,6 +340,14 @@ class Trainer:
         self.step += 1
         self.interval_steps += 1
         self._timed_tokens += spec.batch_size * spec.grad_accum * length
+
+    def micro_batch_loss(
+        self, inputs: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The loss of one micro-batch (bf16 autocast on CUDA): what a compiled step traces."""
+        with self._autocast:
+            logits = self.model(inputs)
+        return scored_loss(logits, targets, scored)
 
     def report(self, validating: bool) -> TrainPoint:
         """The interval's point of the curve (with the validation loss when
