@@ -7,7 +7,7 @@
 #       (benchmarks/gpu_device.txt), for its Python 3.12, into .whl/ (git-ignored);
 #   bash benchmarks/gpu_device.sh run [SUITE ARGS]
 #       there, as the device tool's run with carry [".whl"]: installs those wheels into
-#       /tmp/site, runs `python3 -m benchmarks.gpu_suite` (by default --budget-s 480) and
+#       /tmp/site, runs `python3 -m benchmarks.gpu_suite` (by default --budget-s 450) and
 #       puts what comes back into $OUT: report.json, report.md, study-results.json and
 #       gpu-suite.tar.gz (every part's JSON and log; the tool returns at most 8 files).
 #
@@ -38,7 +38,7 @@ run)
     fi
     export PYTHONUNBUFFERED=1
     suite="${SUITE_DIR:-/tmp/gpu-suite}"
-    if [ $# -eq 0 ]; then set -- --budget-s 480; fi
+    if [ $# -eq 0 ]; then set -- --budget-s 450; fi
     status=0
     "$PYTHON" -m benchmarks.gpu_suite --out "$suite" "$@" || status=$?
     # What comes back, whatever the suite's end: the report is rewritten after each part.

@@ -3,6 +3,7 @@
     python -m benchmarks.gpu_eval [--preset base] [--train-length 512]
                                   [--factors 1 2 4 8 16 32] [--tokens-per-pass N] [--rounds 3]
                                   [--encodings rope alibi] [--device cuda] [--out FILE]
+                                  [--attn-implementation auto] [--budget-s S]
 
 For each encoding, posbench's model of the preset (trained at ``--train-length``; the
 weights do not matter to speed or memory) runs the forward pass posbench's evaluation
@@ -17,7 +18,11 @@ measured on the CPU), and ``memory_vs_nope`` divides it by NoPE's at the same le
 NoPE being measured first whatever ``--encodings`` says. A point that runs out of
 memory is recorded as such; a learned table has no rows past its training length, so
 its longer points are recorded as beyond it. The JSON is rewritten after each
-encoding, so a run stopped early keeps what it measured.
+encoding, so a run stopped early keeps what it measured. Encodings run NoPE first, then
+those with a bias (what the fused kernel is for), then the rest; with ``--budget-s`` an
+encoding not started by then is recorded as skipped, so the part ends within its time
+with whole rows. Each row says which attention kernel ran (``--attn-implementation``,
+default auto: flex_attention on CUDA for a bias).
 """
 
 from __future__ import annotations
@@ -34,7 +39,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.harness import cuda_peak_bytes, synchronize, xtransformers_model
+from benchmarks.harness import (
+    SPENT,
+    add_execution_options,
+    by_value,
+    cuda_peak_bytes,
+    over_budget,
+    synchronize,
+    xtransformers_model,
+)
 from jobs.render.tables import markdown_rows
 from worker.catalog.encodings import REGISTRY
 from worker.encodings.base import PositionOutOfRange
@@ -110,7 +123,10 @@ def measure_encoding(
     """One row per length for ``encoding``: posbench's figures and x-transformers'."""
     device = torch.device(args.device)
     shape = PRESETS[preset]
-    ours = build_model(preset, encoding, train_length=train_length).to(device).eval()
+    ours = build_model(
+        preset, encoding, train_length=train_length, attn_implementation=args.attn_implementation
+    )
+    ours = ours.to(device).eval()
     theirs = (
         xtransformers_model(
             encoding, max(lengths), dim=shape.d_model, depth=shape.n_layers, heads=shape.n_heads
@@ -132,6 +148,7 @@ def measure_encoding(
         if not args.no_xtransformers:
             runs["xt"] = forward_pass(theirs, tokens)
         row |= measure_point(runs, device, args.rounds, tokens.numel())
+        row["kernel"] = ours.attention_record()["eval"]
         if device.type == "cuda":
             torch.cuda.empty_cache()
         rows.append(row)
@@ -172,6 +189,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--encodings", nargs="*", default=list(REGISTRY), choices=list(REGISTRY))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-xtransformers", action="store_true")
+    add_execution_options(parser)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if args.train_length < 1 or args.rounds < 1 or min(args.factors, default=0) < 1:
@@ -180,7 +198,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     device = torch.device(args.device)
     lengths = [args.train_length * factor for factor in args.factors]
     args.tokens_per_pass = args.tokens_per_pass or max(lengths)
-    encodings = ["nope", *(name for name in args.encodings if name != "nope")]
+    encodings = ["nope", *by_value(name for name in args.encodings if name != "nope")]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     title = (
         f"evaluation forward, {args.preset} preset trained at {args.train_length}, "
@@ -188,7 +206,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         f"{'bf16 autocast' if device.type == 'cuda' else 'fp32, no memory figures'} on {name}"
     )
     rows: list[dict[str, Any]] = []
+    started = time.monotonic()
     for encoding in encodings:
+        if over_budget(started, args.budget_s):
+            rows.append({"encoding": encoding, "skipped": SPENT})
+            write(rows, title, args.out)
+            continue
         rows += measure_encoding(encoding, args.preset, args.train_length, lengths, args)
         against_nope(rows)
         write(rows, title, args.out)

@@ -3,7 +3,7 @@
     python -m benchmarks.gpu_train [--preset base] [--length 512] [--batch 32] [--steps 20]
                                    [--encodings rope alibi] [--compiled-encodings rope]
                                    [--peak-tflops 989] [--xtransformers]
-                                   [--out FILE]
+                                   [--attn-implementation auto] [--budget-s S] [--out FILE]
 
 The GPU half of the performance issue, prepared as one short script for a lent GPU:
 for each encoding, a posbench model of the preset trains under bf16 autocast with the
@@ -12,8 +12,11 @@ tokens/s and utilisation = model FLOPs/s / the GPU's dense bf16 peak. The peak c
 ``--peak-tflops`` or a small table of known GPUs. With ``--xtransformers``, x-transformers'
 model of the same shape (its fastest faithful configuration, ``benchmarks.harness``)
 trains by the same step right after each of ours, and the ratio of tokens/s is
-reported. Runs on the CPU too (``--device cpu``, fp32, no peak), which is how it is
-checked without a GPU.
+reported. Encodings with a bias come first (the fused kernel's reason to be), and with
+``--budget-s`` a measurement not started by then is recorded as skipped, so the part
+ends within its time with whole rows; each row says which attention kernel trained
+(``--attn-implementation``, default auto: flex_attention on CUDA for a bias). Runs on the
+CPU too (``--device cpu``, fp32, no peak), which is how it is checked without a GPU.
 """
 
 from __future__ import annotations
@@ -23,14 +26,23 @@ import json
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import synchronize, xtransformers_model
+from benchmarks.harness import (
+    SPENT,
+    add_execution_options,
+    by_value,
+    over_budget,
+    synchronize,
+    xtransformers_model,
+)
 from jobs.render.tables import markdown_rows
 from worker.catalog.encodings import REGISTRY
 from worker.model import PRESETS, build_model
+from worker.training.trainer import tf32_matmuls
 
 # Dense bf16 tensor-core peaks (no sparsity), TFLOP/s, from the vendors' datasheets.
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
@@ -54,12 +66,16 @@ def measure(
     device: torch.device,
     compiled: bool,
     xtransformers: bool = False,
-) -> dict[str, float]:
+    attn_implementation: str = "auto",
+) -> dict[str, Any]:
     """One encoding's training steps: posbench's model of ``preset``, or (``xtransformers``)
     x-transformers' of the same shape in its fastest faithful configuration, trained by
     the same step; FLOPs are counted on posbench's model for both."""
     params = {"max_position": 4 * length} if encoding == "randomized" else {}
-    ours = build_model(preset, encoding, train_length=length, **params)
+    ours = build_model(
+        preset, encoding, train_length=length, attn_implementation=attn_implementation, **params
+    )
+    record = ours.attention_record
     flops_per_token = ours.flops_per_token(length)
     if xtransformers:
         shape = PRESETS[preset]
@@ -81,15 +97,16 @@ def measure(
         optimizer.step()
 
     started = time.perf_counter()
-    for _ in range(3):  # warm-up: compilation, autotuning, allocator
-        step()
-    synchronize(device)
-    warmup = time.perf_counter() - started
-    started = time.perf_counter()
-    for _ in range(steps):
-        step()
-    synchronize(device)
-    elapsed = time.perf_counter() - started
+    with tf32_matmuls(device):  # as the trainer trains
+        for _ in range(3):  # warm-up: compilation, autotuning, allocator
+            step()
+        synchronize(device)
+        warmup = time.perf_counter() - started
+        started = time.perf_counter()
+        for _ in range(steps):
+            step()
+        synchronize(device)
+        elapsed = time.perf_counter() - started
     rate = steps * batch * length / elapsed
     return {
         "tokens_per_s": rate,
@@ -98,6 +115,7 @@ def measure(
         "peak_memory_gib": (
             torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
         ),
+        "kernel": None if xtransformers else (record()["train"] or record()["eval"]),
     }
 
 
@@ -115,6 +133,7 @@ def measure_mode(row: dict[str, object], mode: str, args: argparse.Namespace) ->
         args.steps,
         device,
         compiled=mode == "compiled",
+        attn_implementation=args.attn_implementation,
     )
     try:
         result = steps()
@@ -124,6 +143,7 @@ def measure_mode(row: dict[str, object], mode: str, args: argparse.Namespace) ->
         )
         row[f"{mode}_warmup_s"] = round(result["warmup_s"], 1)
         row[f"{mode}_peak_memory_gib"] = round(result["peak_memory_gib"], 2)
+        row[f"{mode}_kernel"] = result["kernel"]
         if args.xtransformers:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
@@ -136,7 +156,7 @@ def measure_mode(row: dict[str, object], mode: str, args: argparse.Namespace) ->
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="base", choices=sorted(PRESETS))
     parser.add_argument("--length", type=int, default=512)
@@ -158,8 +178,9 @@ def main() -> None:
         help="also train x-transformers' model of the same shape by the same step, each "
         "encoding's two back to back, and report the ratio",
     )
+    add_execution_options(parser)
     parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     title = (
@@ -167,15 +188,19 @@ def main() -> None:
         f"{'bf16 autocast' if device.type == 'cuda' else 'fp32'} on {name}"
     )
     peak = peak_flops(device, args.peak_tflops)
-    rows: list[dict[str, object]] = [{"encoding": encoding} for encoding in args.encodings]
+    rows: list[dict[str, object]] = [{"encoding": name} for name in by_value(args.encodings)]
     compiled = set(args.encodings if args.compiled_encodings is None else args.compiled_encodings)
     # Every encoding eagerly first, then compiled: a run stopped early has the cheap
     # figures of all of them. The JSON is rewritten after each measurement.
+    started = time.monotonic()
     for mode in args.modes:
         for row in rows:
             if mode == "compiled" and row["encoding"] not in compiled:
                 continue
-            measure_mode(row, mode, args)
+            if over_budget(started, args.budget_s):
+                row[f"{mode}_skipped"] = SPENT
+            else:
+                measure_mode(row, mode, args)
             print(json.dumps(row), flush=True)
             if args.out is not None:
                 args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -9,13 +9,14 @@ ratios, with their interquartile range: figures are reported, never asserted.
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -23,6 +24,8 @@ import torch
 from torch import nn
 
 from jobs.render.tables import markdown_rows
+from worker.catalog.encodings import REGISTRY
+from worker.catalog.models import ATTN_IMPLEMENTATIONS
 from worker.memory import peak_resident_bytes, reset_peak_resident, resident_bytes
 from worker.model import build_model
 
@@ -255,3 +258,31 @@ def report(
             )
         )
     return rows
+
+
+# What a GPU part records for the work its --budget-s left no time for.
+SPENT = "skipped: the part's budget was spent"
+
+
+def over_budget(started: float, budget_s: float | None) -> bool:
+    """Whether a part started at ``started`` (time.monotonic) has spent ``budget_s``: the
+    next measurement is not begun (each one is whole, or absent)."""
+    return budget_s is not None and time.monotonic() - started >= budget_s
+
+
+def by_value(encodings: Iterable[str]) -> list[str]:
+    """``encodings`` with those that bias the logits first, the fused kernel's subject,
+    each group in the catalogue's order."""
+    names = list(encodings)
+    return sorted(names, key=lambda name: REGISTRY[name].family != "bias")
+
+
+def add_execution_options(parser: argparse.ArgumentParser) -> None:
+    """--attn-implementation and --budget-s, shared by the GPU benchmarks."""
+    parser.add_argument("--attn-implementation", default="auto", choices=list(ATTN_IMPLEMENTATIONS))
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        help="seconds after which no further measurement is begun (each is recorded as "
+        "skipped); default: no limit",
+    )

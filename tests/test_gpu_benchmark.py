@@ -27,7 +27,8 @@ def test_the_gpu_training_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     report = json.loads(out.read_text())
-    assert [row["encoding"] for row in report["rows"]] == ["nope", "alibi"]
+    assert [row["encoding"] for row in report["rows"]] == ["alibi", "nope"]  # a bias first
+    assert [row["eager_kernel"] for row in report["rows"]] == ["sdpa", "sdpa"]  # auto, CPU
     assert not any(key.startswith("compiled") for row in report["rows"] for key in row)
     assert all(row["eager_tokens_per_s"] > 0 for row in report["rows"])
     assert report["peak_flops"] == 1e9
@@ -73,3 +74,48 @@ def test_a_length_one_side_cannot_run_is_marked_and_the_other_side_still_measure
     assert rows["learned", 4]["posbench_tokens_per_s"] == "beyond its table"
     assert rows["learned", 4]["xt_tokens_per_s"] > 0 and "ratio" not in rows["learned", 4]
     assert rows["learned", 4]["batch"] == 1 and rows["nope", 1]["batch"] == 4
+
+
+def test_a_spent_budget_begins_no_further_measurement(tmp_path: Path) -> None:
+    """--budget-s: each part keeps its own time; what it had no time for is a row marked
+    skipped, never half a measurement."""
+    out = tmp_path / "eval.json"
+    args = ["--device", "cpu", "--preset", "tiny", "--train-length", "16", "--factors", "1"]
+    args += ["--rounds", "1", "--encodings", "alibi", "rope", "--budget-s", "0"]
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_eval", *args, "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["encoding"], row["skipped"]) for row in rows] == [
+        (name, "skipped: the part's budget was spent") for name in ("nope", "alibi", "rope")
+    ]
+
+
+def test_the_gpu_checks_run_on_the_cpu_and_hold(tmp_path: Path) -> None:
+    """benchmarks.gpu_checks compares flex with eager on a GPU; on the CPU its logic runs
+    with sdpa in flex's place: values, gradients, spread and the compiled training steps
+    (one graph: no break)."""
+    out = tmp_path / "checks.json"
+    args = ["--device", "cpu", "--encodings", "t5", "--out", str(out)]
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_checks", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    checks = [(row["check"], row["length"]) for row in rows]
+    assert checks == [
+        *((check, length) for length in (200, 700) for check in ("values", "gradients", "spread")),
+        ("compiled", 64),
+    ]
+    assert all(row["held"] is not False for row in rows)
+    compiled = rows[-1]
+    assert compiled["graph_breaks"] == 0 and compiled["trained_with"] == "eager"

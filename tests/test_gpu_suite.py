@@ -26,6 +26,7 @@ from benchmarks.gpu_suite import (
     plan_line,
     run_part,
 )
+from benchmarks.harness import by_value
 from jobs.results_schema import parse_results
 from worker.catalog.encodings import REGISTRY
 
@@ -46,23 +47,31 @@ def test_every_part_runs_tiny_on_the_cpu_and_reports(tmp_path: Path) -> None:
     done = suite("--out", str(tmp_path))
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
-    assert lines[0].startswith("plan (budget 480 s on cpu): train ~")
+    assert lines[0].startswith("plan (budget 450 s on cpu): checks ~")
     report = json.loads((tmp_path / "report.json").read_text())
     assert [p["part"] for p in report["parts"]] == [p.name for p in PARTS]
     assert all(p["status"] == FINISHED for p in report["parts"]), report["parts"]
     assert report["facts"]["torch"] and report["seconds"] < 120
     figures = {p["part"]: p["figures"] for p in report["parts"]}
-    # Training: one encoding of each family of the catalogue.
+    # The GPU-only checks' logic, on the CPU: every row held.
+    checked = figures["checks"]["rows"]
+    assert {row["encoding"] for row in checked} == {"alibi", "fire", "alibi+logn"}
+    assert {row["check"] for row in checked} == {"values", "gradients", "spread"}
+    assert all(row["held"] is not False for row in checked)
+    # Training: one encoding of each family of the catalogue, the bias encoding first.
     trained = [row["encoding"] for row in figures["train"]["rows"]]
-    assert trained == one_per_family()
+    assert trained == by_value(one_per_family()) and trained[0] == "alibi"
     assert {REGISTRY[name].family for name in trained} == {e.family for e in REGISTRY.values()}
     assert all(row["eager_tokens_per_s"] > 0 for row in figures["train"]["rows"])
     assert all(row["eager_ratio"] > 0 for row in figures["train"]["rows"])  # x-transformers
     # Evaluation: NoPE first, every family at 1x, 4x and 32x, beside x-transformers.
     evaluated = figures["eval"]["rows"]
     assert [(row["encoding"], row["factor"]) for row in evaluated] == [
-        (name, factor) for name in one_per_family() for factor in (1, 4, 32)
+        (name, factor)
+        for name in ["nope", *by_value(one_per_family()[1:])]
+        for factor in (1, 4, 32)
     ]
+    assert {row["kernel"] for row in evaluated} == {"sdpa"}  # auto on the CPU
     assert max(row["length"] for row in evaluated) == 32 * 16
     assert all(row["posbench_tokens_per_s"] > 0 and row["ratio"] > 0 for row in evaluated)
     assert {row["batch"] for row in evaluated} == {32, 8, 1}  # the same tokens a pass
@@ -175,7 +184,7 @@ def test_a_target_without_its_figures_is_not_measured(missing: str) -> None:
 
 def test_the_manual_shows_the_plan_the_suite_prints_on_a_gpu() -> None:
     manual = (ROOT / "docs" / "performance.md").read_text()
-    assert plan_line(False, 480, "cuda") + "\n" in manual
+    assert plan_line(False, 450, "cuda") + "\n" in manual
 
 
 def test_the_real_runs_command_lines_are_accepted_before_a_device_is_lent(

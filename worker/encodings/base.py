@@ -113,18 +113,23 @@ def relative_distance(q_len: int, k_len: int, device: torch.device) -> Tensor:
     return q_pos[:, None] - k_pos[None, :]
 
 
-def distance_mod(by_distance: Tensor, symmetric: bool) -> BiasMod:
-    """The bias of a Toeplitz encoding, ``by_distance[h, i - j]`` for query i and key j.
-    A future key (j > i) reads distance |i - j| when the encoding is ``symmetric`` (ALiBi,
-    KERPLE: the two-way probes' bias) and 0 otherwise (T5 puts it in bucket 0)."""
+def distance_mod(by_distance: Tensor, mirror_future: bool) -> BiasMod:
+    """The bias of a Toeplitz encoding, ``by_distance[h, i - j]`` for query i and key j. A
+    future key (j > i) reads distance |i - j| when ``mirror_future`` (ALiBi, KERPLE both
+    ways; every causal pass, where the mask drops it: one compiled kernel serves them all)
+    and 0 otherwise (T5's two-way probes put it in bucket 0)."""
     table = by_distance.contiguous()
+    if mirror_future:
 
-    def at_distance(h: Tensor, q: Tensor, k: Tensor) -> Tensor:
-        distance = q - k
-        distance = distance.abs() if symmetric else distance.clamp(min=0)
-        return table[h, distance]
+        def mirrored(h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+            return table[h, (q - k).abs()]
 
-    return at_distance
+        return mirrored
+
+    def past_only(h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        return table[h, (q - k).clamp(min=0)]
+
+    return past_only
 
 
 def check_even(owner: str, what: str, value: int) -> None:

@@ -57,7 +57,7 @@ class _Kerple(PositionEncoding):
     def bias_mod(self, length: int, causal: bool = True) -> BiasMod:
         """The kernel at every distance, computed once per pass (its gradient reaches r1
         and r2 through it) and read per pair."""
-        return distance_mod(self.distance_bias(length), symmetric=True)
+        return distance_mod(self.distance_bias(length), mirror_future=True)
 
     def __init__(self, **dims: int) -> None:
         super().__init__(**dims)

@@ -52,6 +52,6 @@ class T5Bias(PositionEncoding):
         return self.table[t5_bucket(distance, self.num_buckets, self.max_distance)].T
 
     def bias_mod(self, length: int, causal: bool = True) -> BiasMod:
-        """The table read per distance (``distance_bias``); future keys fall in bucket 0,
-        as in ``t5_bucket``. The gradient reaches the table through the gather."""
-        return distance_mod(self.distance_bias(length), symmetric=False)
+        """The table read per distance (``distance_bias``); two ways, future keys fall in
+        bucket 0, as in ``t5_bucket``. The gradient reaches the table through the gather."""
+        return distance_mod(self.distance_bias(length), mirror_future=causal)
