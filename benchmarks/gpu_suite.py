@@ -11,7 +11,8 @@ of its own, and stops cleanly before the budget:
    (``benchmarks.gpu_checks``: what the CPU cannot run);
 1. ``train``: training throughput and utilisation of every encoding on the ``base``
    preset at 512, bf16, eager and compiled, beside x-transformers' model of the same
-   shape trained by the same step (``benchmarks.gpu_train --xtransformers``);
+   shape trained by the same step (``benchmarks.gpu_train --xtransformers``); ``mfu``:
+   nope and rope compiled at 64k tokens a step (``large``, 64 x 1024);
 2. ``eval``: evaluation tokens/s and peak memory of every encoding from 1x to 32x of
    512 (16,384 tokens), beside NoPE and x-transformers (``benchmarks.gpu_eval``);
 3. ``study``: nope, rope, alibi, t5 and sinusoidal, with rope also under YaRN, on the
@@ -39,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -58,9 +60,10 @@ ROOT = Path(__file__).resolve().parents[1]
 METRIC = headline(Kind.LANGUAGE_MODELLING).column  # the study's: language modelling
 FINISHED = "finished"  # a part's status when it ran to its end
 STUDY_ENCODINGS = ["nope", "rope", "alibi", "t5", "sinusoidal"]
-# Measured compiled too, in this order: one encoding of each family, the utilisation
-# target's (rope, nope) first, then T5's learned bias.
-COMPILED = ["nope", "rope", "alibi", "sinusoidal", "t5"]
+# Measured compiled too, in this order: the utilisation target's (rope, nope), then every
+# bias encoding (compiled within 0.8x of NoPE's speed is a target), then sinusoidal; as
+# many as the part's time box allows.
+COMPILED = ["nope", "rope", "alibi", "t5", "fire", "kerple_log", "kerple_power", "sinusoidal"]
 
 
 def one_per_family() -> list[str]:
@@ -123,6 +126,19 @@ def _train(tiny: bool, folder: Path, device: str) -> list[str]:
     return _module("benchmarks.gpu_train", device, shape, folder / "train.json")
 
 
+def _mfu(tiny: bool, folder: Path, device: str) -> list[str]:
+    """nope and rope compiled at 64k tokens a step (``large``, 64 x 1024): the 40% target's
+    shape; tiny: eager at a CPU's size (a compile there costs more than the rest)."""
+    if tiny:
+        shape = ["--preset", "tiny", "--length", "32", "--batch", "2", "--steps", "1"]
+        shape += ["--modes", "eager"]
+    else:
+        shape = ["--preset", "large", "--length", "1024", "--batch", "64", "--steps", "10"]
+        shape += ["--modes", "compiled", "--budget-s", str(_estimate("mfu"))]
+    shape += ["--encodings", "nope", "rope"]
+    return _module("benchmarks.gpu_train", device, shape, folder / "mfu.json")
+
+
 def _eval(tiny: bool, folder: Path, device: str) -> list[str]:
     if tiny:
         shape = ["--preset", "tiny", "--train-length", "16", "--factors", "1", "4", "32"]
@@ -164,14 +180,13 @@ def _decode(tiny: bool, folder: Path, device: str) -> list[str]:
 # eval get a time box they keep themselves (--budget-s: no measurement begun past it),
 # the study reads fewer tokens per length and decode measures three encodings.
 PARTS = (
-    Part(
-        "checks", "flex against eager: values, gradients, spread; compiled steps", 40, 30, _checks
-    ),
-    Part("train", "training tokens/s and MFU per encoding, eager and compiled", 140, 10, _train),
-    Part("eval", "evaluation tokens/s and memory per encoding, 1x to 32x", 90, 10, _eval),
-    Part("study", "a study at real scale: ppl from 1x to 16x per encoding", 110, 15, _study),
-    Part("hf", "an HF Llama evaluated by posbench against transformers", 40, 15, _hf),
-    Part("decode", "KV-cache decoding against transformers' generate", 30, 15, _decode),
+    Part("checks", "flex against eager: values, gradients; compiled steps", 35, 30, _checks),
+    Part("train", "training tokens/s and MFU per encoding, eager and compiled", 120, 10, _train),
+    Part("mfu", "compiled MFU of nope and rope at 64k tokens a step", 50, 10, _mfu),
+    Part("eval", "evaluation tokens/s and memory per encoding, 1x to 32x", 80, 10, _eval),
+    Part("study", "a study at real scale: ppl from 1x to 16x per encoding", 100, 15, _study),
+    Part("hf", "an HF Llama evaluated by posbench against transformers", 35, 15, _hf),
+    Part("decode", "KV-cache decoding against transformers' generate", 25, 15, _decode),
 )
 
 
@@ -205,8 +220,11 @@ def run_part(part: Part, tiny: bool, folder: Path, device: str, left: float) -> 
     record: dict[str, Any] = {"part": part.name, "measures": part.measures, "estimate_s": estimate}
     if estimate > left:
         return record | {"status": f"skipped: needs about {estimate:.0f} s, {left:.0f} s left"}
-    for stale in _outputs(part.name, folder):  # an earlier run's, in a folder used again
-        stale.unlink(missing_ok=True)
+    # An earlier run's, in a folder used again: its JSON, and the study's whole folder
+    # (posbench run refuses to write over a folder whose results.json is gone).
+    part_json, results = _outputs(part.name, folder)
+    part_json.unlink(missing_ok=True)
+    shutil.rmtree(results.parent, ignore_errors=True)
     argv = [sys.executable, *part.command(tiny, folder, device)]
     env = {**os.environ, "POSBENCH_HOME": str(folder / "home")}
     limit = left if tiny else min(left, OVERRUN * estimate)

@@ -85,7 +85,7 @@ def test_every_part_runs_tiny_on_the_cpu_and_reports(tmp_path: Path) -> None:
     assert all(row["tokens_per_s"] > 0 for row in figures["decode"]["rows"])
     # The targets are read off the figures; on the CPU, MFU and memory are not measured.
     held = {row[0].split(",")[0]: row[2] for row in report["targets"]}
-    assert len(report["targets"]) == 5
+    assert len(report["targets"]) == 9
     assert held["bf16 MFU >= 40%"] == held["evaluation memory at 32x <= 1.2x NoPE's"]
     assert held["bf16 MFU >= 40%"] == gpu_targets.NOT_MEASURED
     assert set(held.values()) <= {"yes", "no", gpu_targets.NOT_MEASURED}
@@ -133,21 +133,33 @@ def test_a_failed_part_reports_its_exit_and_never_an_earlier_runs_figures(tmp_pa
     assert record["figures"] is None
 
 
+def test_the_study_runs_again_in_a_folder_used_before(tmp_path: Path) -> None:
+    """A suite run again into the same folder: the study's earlier folder goes as a whole
+    (posbench run would refuse to write over a table.md whose results.json was removed)."""
+    study = next(part for part in PARTS if part.name == "study")
+    for _ in range(2):
+        record = run_part(study, True, tmp_path, "cpu", 300)
+        assert record["status"] == FINISHED, (tmp_path / "study.log").read_text()[-2000:]
+
+
 def _row(encoding: str, **figures: object) -> dict[str, object]:
     return {"encoding": encoding, **figures}
 
 
 def test_the_targets_hold_or_not_as_the_figures_say() -> None:
     train = [
-        _row("nope", compiled_utilisation=0.45, eager_ratio=1.1, compiled_ratio=1.05),
-        _row("rope", compiled_utilisation=0.41, eager_ratio=1.3),
-        _row("alibi", eager_ratio=1.25, compiled_ratio=1.3),
-        _row("t5", eager_ratio=1.4),
+        _row("nope", compiled_utilisation=0.35, compiled_tokens_per_s=1000, eager_ratio=1.3),
+        _row("rope", compiled_utilisation=0.31, eager_ratio=1.3, compiled_ratio=1.25),
+        _row("alibi", eager_ratio=1.25, compiled_ratio=1.3, compiled_tokens_per_s=850),
+        _row("t5", eager_ratio=1.4, compiled_tokens_per_s=810),
     ]
+    mfu = [_row("nope", compiled_utilisation=0.45), _row("rope", compiled_utilisation=0.41)]
     evaluation = [
-        _row("nope", factor=32, memory_vs_nope=1.0),
-        _row("alibi", factor=32, memory_vs_nope=1.15),
-        _row("alibi", factor=1, memory_vs_nope=3.0),  # only 32x counts
+        _row("nope", factor=1, length=512, posbench_tokens_per_s=1000, ratio=1.5),
+        _row("nope", factor=32, length=16384, posbench_tokens_per_s=100, memory_vs_nope=1.0),
+        _row("alibi", factor=1, length=512, posbench_tokens_per_s=900, ratio=1.1),
+        _row("alibi", factor=32, length=16384, posbench_tokens_per_s=75, memory_vs_nope=1.15),
+        _row("t5", factor=32, length=16384, posbench_tokens_per_s="out of memory", ratio=2.0),
     ]
     study = [
         {"encoding": "alibi", "variant": "none", "512": 10.0, "8192": 10.5},
@@ -156,29 +168,40 @@ def test_the_targets_hold_or_not_as_the_figures_say() -> None:
         {"encoding": "rope", "variant": "yarn:auto", "512": 10.0, "8192": 14.0},
     ]
     parts = [
-        {"part": "train", "figures": {"rows": train}},
-        {"part": "eval", "figures": {"rows": evaluation}},
-        {"part": "study", "figures": {"rows": study}},
+        {"part": "train", "status": FINISHED, "figures": {"rows": train}},
+        {"part": "mfu", "status": FINISHED, "figures": {"rows": mfu}},
+        {"part": "eval", "status": FINISHED, "figures": {"rows": evaluation}},
+        {"part": "study", "status": FINISHED, "figures": {"rows": study}},
+        {"part": "decode", "status": FINISHED, "figures": {"rows": [{"tokens_per_s": 1.0}]}},
     ]
     rows = gpu_targets.targets(parts)
-    assert [row[2] for row in rows] == ["yes"] * 5, rows
+    assert len(rows) == 9
+    assert [row[2] for row in rows] == ["yes"] * 9, rows
     assert rows[0][1] == "nope 0.45, rope 0.41"
-    assert rows[4][1] == "longest / 1x: alibi 1.05, sinusoidal 9, rope 6, rope+yarn:auto 1.4"
+    assert rows[2][1] == "alibi 0.85, t5 0.81"
+    assert rows[4][1] == "alibi 1.1, t5 2"
+    assert rows[5][1] == "alibi 0.75"  # t5 ran out of memory at its only length
+    assert rows[7][1] == "longest / 1x: alibi 1.05, sinusoidal 9, rope 6, rope+yarn:auto 1.4"
     # Each target fails on its own figure.
-    train[1]["compiled_utilisation"] = 0.39
+    mfu[1]["compiled_utilisation"] = 0.39
+    train[1]["compiled_utilisation"] = 0.29
+    train[3]["compiled_tokens_per_s"] = 790
     train[3]["eager_ratio"] = 1.19
-    evaluation[1]["memory_vs_nope"] = 1.21
+    evaluation[2]["ratio"] = 0.99
+    evaluation[3]["posbench_tokens_per_s"] = 69
+    evaluation[3]["memory_vs_nope"] = 1.21
     study[3]["8192"] = 70.0  # yarn worse than unscaled rope: not between
-    held = [row[2] for row in gpu_targets.targets(parts)]
-    assert held == ["no", "no", "yes", "no", "no"]
-    train[0]["compiled_ratio"] = 0.9
-    assert gpu_targets.targets(parts)[2][1:] == ["lowest nope 0.9", "no"]
+    parts[-1]["figures"] = None  # decode without a figure
+    assert [row[2] for row in gpu_targets.targets(parts)] == ["no"] * 9
+    assert gpu_targets.targets(parts)[3][1:] == ["lowest t5 1.19", "no"]
+    parts[-1] = {"part": "decode", "status": "stopped after 37 s", "figures": {"rows": [{}]}}
+    assert gpu_targets.targets(parts)[8][1:] == ["not finished: decode", "no"]
 
 
 @pytest.mark.parametrize("missing", ["train", "eval", "study"])
 def test_a_target_without_its_figures_is_not_measured(missing: str) -> None:
     parts = [{"part": name, "figures": {"rows": []}} for name in ("train", "eval", "study")]
-    parts = [part for part in parts if part["part"] != missing]
+    parts = [part for part in parts if part["part"] != missing]  # none with a status yet
     assert {row[2] for row in gpu_targets.targets(parts)} == {gpu_targets.NOT_MEASURED}
 
 
