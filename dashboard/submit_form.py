@@ -19,7 +19,7 @@ from dashboard.common import queue_warning, served_queues
 from jobs.routing import preferred_queue
 from jobs.spec import PROTOCOLS, QUEUES, EvalSpec, ModelSpec, TrainSpec
 from worker.catalog.encodings import LOGN, NO_SCALING, REGISTRY, SCALINGS, TEMPERATURES
-from worker.catalog.models import MODEL_PRESETS
+from worker.catalog.models import ATTN_IMPLEMENTATIONS, MODEL_PRESETS
 from worker.catalog.params import Param
 from worker.catalog.tasks import DEFAULT_TASK, TASKS
 
@@ -154,8 +154,9 @@ def task_inputs(
     return chosen
 
 
-def _model_input(base: dict[str, Any], key: Keys) -> str | dict[str, int]:
-    """A preset's name, or custom sizes."""
+def _model_input(base: dict[str, Any], key: Keys) -> str | dict[str, Any]:
+    """A preset's name, or custom sizes; the attention implementation where it is not
+    auto."""
     sizes = [*MODEL_PRESETS, "custom"]
     model = st.selectbox(
         "Model",
@@ -170,10 +171,19 @@ def _model_input(base: dict[str, Any], key: Keys) -> str | dict[str, int]:
             f"{MODEL_PRESETS[n]['n_heads']} heads)"
         ),
     )
+    attention = st.selectbox(
+        "Attention",
+        ATTN_IMPLEMENTATIONS,
+        key=key("attn_implementation"),
+        help="how attention runs: auto (flex_attention on CUDA for an encoding with a bias, "
+        "sdpa otherwise), eager (scores written out), sdpa or flex_attention; no number "
+        "changes beyond rounding, and each run records what ran",
+    )
+    chosen = {} if attention == "auto" else {"attn_implementation": attention}
     if model != "custom":
-        return model
+        return {"preset": model, **chosen} if chosen else model
     a, b, c = st.columns(3)
-    return {
+    return chosen | {
         "d_model": int(
             a.number_input(
                 "d_model", value=128, step=16, key=key("d"), **spec_bounds(ModelSpec, "d_model")

@@ -14,10 +14,10 @@ import torch
 from conftest import dims
 
 from worker import attention
-from worker.attention import Kernel, causal_mask_mod, choose, flex, score_mod
+from worker.attention import AttentionBias, Kernel, causal_mask_mod, choose, flex, score_mod
 from worker.encodings import build
 from worker.encodings.base import PositionEncoding
-from worker.model import AttentionBias, CausalSelfAttention, ModelConfig, build_model
+from worker.model import CausalSelfAttention, ModelConfig, build_model
 
 BIASED = ["alibi", "t5", "kerple_log", "kerple_power", "fire"]
 TRAIN = 24  # not a multiple of the kernel's 128-row tiles; nor are 2x, 4x, 8x
@@ -306,3 +306,26 @@ def test_posbench_run_refuses_an_unknown_implementation_before_anything_runs(tmp
     assert "--attn-implementation must be one of auto, eager, sdpa, flex_attention" in result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("name", ["t5", "fire"])
+def test_a_compiled_model_traces_the_bias_into_the_fused_kernel(name: str) -> None:
+    """train.compile with flex: the bias_mod's tables are built inside the compiled graph
+    and the kernel traced with them; the only break is the block mask's lookup (outside
+    the graph, built once per length). Forward only: the CPU has no flex backward."""
+    from torch._dynamo.utils import counters
+
+    model = _varied(name)
+    tokens = torch.randint(0, 256, (2, 2 * TRAIN), generator=torch.Generator().manual_seed(4))
+    expected = _logits(model, tokens, "eager")
+    model.attn_implementation = "flex_attention"
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        fused = torch.compile(model)(tokens)
+    torch.testing.assert_close(fused, expected, rtol=0, atol=1e-5)
+    reasons = list(counters["graph_break"])
+    assert len(reasons) == 1 and "block_mask" in reasons[0], reasons
+    torch._dynamo.reset()

@@ -459,3 +459,20 @@ def test_diagnostics_and_log_n_are_chosen_on_submit(settings) -> None:
     spec = yaml.safe_load(app.code[0].value)
     assert spec["eval"]["diagnostics"] is True
     assert spec["eval"]["variants"] == ["logn", "ntk:auto", "ntk:auto+logn"]
+
+
+def test_the_attention_implementation_is_chosen_on_submit(settings) -> None:
+    """Submit's attention choice reaches the spec (left out at auto, the default), with a
+    preset and with custom sizes."""
+    app = AppTest.from_file(APP, default_timeout=60).run()
+    assert app.selectbox(key="custom:attn_implementation").value == "auto"
+    assert yaml.safe_load(app.code[0].value)["model"] == "small"
+    app.selectbox(key="custom:attn_implementation").set_value("flex_attention").run()
+    assert not app.exception and not app.error, app.exception
+    spec = yaml.safe_load(app.code[0].value)
+    assert spec["model"] == {"preset": "small", "attn_implementation": "flex_attention"}
+    app.selectbox(key="custom:model").set_value("custom").run()
+    spec = yaml.safe_load(app.code[0].value)
+    assert spec["model"]["attn_implementation"] == "flex_attention"
+    assert spec["model"]["d_model"] == 128
+    assert app.button(key="submit").disabled is False

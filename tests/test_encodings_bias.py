@@ -185,10 +185,13 @@ def test_fire_pieces_evaluate_its_mlp_exactly(seed: int) -> None:
         fire.mlp[0].weight[:3] = 0  # constant units, on (b > 0) or off
         fire.mlp[0].bias[0], fire.mlp[0].bias[1] = 1.0, -1.0
         knots, table = fire.pieces()
-        assert len(knots) == 13 and table.shape == (14, 2 * 4)
+        # A knot per unit (a static shape), those that never bend at infinity, last.
+        assert len(knots) == 16 and table.shape == (17, 2 * 4)
+        assert knots[:13].isfinite().all() and knots[13:].isinf().all()
+        bends = knots[:13]
         # Every pair of a long sequence, plus the knots themselves and points beyond.
         normalized = fire.normalized_distance(300, 700)
-        probes = torch.cat((knots, knots - 1e-3, knots + 1e-3, torch.tensor([-5.0, 5.0])))
+        probes = torch.cat((bends, bends - 1e-3, bends + 1e-3, torch.tensor([-5.0, 5.0])))
         for x in (normalized, probes[None]):
             expected = fire.mlp(x[..., None]).permute(2, 0, 1)
             torch.testing.assert_close(fire.piecewise_bias(x), expected, atol=2e-5, rtol=1e-5)

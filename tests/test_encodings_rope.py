@@ -13,10 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from x_transformers.x_transformers import RotaryEmbedding, apply_rotary_pos_emb
 
+from worker.attention import decayed_attention
 from worker.encodings import EncodingConfigError, build
 from worker.encodings.rope import rotate_pairs, yarn_attention_factor
 from worker.encodings.xpos import xpos_zeta
-from worker.model import ModelConfig, build_model, decayed_attention
+from worker.model import ModelConfig, build_model
 
 
 def to_interleaved(x: torch.Tensor, rotary_dim: int) -> torch.Tensor:

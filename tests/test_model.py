@@ -11,19 +11,21 @@ from conftest import dims
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from worker.attention import (
+    AttentionBias,
+    fused_biased_attention,
+    written_out,
+    written_out_biased_attention,
+)
 from worker.encodings import REGISTRY, build
 from worker.encodings.base import PositionOutOfRange, causal_toeplitz
 from worker.encodings.rope import RotaryTables, rotate_pairs
 from worker.model import (
     PRESETS,
-    AttentionBias,
     CausalSelfAttention,
     ModelConfig,
     build_model,
-    fused_biased_attention,
     split_heads,
-    written_out,
-    written_out_biased_attention,
 )
 from worker.probes import equivariance_error
 

@@ -26,11 +26,15 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from worker.catalog.models import ATTN_IMPLEMENTATIONS
+from worker.encodings.base import PositionEncoding, causal_toeplitz
+from worker.encodings.rope import BlockDecay, scale_pairs
 
 log = logging.getLogger("posbench.attention")
 
@@ -45,12 +49,20 @@ ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 MAX_FLEX_SHAPES = 256
 
 
-def flex_available() -> bool:
+def _has_flex() -> bool:
     try:
         from torch.nn.attention import flex_attention  # noqa: F401
     except ImportError:  # torch < 2.5
         return False
     return True
+
+
+# Known once at import: a compiled forward asks it on every trace.
+FLEX_AVAILABLE = _has_flex()
+
+
+def flex_available() -> bool:
+    return FLEX_AVAILABLE
 
 
 @dataclass(frozen=True)
@@ -122,6 +134,154 @@ class Notes:
         if note is not None and note not in self.seen:
             self.seen.append(note)
             log.warning("attention: %s", note)
+
+
+# -- the block paths (eager and sdpa) -------------------------------------------------------
+
+
+# Memory bounds of attention with a bias, in elements. The bias matrix itself
+# ([heads, T, T]) is built once per forward pass and shared by every layer while
+# it fits MASK_BUDGET; past it, each query block builds its own rows. Each query
+# block materialises at most SCORE_BUDGET scores (batch x heads x rows x keys).
+MASK_BUDGET = 1 << 24
+SCORE_BUDGET = 1 << 22
+# Query rows per block. Smaller blocks skip more of the causal upper triangle but
+# run smaller matmuls. The fused kernel tiles internally and wants long blocks; the
+# written-out path (a learned bias in CPU training) is fastest at 128 rows: at T=256
+# two blocks do 3/4 of the square's work (KERPLE-log training step, this model, 25
+# interleaved rounds: 221 ms with 128-row blocks against 233 ms with 256).
+MAX_BLOCK_ROWS = 256
+WRITTEN_OUT_BLOCK_ROWS = 128
+
+
+class AttentionBias:
+    """An encoding's bias plus the causal mask, for one forward pass.
+
+    Attention with a bias runs in blocks of query rows: block [s, e) needs keys
+    [0, e) only, so the causal upper triangle is mostly skipped, and evaluation at
+    long lengths never holds heads x T^2 scores. The rows come from a matrix built
+    once and shared by the layers when it fits, otherwise from the encoding's
+    per-distance values (Toeplitz encodings: ALiBi, T5, KERPLE) or its ``bias``.
+    """
+
+    def __init__(
+        self,
+        encoding: PositionEncoding,
+        length: int,
+        batch_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        budget: int = SCORE_BUDGET,
+        causal: bool = True,
+        written: bool | None = None,
+    ) -> None:
+        self.encoding = encoding
+        self.causal = causal
+        self.dtype = dtype
+        self.device = device
+        per_row = batch_size * encoding.n_heads * length
+        if written is None:
+            learned = torch.is_grad_enabled() and any(
+                p.requires_grad for p in encoding.parameters()
+            )
+            written = written_out(device, learned)
+        # Whether each block's scores are written out (eager) or go through SDPA.
+        self.written = written
+        longest = WRITTEN_OUT_BLOCK_ROWS if written else MAX_BLOCK_ROWS
+        self.block_rows = max(1, min(length, longest, budget // per_row))
+        by_distance = getattr(encoding, "distance_bias", None) if causal else None
+        self.by_distance = by_distance(length) if by_distance is not None else None
+        fits = encoding.n_heads * length * length <= MASK_BUDGET
+        self.full = self._build(0, length) if fits or not causal else None
+
+    def _build(self, start: int, end: int) -> Tensor:
+        if self.by_distance is not None:
+            return causal_toeplitz(self.by_distance.to(self.dtype), start, end)
+        bias = self.encoding.bias(end - start, end)
+        assert bias is not None, "AttentionBias needs an encoding with a bias"
+        if self.causal:
+            future = torch.ones(end - start, end, dtype=torch.bool, device=self.device)
+            bias = bias.masked_fill(future.triu(diagonal=start + 1), float("-inf"))
+        return bias.to(self.dtype)
+
+    def rows(self, start: int, end: int) -> Tensor:
+        """``[heads, end-start, end]``: bias for queries start..end-1 over keys 0..end-1."""
+        if self.full is not None:
+            return self.full[:, start:end, :end]
+        return self._build(start, end)
+
+
+def written_out(device: torch.device, bias_needs_grad: bool) -> bool:
+    """Whether attention with a bias takes the written-out path: on the CPU when the
+    bias needs a gradient (T5, KERPLE and FIRE in training), where PyTorch's fused CPU
+    kernel falls back to materialising every score. A fixed bias (ALiBi), every
+    evaluation and every GPU keep the fused kernel, which holds a tile of scores at
+    a time (ALiBi training step: 176 ms fused against 187 ms written out)."""
+    return device.type == "cpu" and bias_needs_grad
+
+
+def fused_biased_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
+    """softmax(q k^T / sqrt(d) + bias) v through SDPA's fused kernel; ``bias`` is
+    ``[heads, queries, keys]``."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.unsqueeze(0))
+
+
+def written_out_biased_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
+    """The same in three ops. q is scaled before the product (queries x head_dim
+    multiplies instead of queries x keys) and the bias added in place into the
+    fresh score tensor, which saves a pass and an allocation per block."""
+    scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-1, -2))
+    scores.add_(bias)
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+def biased_attention(
+    q: Tensor, k: Tensor, v: Tensor, bias: Tensor, written: bool | None = None
+) -> Tensor:
+    """softmax(q k^T / sqrt(d) + bias) v for ``bias`` of shape [heads, queries, keys],
+    written out or through SDPA (``written``; None: whichever ``written_out`` picks)."""
+    if written is None:
+        written = written_out(q.device, bias.requires_grad)
+    if written:
+        return written_out_biased_attention(q, k, v, bias)
+    return fused_biased_attention(q, k, v, bias)
+
+
+def written_out_causal_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
+    """Attention without a bias, the scores written out (``eager``): causal in blocks of
+    query rows (block [s, e) needs keys [0, e) only), or both ways at once."""
+    length = q.shape[-2]
+    if not causal:
+        return written_out_biased_attention(q, k, v, q.new_zeros(1, length, length))
+    blocks = []
+    for start in range(0, length, WRITTEN_OUT_BLOCK_ROWS):
+        end = min(length, start + WRITTEN_OUT_BLOCK_ROWS)
+        future = torch.ones(end - start, end, dtype=torch.bool, device=q.device).triu(start + 1)
+        mask = q.new_zeros(end - start, end).masked_fill(future, float("-inf"))
+        blocks.append(
+            written_out_biased_attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end], mask)
+        )
+    return torch.cat(blocks, dim=2)
+
+
+def decayed_attention(q: Tensor, k: Tensor, v: Tensor, decay: BlockDecay) -> Tensor:
+    """Causal attention of rotated q, k with xPos's decay applied per block of queries
+    (``BlockDecay``): block [s, e) attends keys [0, e) under a causal mask."""
+    length = q.shape[-2]
+    blocks = []
+    for start in range(0, length, decay.max_rows):
+        end = min(length, start + decay.max_rows)
+        query_scale, key_scale = decay.scales(start, end)
+        visible = torch.ones(end - start, end, dtype=torch.bool, device=q.device).tril(start)
+        blocks.append(
+            F.scaled_dot_product_attention(
+                scale_pairs(q[:, :, start:end], query_scale),
+                scale_pairs(k[:, :, :end], key_scale),
+                v[:, :, :end],
+                attn_mask=visible,
+            )
+        )
+    return torch.cat(blocks, dim=2)
 
 
 # -- the fused kernel -----------------------------------------------------------------------
@@ -220,11 +380,14 @@ def flex(
     v: Tensor,
     mod: ScoreMod | None,
     *,
+    mask: Any = None,
     causal: bool = True,
     window: int | None = None,
 ) -> Tensor:
-    """softmax(q k^T / sqrt(d) + bias) v in one fused kernel, ``q, k, v [B, H, T, d]``."""
-    mask = block_mask(q.shape[-2], str(q.device), window, causal)
+    """softmax(q k^T / sqrt(d) + bias) v in one fused kernel, ``q, k, v [B, H, T, d]``,
+    under ``mask`` (a pass's block mask) or the causal (windowed) one of this length."""
+    if mask is None:
+        mask = block_mask(q.shape[-2], str(q.device), window, causal)
     if torch.compiler.is_compiling():  # the model is compiled: the outer compile fuses it
         from torch.nn.attention.flex_attention import flex_attention
 
@@ -239,3 +402,4 @@ class Kernel:
 
     implementation: str
     score_mod: ScoreMod | None = None
+    block_mask: Any = None  # flex's, looked up once per pass (outside a compiled graph)

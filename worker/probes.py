@@ -17,11 +17,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from worker import liveness
+from worker.attention import AttentionBias
 from worker.data.base import Task
 from worker.encodings import build
 from worker.encodings.base import PositionEncoding
 from worker.memory import halving_on_oom
-from worker.model import AttentionBias, CausalSelfAttention, ModelConfig, Transformer
+from worker.model import CausalSelfAttention, ModelConfig, Transformer
 
 
 def attention_layer(

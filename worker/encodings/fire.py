@@ -111,12 +111,19 @@ class FIRE(PositionEncoding):
         first, second = self.mlp[0], self.mlp[2]
         wide = torch.promote_types(first.weight.dtype, torch.float32)
         w, b = first.weight[:, 0].to(wide), first.bias.to(wide)
+        # A unit with w = 0 never bends: its knot is at infinity, sorted last, past every
+        # x (static shapes: no selection whose size depends on the weights, so a compiled
+        # step neither breaks nor waits for the device here).
         bends = w != 0
-        knots = torch.sort(-b[bends] / w[bends]).values
-        if len(knots):  # one point inside each piece decides which units are active
-            inside = torch.cat((knots[:1] - 1, (knots[:-1] + knots[1:]) / 2, knots[-1:] + 1))
-        else:
-            inside = knots.new_zeros(1)
+        at = -b / torch.where(bends, w, 1.0)
+        knots = torch.sort(torch.where(bends, at, torch.inf)).values
+        # One point inside each piece decides which units are active; the knots at
+        # infinity count as one past the last finite knot there (pieces beyond it are
+        # never looked up, the one just past it is).
+        last = torch.where(bends, at, -torch.inf).amax()
+        last = torch.where(bends.any(), last, torch.zeros_like(last))
+        capped = torch.minimum(knots, last + 1)
+        inside = torch.cat((capped[:1] - 1, (capped[:-1] + capped[1:]) / 2, capped[-1:] + 1))
         active = ((inside[:, None] * w + b) > 0).to(w.dtype)  # [m+1, width]
         with torch.autocast(w.device.type, enabled=False):  # a tiny table: keep it fp32
             out = second.weight.to(wide).T
