@@ -11,6 +11,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def benchmark(module: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """``python -m benchmarks.MODULE ARGS`` from the project root, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{module}", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def test_the_gpu_training_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
     out = tmp_path / "gpu.json"
     args = ["--device", "cpu", "--preset", "tiny", "--length", "32", "--batch", "2"]
@@ -18,13 +29,7 @@ def test_the_gpu_training_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
     args += ["--compiled-encodings"]  # none: compiling is what --compiled-encodings limits
     args += ["--peak-tflops", "0.001"]  # a made-up peak: utilisation is then reported
     args += ["--xtransformers"]  # x-transformers' model of the same shape, same step
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_train", *args, "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = benchmark("gpu_train", *args, "--out", str(out))
     assert done.returncode == 0, done.stderr
     report = json.loads(out.read_text())
     assert [row["encoding"] for row in report["rows"]] == ["alibi", "nope"]  # a bias first
@@ -59,13 +64,7 @@ def test_a_length_one_side_cannot_run_is_marked_and_the_other_side_still_measure
     out = tmp_path / "eval.json"
     args = ["--device", "cpu", "--preset", "tiny", "--train-length", "16", "--factors", "1", "4"]
     args += ["--rounds", "1", "--encodings", "learned", "--out", str(out)]
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_eval", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = benchmark("gpu_eval", *args)
     assert done.returncode == 0, done.stderr
     rows = {(row["encoding"], row["factor"]): row for row in json.loads(out.read_text())["rows"]}
     assert list(rows) == [("nope", 1), ("nope", 4), ("learned", 1), ("learned", 4)]
@@ -82,13 +81,7 @@ def test_a_spent_budget_begins_no_further_measurement(tmp_path: Path) -> None:
     out = tmp_path / "eval.json"
     args = ["--device", "cpu", "--preset", "tiny", "--train-length", "16", "--factors", "1"]
     args += ["--rounds", "1", "--encodings", "alibi", "rope", "--budget-s", "0"]
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_eval", *args, "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = benchmark("gpu_eval", *args, "--out", str(out))
     assert done.returncode == 0, done.stderr
     rows = json.loads(out.read_text())["rows"]
     assert [(row["encoding"], row["skipped"]) for row in rows] == [
@@ -102,13 +95,7 @@ def test_the_gpu_checks_run_on_the_cpu_and_hold(tmp_path: Path) -> None:
     (one graph: no break)."""
     out = tmp_path / "checks.json"
     args = ["--device", "cpu", "--encodings", "t5", "--out", str(out)]
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_checks", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = benchmark("gpu_checks", *args, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     checks = [(row["check"], row["length"]) for row in rows]
