@@ -24,9 +24,10 @@ def main() -> int:
         with engine_for(normalize_url(settings.database)).connect() as connection:
             connection.execute(text("SELECT 1"))
     except Exception as err:  # any failure means unhealthy; say which
+        from jobs.render.terminal import echo
         from jobs.safe_text import redact_urls
 
-        print(f"unhealthy: {redact_urls(str(err))}", file=sys.stderr)
+        echo(f"unhealthy: {redact_urls(str(err))}", err=True)
         return 1
     return 0
 

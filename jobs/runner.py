@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import time
 from pathlib import Path
 from typing import NoReturn
@@ -19,7 +18,7 @@ from jobs.metrics import kind_of, reported
 from jobs.render.report import plot_curves, seed_bands
 from jobs.render.tables import CurveTable, curve_table, markdown_frame
 from jobs.render.terminal import console as terminal
-from jobs.render.terminal import notes, run_progress, styled
+from jobs.render.terminal import echo, notes, run_progress, styled
 from jobs.results_schema import MAX_RESULTS_BYTES, StudyResults
 from jobs.spec import DEFAULT_NAME, StudySpec
 from jobs.status import RunStatus
@@ -316,7 +315,7 @@ def _report(result, out: Path, console: Console, *, as_json: bool, private: bool
 
         write_atomic(plots[protocol], plot, private=private)
     if as_json:
-        sys.stdout.write(document.to_json() + "\n")
+        echo(document.to_json())
         return
     for protocol in protocols:
         console.print(

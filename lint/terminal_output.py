@@ -7,7 +7,11 @@ would bring markup back:
 - a Rich ``Console``, ``Progress``, ``TextColumn``, ``Live`` or ``Status`` built outside
   ``jobs/render/terminal.py``;
 - ``markup=True`` or ``emoji=True`` given to anything;
-- Rich's markup readers: ``rich.print``, ``rich.markup``, ``Text.from_markup``.
+- Rich's markup readers: ``rich.print``, ``rich.markup``, ``Text.from_markup``;
+- in the command line's and the database's code (``jobs/``, ``db/``), any other way to
+  the terminal: ``print``, ``typer.echo`` / ``click.echo``, ``sys.stdout.write`` and
+  ``sys.stderr.write``; ``jobs.render.terminal.echo`` writes a line with its control
+  characters shown.
 
 Run: ``python -m lint.terminal_output [PATH ...]`` (default: the project's packages);
 it prints one line per finding and exits 1 when there is any.
@@ -24,6 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ["jobs", "worker", "db", "dashboard", "benchmarks", "studies", "lint"]
 THE_LAYER = ROOT / "jobs" / "render" / "terminal.py"
 BUILT_THERE_ONLY = {"Console", "Progress", "TextColumn", "Live", "Status"}
+# Where printing goes through the layer only, and the writers it replaces.
+ECHO_THROUGH_THE_LAYER = [ROOT / "jobs", ROOT / "db"]
+RAW_WRITERS = {("typer", "echo"), ("click", "echo"), ("stdout", "write"), ("stderr", "write")}
 MARKUP_READERS = {"from_markup", "render_markup"}
 
 
@@ -36,12 +43,33 @@ def _called_name(node: ast.Call) -> str | None:
     return None
 
 
+def _raw_writer(node: ast.Call) -> str | None:
+    """``print``, ``typer.echo``, ``sys.stdout.write`` and the like, by name; else None."""
+    function = node.func
+    if isinstance(function, ast.Name) and function.id == "print":
+        return "print"
+    if isinstance(function, ast.Attribute):
+        owner = function.value
+        owner_name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+        if (owner_name, function.attr) in RAW_WRITERS:
+            return f"{owner_name}.{function.attr}"
+    return None
+
+
+def _echoes_through_the_layer(path: Path) -> bool:
+    resolved = path.resolve()
+    return resolved != THE_LAYER and any(resolved.is_relative_to(r) for r in ECHO_THROUGH_THE_LAYER)
+
+
 def findings(path: Path) -> Iterator[str]:
     """What in ``path`` could print user text as markup, one line each."""
     tree = ast.parse(path.read_text(), filename=str(path))
     where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
     for node in ast.walk(tree):
         line = f"{where}:{getattr(node, 'lineno', 0)}"
+        writer = _raw_writer(node) if isinstance(node, ast.Call) else None
+        if writer and _echoes_through_the_layer(path):
+            yield f"{line}: {writer}(...) writes to the terminal outside jobs.render.terminal"
         if isinstance(node, ast.Call):
             name = _called_name(node)
             if name in BUILT_THERE_ONLY and path.resolve() != THE_LAYER:

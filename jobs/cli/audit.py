@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from jobs.cli.common import _check_id, _database, app, cli_actor, console, fail
+from jobs.render.terminal import echo
 
 
 def _ids(values):
@@ -42,7 +43,7 @@ def show_events(url: str, study: int | None, limit: int, *, as_json: bool) -> No
         at=_utc(frame["at"]), study_id=_ids(frame["study_id"]), run_id=_ids(frame["run_id"])
     )
     if as_json:
-        typer.echo(frame.to_json(orient="records", date_format="iso"))
+        echo(frame.to_json(orient="records", date_format="iso"))
         return
     shown = frame.assign(at=_times(frame["at"])).rename(
         columns={"at": "at (UTC)", "study_id": "study", "run_id": "run"}
@@ -63,7 +64,7 @@ def show_deleted(url: str, *, as_json: bool) -> None:
     frame["deleted_at"] = _utc(frame["deleted_at"])
     frame["purge_at"] = [purge_at(moment, settings) for moment in frame["deleted_at"]]
     if as_json:
-        typer.echo(frame.to_json(orient="records", date_format="iso"))
+        echo(frame.to_json(orient="records", date_format="iso"))
         return
     shown = frame.assign(
         deleted_at=_times(frame["deleted_at"]), purge_at=_times(frame["purge_at"])
@@ -96,7 +97,7 @@ def restore(
         restored = restore_study(study, actor=cli_actor())
     except NotFound as err:
         fail(str(err), code=2)
-    typer.echo(f"restored study {study} ({restored.name}): {restored.runs} runs")
+    echo(f"restored study {study} ({restored.name}): {restored.runs} runs")
 
 
 @app.command()
@@ -139,13 +140,13 @@ def purge(
     except NotFound as err:
         fail(str(err), code=2)
     if not purged.studies:
-        typer.echo(
+        echo(
             "nothing to purge: no study was deleted longer ago than "
             f"POSBENCH_DELETE_RETENTION_DAYS ({settings.delete_retention_days:g})"
         )
         return
     studies = "1 study" if len(purged.studies) == 1 else f"{len(purged.studies)} studies"
-    typer.echo(
+    echo(
         f"purged {studies} ({', '.join(map(str, purged.studies))}): "
         f"{purged.runs} runs, {purged.evaluations} evaluations, {purged.checkpoints} "
         "checkpoint files"

@@ -16,6 +16,7 @@ import typer
 
 from jobs.errors import UserError
 from jobs.render.terminal import console as terminal
+from jobs.render.terminal import echo
 from jobs.safe_text import redact_url, redact_urls
 
 app = typer.Typer(
@@ -66,7 +67,7 @@ def run(argv: list[str] | None = None) -> None:
         if _is_database_error(err):
             _one_line(f"cannot reach or read the database: {_first_line(err)}", 1)
         shown = redact_urls("".join(traceback.format_exception(err)))
-        sys.stderr.write(shown)
+        echo(shown, err=True, end="")
         _one_line(
             f"this is a bug in posbench ({type(err).__name__}); please report it with the "
             "command and the traceback above",
@@ -75,7 +76,7 @@ def run(argv: list[str] | None = None) -> None:
 
 
 def _one_line(message: str, code: int) -> NoReturn:
-    typer.echo(f"error: {' '.join(redact_urls(message).split())}", err=True)
+    echo(f"error: {' '.join(redact_urls(message).split())}", err=True)
     sys.exit(code)
 
 
@@ -88,7 +89,7 @@ def _is_database_error(err: BaseException) -> bool:
 def fail(message: str, code: int) -> NoReturn:
     """A readable message on stderr (never wrapped, no traceback) and a meaningful exit code:
     2 for bad input, 1 for a failure."""
-    typer.echo(f"error: {message}", err=True)
+    echo(f"error: {message}", err=True)
     raise typer.Exit(code)
 
 

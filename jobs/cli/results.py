@@ -21,6 +21,7 @@ from jobs.cli.common import (
     console,
     fail,
 )
+from jobs.render.terminal import echo
 from jobs.safe_text import redact_url
 from jobs.status import ACTIVE
 
@@ -45,7 +46,7 @@ def import_(
         done = import_results(results_file, actor=cli_actor(), settings=get_settings(), force=force)
     except ImportProblem as err:
         fail(str(err), code=2)
-    typer.echo(
+    echo(
         f"imported study {done.study_id} ({done.name}): {done.runs} runs, "
         f"{done.evaluations} evaluations (database {redact_url(url)}); its runs are marked "
         "imported, and a submit reuses them only with --reuse-imported"
@@ -100,7 +101,7 @@ def export(
         # No credentials in the message: MLflow's own repeats the whole URL.
         message = re.sub(r"//[^/@\s]*@", "//", f"MLflow at {tracking_uri}: {_first_line(err)}")
         fail(message, code=1)
-    typer.echo(
+    echo(
         f"study {study} -> MLflow experiment {done.experiment!r} ({done.experiment_id}): "
         f"{len(done.written)} runs written, {len(done.skipped)} already there"
         + (f", {len(done.unfinished)} not finished (not exported)" if done.unfinished else "")
@@ -151,7 +152,7 @@ def export_hf(
         fail(str(err), code=1)
     except SQLAlchemyError as err:
         fail(f"the database {redact_url(url)}: {_first_line(err)}", code=1)
-    typer.echo(
+    echo(
         f"run {run} ({done.variant}) -> {done.out}: transformers' logits equal posbench's "
         f"to {done.difference:.1e} at {done.checked_length} tokens"
     )
@@ -228,7 +229,7 @@ def results(
         if output == "table":
             console.print(note, highlight=False)
         else:
-            typer.echo(f"note: {note}", err=True)
+            echo(f"note: {note}", err=True)
 
 
 def _shown_metric(name: str, study) -> str:
@@ -319,9 +320,9 @@ def _print_results(frame, row, view: str, output: str, title: str) -> None:
 
     study = int(row["id"])
     if output == "csv":
-        typer.echo(frame.drop(columns=["groups"], errors="ignore").to_csv(index=False), nl=False)
+        echo(frame.drop(columns=["groups"], errors="ignore").to_csv(index=False), end="")
     elif output == "json":
-        typer.echo(frame.to_json(orient="records"))
+        echo(frame.to_json(orient="records"))
     elif view == "curves":
         console.print(curve_table(frame.assign(protocol=frame["protocol_label"]), row))
         if metric_named(str(row["metric"])).diagnostic and frame[row["metric"]].isna().all():

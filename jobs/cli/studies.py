@@ -24,7 +24,7 @@ from jobs.cli.common import (
     fail,
 )
 from jobs.render.terminal import console as terminal
-from jobs.render.terminal import notes, styled
+from jobs.render.terminal import echo, notes, styled
 from jobs.status import ACTIVE, RUN_STATUSES, STOPPING, RunStatus
 from worker.catalog.models import ATTN_IMPLEMENTATIONS
 from worker.catalog.params import short_repr
@@ -55,10 +55,10 @@ def encodings(
             "encodings": [entry.to_json() for entry in REGISTRY.values()],
             "scalings": [entry.to_json() for entry in SCALINGS.values()],
         }
-        typer.echo(json.dumps(payload, indent=2))
+        echo(json.dumps(payload, indent=2))
         return
     if markdown:
-        typer.echo(catalog_markdown())
+        echo(catalog_markdown())
         return
     table = Table(title="position encodings")
     for column in ENCODING_COLUMNS:
@@ -174,7 +174,7 @@ def submit(
     notes(told + spec.notes())  # stored and queued: nothing refused it
     for prefix, line in (("note", routing.note()), ("warning", routing.warning())):
         if line:
-            typer.echo(f"{prefix}: {line}", err=True)
+            echo(f"{prefix}: {line}", err=True)
     payload = {
         "study": submitted.study_id,
         "queue": routing.queue,
@@ -184,7 +184,7 @@ def submit(
         "imported": submitted.imported,
     }
     if as_json:
-        typer.echo(json.dumps(payload))
+        echo(json.dumps(payload))
     else:
         imported = (
             f" ({len(submitted.imported)} of them imported, not trained here)"
@@ -285,7 +285,7 @@ def status(
         empty = [c for c in ("note", "failure") if frame[c].fillna("").str.strip().eq("").all()]
         shown = [c for c in shown if c not in empty]
     if as_json:
-        typer.echo(
+        echo(
             frame.drop(columns=["counts", "loss", "failure"], errors="ignore").to_json(
                 orient="records", date_format="iso"
             )
@@ -439,7 +439,7 @@ def delete(
         fail(str(err), code=2)
     except Busy as err:
         fail(str(err), code=1)
-    typer.echo(
+    echo(
         f"deleted study {study} ({deleted.name}): {deleted.runs} runs, "
         f"{deleted.evaluations} evaluations; posbench restore {study} brings it back until "
         f"{stamp(deleted.purge_at)}, when it is purged with its checkpoints"

@@ -11,7 +11,7 @@ import typer
 from rich.table import Table
 
 from jobs.cli.common import app, console, fail
-from jobs.render.terminal import styled
+from jobs.render.terminal import echo, styled
 from jobs.safe_text import text
 
 tasks_app = typer.Typer(
@@ -44,7 +44,7 @@ def tasks(
 
     if as_json:
         payload = [{**t.to_json(), "kind": t.kind.value, "text": t.text} for t in TASKS.values()]
-        typer.echo(json.dumps(payload, indent=2))
+        echo(json.dumps(payload, indent=2))
         return
     table = Table(title="tasks", caption="posbench tasks show NAME: parameters, scoring, reference")
     entries = list(TASKS.values())
@@ -203,7 +203,7 @@ def sample(
         fail(str(err), code=2)
     for index, item in enumerate(samples, 1):
         if as_json:
-            typer.echo(json.dumps(item.to_json(), ensure_ascii=False))
+            echo(json.dumps(item.to_json(), ensure_ascii=False))
             continue
         group = "" if item.group is None else f" ({item.group})"
         console.print(styled((f"example {index}", "bold"), group), highlight=False)

@@ -84,5 +84,7 @@ def refresh(path: Path) -> bool:
 if __name__ == "__main__":
     import sys
 
+    from jobs.render.terminal import echo
+
     for name in sys.argv[1:]:
-        print(f"{name}: {'refreshed' if refresh(Path(name)) else 'up to date'}")
+        echo(f"{name}: {'refreshed' if refresh(Path(name)) else 'up to date'}")

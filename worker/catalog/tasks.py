@@ -36,6 +36,12 @@ def corpus_problem(corpus: str) -> str | None:
     exists is checked where the corpus is read (a worker's file system, not the
     submitter's)."""
     kind, _, rest = corpus.partition(":")
+    if not corpus.isprintable():
+        # A path that would reach a terminal or a log line as control codes.
+        return (
+            f"corpus {corpus!r} holds a control or separator character; a corpus is a "
+            "printable name or path"
+        )
     if corpus == "pystdlib":
         return None
     if kind in ("text", "hf") and rest.strip():
