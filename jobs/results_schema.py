@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from functools import cache
 from typing import Annotated, Any
 
-from pydantic import ConfigDict, Field, TypeAdapter, with_config
+from pydantic import AfterValidator, ConfigDict, Field, TypeAdapter, with_config
 
 # The largest results.json read back (``posbench import``, an earlier run in --out): a
 # spec's largest study writes far less (64 runs, each with its curves and at most 1,024
@@ -28,6 +28,30 @@ MAX_RESULTS_BYTES = 256 << 20
 
 # JSON as posbench run writes it: no strings for numbers, no NaN or infinities.
 STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+# Every free string of a results.json is one printable line of at most MAX_TEXT
+# characters (audit G6: a 5 MB not_applicable reason was imported, and every Compare
+# page of its study sent it to the viewer). A test finds any str field without it.
+MAX_TEXT = 500
+
+
+def _one_printable_line(value: str) -> str:
+    if not value.isprintable():
+        raise ValueError("must be one line of printable characters")
+    return value
+
+
+Text = Annotated[str, Field(max_length=MAX_TEXT), AfterValidator(_one_printable_line)]
+
+
+def bounded_text(value: str) -> str:
+    """``value`` as the schema's ``Text`` takes it: its first line, control and other
+    non-printable characters as "?", at most MAX_TEXT characters (what the engine writes
+    of a message it did not compose, such as an exception's)."""
+    line = value.splitlines()[0] if value else ""
+    line = "".join(ch if ch.isprintable() else "?" for ch in line)
+    return line if len(line) <= MAX_TEXT else line[: MAX_TEXT - 3] + "..."
 
 
 @dataclass(frozen=True)
@@ -56,8 +80,8 @@ class PositionBin:
 class Evaluation:
     """One point of an extrapolation curve: (variant, protocol, length) -> metrics."""
 
-    variant: str
-    protocol: str
+    variant: Text
+    protocol: Text
     length: int
     loss: float | None = None
     perplexity: float | None = None
@@ -80,7 +104,7 @@ class Evaluation:
     tokens: int = 0
     tokens_per_second: float | None = None
     peak_memory_bytes: int | None = None
-    not_applicable: str | None = None
+    not_applicable: Text | None = None
     # The decode protocol's: tokens decoded one at a time per second, and the most bytes
     # of keys and values one sequence's cache held (None under the other protocols).
     decode_tokens_per_second: float | None = None
@@ -118,9 +142,9 @@ class TrainRecord:
 class SummaryRecord:
     """One number a run's curve (or its order probe) is turned into."""
 
-    variant: str
-    protocol: str
-    name: Annotated[str, Field(max_length=40)]
+    variant: Text
+    protocol: Text
+    name: Annotated[Text, Field(max_length=40)]
     value: float | None
 
 
@@ -128,11 +152,11 @@ class SummaryRecord:
 class RunRecord:
     """One run of the study: who it is, its training, its evaluations and summaries."""
 
-    label: str
-    encoding: str = ""
+    label: Text
+    encoding: Text = ""
     params: dict[str, Any] = field(default_factory=dict)
     seed: int
-    config_hash: str
+    config_hash: Text
     train: TrainRecord
     evaluations: list[Evaluation]
     summaries: list[SummaryRecord] = field(default_factory=list)
@@ -165,7 +189,7 @@ class StudyResults:
     """``results.json``: the study's spec, its metric and every run."""
 
     spec: dict[str, Any]
-    metric: str | None = None
+    metric: Text | None = None
     runs: Annotated[list[RunRecord], Field(min_length=1)]
 
     @classmethod

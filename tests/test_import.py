@@ -177,6 +177,18 @@ def _edited(payload: dict, change) -> dict:
             lambda p: p["runs"][1]["evaluations"][0].update(variant="yarn:2"),
             "runs[1] (alibi, seed 0): evaluation ('yarn:2', 'nonoverlapping', 16) is not in",
         ),
+        (  # audit G6: every Compare page of the study sent the 5 MB reason to its viewer
+            lambda p: _not_applicable(p, "x" * (5 << 20)),
+            "runs.0.evaluations.0.not_applicable: String should have at most 500 characters",
+        ),
+        (
+            lambda p: _not_applicable(p, "past the table\x1b[2J"),
+            "runs.0.evaluations.0.not_applicable: Value error, must be one line of printable",
+        ),
+        (
+            lambda p: p["runs"][0].update(label="rope\nforged line"),
+            "runs.0.label: Value error, must be one line of printable characters",
+        ),
     ],
 )
 def test_a_broken_file_is_refused_and_nothing_is_written(
@@ -185,6 +197,40 @@ def test_a_broken_file_is_refused_and_nothing_is_written(
     done = posbench(settings, "import", str(write(tmp_path, _edited(payload, change))))
     assert done.returncode == 2 and message in done.stderr, done.stderr
     assert queries.studies(settings.database).empty
+
+
+def _not_applicable(payload: dict, reason: str) -> None:
+    row = payload["runs"][0]["evaluations"][0]
+    for name in ("loss", "perplexity", "bits_per_byte", "accuracy", "token_accuracy"):
+        row[name] = None
+    row["not_applicable"] = reason
+
+
+def test_every_free_string_of_the_results_schema_is_bounded_printable_text() -> None:
+    """The class stays closed: a str field added to any record of results.json without
+    the bounded Text type fails here."""
+    import dataclasses
+    import types
+    import typing
+
+    from jobs import results_schema
+
+    records = [
+        value
+        for value in vars(results_schema).values()
+        if dataclasses.is_dataclass(value) and value.__module__ == results_schema.__name__
+    ]
+    assert len(records) >= 6
+    unbounded = []
+    for record in records:
+        for name, hint in typing.get_type_hints(record, include_extras=True).items():
+            union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+            for part in typing.get_args(hint) if union else [hint]:
+                if part is str:
+                    unbounded.append(f"{record.__name__}.{name}")
+    assert unbounded == []
+    assert results_schema.bounded_text("a\x1b[2J\nsecond") == "a?[2J"
+    assert len(results_schema.bounded_text("y" * 10_000)) == results_schema.MAX_TEXT
 
 
 def _first(p: dict, variant: str = "none") -> dict:

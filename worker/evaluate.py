@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from jobs.metrics import Kind, diagnostics, kind_of
-from jobs.results_schema import Evaluation, PositionBin
+from jobs.results_schema import Evaluation, PositionBin, bounded_text
 from jobs.spec import EvalSpec, VariantSpec
 from worker import liveness
 from worker.data.base import Batch, Task
@@ -440,7 +440,9 @@ def evaluate(
         else:
             raise ValueError(f"variant {variant.label!r} evaluates a fine-tuned model")
         if isinstance(evaluated, str):
-            row = Evaluation(variant.label, protocol, length, not_applicable=evaluated)
+            row = Evaluation(
+                variant.label, protocol, length, not_applicable=bounded_text(evaluated)
+            )
         else:
             row = evaluate_length(
                 evaluated,
