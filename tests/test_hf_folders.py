@@ -216,3 +216,36 @@ def test_the_parameters_a_config_describes() -> None:
     gpt2 = {"n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}
     parameters, _, _ = config_parameters(gpt2, HF_FAMILIES["gpt2"])
     assert abs(parameters - 124_439_808) / 124.4e6 < 0.001
+
+
+def test_a_folders_tokenizer_settings_cannot_name_a_file_outside_it(
+    home: Path, tmp_path: Path
+) -> None:
+    """Audit G1: transformers lets a folder's tokenizer_config.json name the tokenizer
+    file to read (``fast_tokenizer_files``), an absolute path winning. posbench builds
+    the tokenizer from the folder's own tokenizer.json (and reads the special tokens
+    itself): a valid tokenizer outside every root is never the one loaded, and the
+    provenance hashes the one that is."""
+    from tokenizers import Tokenizer, models
+
+    from worker.hf.loader import load_model
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    elsewhere = Tokenizer(models.WordLevel({"<unk>": 0, "owned": 1}, unk_token="<unk>"))
+    elsewhere.save(str(outside / "tokenizer.4.0.0.json"))
+    folder = variant(home, "pointing-out")
+    settings_file = folder / "tokenizer_config.json"
+    settings = json.loads(settings_file.read_text())
+    settings["fast_tokenizer_files"] = [str(outside / "tokenizer.4.0.0.json")]
+    settings["tokenizer_file"] = str(outside / "tokenizer.4.0.0.json")
+    settings_file.write_text(json.dumps(settings))
+    loaded = load_model("pointing-out", ModelPolicy(roots=((home / "models").resolve(),)))
+    own = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    assert loaded.tokenizer.backend_tokenizer.to_str() == own.to_str()
+    assert loaded.tokenizer.backend_tokenizer.to_str() != elsewhere.to_str()
+    # The special tokens are the folder's, read as strings.
+    assert loaded.tokenizer.eos_token_id == own.token_to_id(settings["eos_token"])
+    record = loaded.provenance
+    assert len(record["tokenizer_sha256"]) == 64
+    assert record["tokenizer_sha256"] != record["config_sha256"]

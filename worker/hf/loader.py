@@ -6,22 +6,33 @@ of the roots) where it is read, then loaded from its files alone; a hub id only 
 the policy allows it. Never any code of the model's own (``trust_remote_code=False``),
 weights from safetensors only, float32 weights (the evaluation runs bf16 autocast on
 CUDA, as for posbench's models), attention by PyTorch's SDPA. What was loaded is
-recorded: the config's and the weights' SHA-256 for a folder, the hub's commit for a
-hub id, and transformers' version.
+recorded: the config's, the weights' and the tokenizer's SHA-256 for a folder, the hub's
+commit for a hub id, and transformers' version.
+
+A folder's tokenizer is built from what was checked, never by ``from_pretrained``: that
+lets the folder's own tokenizer_config.json name the files to read (``fast_tokenizer_files``,
+``tokenizer_file``), where an absolute or ``../`` path wins (the fourth audit's G1: a
+worker opened a tokenizer from outside every root, and /proc/self/environ). posbench reads
+the folder's tokenizer.json with the tokenizers library and the special tokens from
+tokenizer_config.json and special_tokens_map.json itself, as strings only.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from jobs.files import FileRefused, read_bounded
 from worker.catalog.corpora import SourcePolicy, scrub
 from worker.catalog.hf_models import (
     CONFIG_FILE,
+    MAX_CONFIG_BYTES,
+    TOKENIZER_FILE,
     HfModelError,
     Located,
     ModelFacts,
@@ -36,6 +47,11 @@ from worker.catalog.hf_models import (
 from worker.hf.model import HfCausalLM
 
 CHUNK = 8 << 20
+# The special tokens posbench takes from a folder (by string, and only those the
+# vocabulary holds), from these files, the later overriding the earlier, as transformers
+# reads them.
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+SPECIAL_TOKEN_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 
 
 @dataclass
@@ -54,6 +70,40 @@ def _sha256(paths: list[Path]) -> str:
             while chunk := handle.read(CHUNK):
                 digest.update(chunk)
     return digest.hexdigest()
+
+
+def special_tokens(folder: Path, vocabulary: dict[str, int]) -> dict[str, str]:
+    """The folder's begin, end, unknown and padding tokens: strings (or a ``content``
+    string) its token files name that ``vocabulary`` holds; nothing else of them is read."""
+    found: dict[str, str] = {}
+    for name in SPECIAL_TOKEN_FILES:
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            data = json.loads(read_bounded(path, MAX_CONFIG_BYTES, "a tokenizer's settings"))
+        except (FileRefused, OSError, ValueError) as err:
+            raise HfModelError(f"model.hf {folder}: {name} cannot be read ({err})") from None
+        for key in SPECIAL_TOKENS if isinstance(data, dict) else ():
+            value = data.get(key)
+            token = value.get("content") if isinstance(value, dict) else value
+            if isinstance(token, str) and token in vocabulary:
+                found[key] = token
+    return found
+
+
+def checked_tokenizer(folder: Path) -> tuple[Any, str]:
+    """A local folder's fast tokenizer, built from its tokenizer.json and the special
+    tokens ``special_tokens`` reads, and the SHA-256 of what it was built from."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    path = folder / TOKENIZER_FILE
+    backend = Tokenizer.from_file(str(path))
+    tokens = special_tokens(folder, backend.get_vocab(with_added_tokens=True))
+    digest = hashlib.sha256(bytes.fromhex(_sha256([path])))
+    digest.update(json.dumps(tokens, sort_keys=True).encode())
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **tokens), digest.hexdigest()
 
 
 def locate(name: str, policy: ModelPolicy) -> Located:
@@ -171,7 +221,10 @@ def load_model(name: str, policy: ModelPolicy) -> LoadedModel:
             output_loading_info=True,
             **common,
         )
-        tokenizer = AutoTokenizer.from_pretrained(source, **common)
+        if hub:
+            tokenizer = AutoTokenizer.from_pretrained(source, **common)
+        else:  # only what was checked (audit G1)
+            tokenizer, record["tokenizer_sha256"] = checked_tokenizer(Path(source))
     except HfModelError:
         raise
     except Exception as err:  # the libraries raise many types; report any of them plainly
