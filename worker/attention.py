@@ -353,10 +353,12 @@ def _compiled_kernel() -> Callable[..., Tensor]:
     if _kernel is None:
         from torch.nn.attention.flex_attention import flex_attention
 
-        limit = getattr(torch._dynamo.config, "recompile_limit", None)
-        name = "recompile_limit" if limit is not None else "cache_size_limit"
-        current = getattr(torch._dynamo.config, name)
-        setattr(torch._dynamo.config, name, max(current, MAX_FLEX_SHAPES))
+        config = torch._dynamo.config
+        per_frame = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        setattr(config, per_frame, max(getattr(config, per_frame), MAX_FLEX_SHAPES))
+        if hasattr(config, "accumulated_recompile_limit"):  # all frames together
+            limit = max(config.accumulated_recompile_limit, 4 * MAX_FLEX_SHAPES)
+            config.accumulated_recompile_limit = limit
         # Static shapes: dynamic ones fail to build on the CPU in torch 2.13, and a sweep
         # has a handful of lengths.
         _kernel = torch.compile(flex_attention, dynamic=False)
