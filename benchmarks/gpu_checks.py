@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -143,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    folder = (args.out.parent if args.out else Path(".")) / "gpu-checks-data"
+    # The lm task's prepared data for the compiled steps: beside the report, or in a
+    # temporary folder (never the working folder).
+    folder = args.out.parent / "gpu-checks-data" if args.out else Path(tempfile.mkdtemp())
     started = time.monotonic()
     rows: list[dict[str, Any]] = []
 
