@@ -230,9 +230,19 @@ def test_a_study_submitted_while_its_twin_trains_waits_and_trains_nothing(
     # machine too (600 steps were sometimes done before the twin was submitted).
     first = spec(["rope"], steps=3000, checkpoint_every=20)
     submit(first, settings=cluster.settings, send=cluster.send, actor="tester")
+    # A run on another worker waits only for a checkpoint it will be able to read: one in
+    # this machine's artifacts folder already (worker.runtime.cache.training_run). The
+    # step is reported before that step's checkpoint is written, so the twin goes in once
+    # the file is there (submitted in between, it would train itself, and never wait).
+    checkpoints = cluster.settings.artifacts_dir / "runs"
     cluster.wait_for(
-        lambda runs: runs and runs[0].step >= 20 and runs[0].status == "running",
-        what="first trained 20 steps",
+        lambda runs: (
+            runs
+            and runs[0].step >= 20
+            and runs[0].status == "running"
+            and (checkpoints / f"{runs[0].id}.pt").exists()
+        ),
+        what="first trained 20 steps and wrote its first checkpoint",
     )
     longer = first.model_dump(mode="json")
     longer["eval"]["lengths"] = [32, 64, 128]
