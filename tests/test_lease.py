@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import io
+import threading
 import time
 from types import SimpleNamespace
 
@@ -91,10 +92,33 @@ def test_the_lease_clock_defaults_to_the_stale_window(monkeypatch) -> None:
 def test_checkpoints_are_written_only_under_a_freshly_confirmed_lease() -> None:
     beat = SimpleNamespace(lost=False, cancel_asked=False)
     fresh = StoreHooks(claimed(patience=30, silent_for=5), None, beat, {})
-    stale = StoreHooks(claimed(patience=30, silent_for=16), None, beat, {})
+    stale = StoreHooks(claimed(patience=30, silent_for=16), None, beat, {}, write_wait=0.2)
+    started = time.monotonic()
     assert fresh.may_write() and not stale.may_write()
+    assert 0.2 <= time.monotonic() - started < 2  # waited for a confirmation, none came
     beat.lost = True
     assert not fresh.may_write()
+    # Past the stale window another worker may hold the run: no wait at all.
+    gone = StoreHooks(claimed(patience=1, silent_for=2), None, SimpleNamespace(lost=False), {})
+    started = time.monotonic()
+    assert not gone.may_write() and time.monotonic() - started < 0.5
+
+
+def test_a_checkpoint_waits_for_the_heartbeat_to_confirm_the_lease() -> None:
+    """A busy database delayed the heartbeat past half the window: the checkpoint (the last
+    one of training, too) waits for the confirmation instead of being dropped."""
+    run = claimed(patience=4, silent_for=2.5)
+    beat = SimpleNamespace(lost=False, cancel_asked=False)
+    hooks = StoreHooks(run, None, beat, {})
+
+    def confirm() -> None:
+        time.sleep(0.3)
+        run.clock.confirmed = time.monotonic()
+
+    threading.Thread(target=confirm).start()
+    started = time.monotonic()
+    assert hooks.may_write()
+    assert 0.25 <= time.monotonic() - started < 1.4
 
 
 def test_the_defaults_take_a_lost_worker_over_within_a_minute() -> None:

@@ -15,7 +15,7 @@ import errno
 import logging
 import traceback
 from collections.abc import Callable
-from time import monotonic
+from time import monotonic, sleep
 from typing import TYPE_CHECKING
 
 from sqlalchemy.exc import OperationalError
@@ -193,8 +193,12 @@ class StoreHooks(BaseHooks):
         *,
         deadline: float = float("inf"),
         clock: Callable[[], float] | None = None,
+        write_wait: float | None = None,
     ) -> None:
         self.claimed, self.run, self.beat = claimed, run, beat
+        # How long a checkpoint waits for the lease to be confirmed again (None: until no
+        # other worker could hold the run by now, the stale window after the last beat).
+        self.write_wait = write_wait
         self.noted = noted  # the run's provenance as stored, kept up to date
         self.asked = False
         self.deadline, self.clock = deadline, clock or monotonic
@@ -225,9 +229,19 @@ class StoreHooks(BaseHooks):
         return self.cancel_asked() or self.beat.lost or shutting_down.is_set() or self.expired
 
     def may_write(self) -> bool:
-        # Files (checkpoints) are not fenced by the database: write them only while no
-        # other worker can hold the run yet (the lease confirmed within half the window).
-        return not self.beat.lost and self.claimed.clock.fresh()
+        """Files (checkpoints) are not fenced by the database: write them only while no
+        other worker can hold the run yet (the lease confirmed within half the window).
+        A lease the heartbeat has not confirmed lately (a busy database) is waited for,
+        as long as no other worker could hold the run yet, rather than the checkpoint
+        dropped: a run whose last checkpoint was dropped so finished with a model that
+        was not final, which no study sharing its training could take (it trained
+        again)."""
+        lease = self.claimed.clock
+        wait = lease.patience - lease.silent() if self.write_wait is None else self.write_wait
+        until = monotonic() + wait
+        while not self.beat.lost and not lease.fresh() and monotonic() < until:
+            sleep(min(0.05, max(0.0, until - monotonic())))
+        return not self.beat.lost and lease.fresh()
 
 
 def release_for_shutdown(claimed: ClaimedRun, where: str) -> str:
