@@ -33,13 +33,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from worker.catalog.models import ATTN_IMPLEMENTATIONS
-from worker.encodings.base import PositionEncoding, causal_toeplitz
+from worker.encodings.base import BiasMod, PositionEncoding, causal_toeplitz
 from worker.encodings.rope import BlockDecay, scale_pairs
 
 log = logging.getLogger("posbench.attention")
 
-# (head, query, key) index tensors -> the bias those pairs get (worker.encodings.base).
-BiasMod = Callable[[Tensor, Tensor, Tensor], Tensor]
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
 # Distinct compiled shapes a process may hold: one per (length, heads, head size, dtype,
@@ -61,8 +59,13 @@ def _has_flex() -> bool:
 FLEX_AVAILABLE = _has_flex()
 
 
-def flex_available() -> bool:
-    return FLEX_AVAILABLE
+def check_implementation(requested: str) -> None:
+    """ValueError for a name that is none of ATTN_IMPLEMENTATIONS."""
+    if requested not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(
+            f"attn_implementation must be one of {', '.join(ATTN_IMPLEMENTATIONS)}, "
+            f"got {requested!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -88,11 +91,7 @@ def choose(
     flex_attention) for an encoding with an additive bias (``has_bias``; ``learned``: with
     parameters of its own) that has a fused form (``fusable``), on ``device``, with or
     without a ``backward`` to follow; ``decay``: xPos's per-block decay is in use."""
-    if requested not in ATTN_IMPLEMENTATIONS:
-        raise ValueError(
-            f"attn_implementation must be one of {', '.join(ATTN_IMPLEMENTATIONS)}, "
-            f"got {requested!r}"
-        )
+    check_implementation(requested)
     if decay:
         note = None
         if requested in ("eager", "flex_attention"):
@@ -102,7 +101,7 @@ def choose(
             )
         return Choice("sdpa", note)
     if requested == "auto":
-        if device.type == "cuda" and has_bias and fusable and flex_available():
+        if device.type == "cuda" and has_bias and fusable and FLEX_AVAILABLE:
             return Choice("flex_attention")
         if device.type == "cpu" and has_bias and learned and backward:
             # PyTorch's fused CPU kernel writes every score out with a learned bias and is
@@ -111,7 +110,7 @@ def choose(
         return Choice("sdpa")
     if requested != "flex_attention":
         return Choice(requested)
-    if not flex_available():
+    if not FLEX_AVAILABLE:
         return Choice("sdpa", f"FlexAttention needs torch >= 2.5 (this is {torch.__version__})")
     if has_bias and not fusable:
         return Choice("sdpa", "this encoding's bias has no score_mod; it runs on sdpa")

@@ -30,6 +30,7 @@ from worker.attention import (
     Notes,
     biased_attention,
     block_mask,
+    check_implementation,
     choose,
     decayed_attention,
     fits_compiled,
@@ -37,7 +38,7 @@ from worker.attention import (
     score_mod,
     written_out_causal_attention,
 )
-from worker.catalog.models import ATTN_IMPLEMENTATIONS, MODEL_PRESETS
+from worker.catalog.models import MODEL_PRESETS
 from worker.catalog.params import is_positive_int
 from worker.diagnostics import AttentionProbe, LayerProbe, logn_factors, scale_rows
 from worker.encodings import build
@@ -458,11 +459,7 @@ def build_model(
 ) -> Transformer:
     """A model with ``encoding``; weights the encoding does not own depend on ``seed`` only;
     ``attn_implementation`` (worker.attention) says how its attention runs."""
-    if attn_implementation not in ATTN_IMPLEMENTATIONS:
-        raise ValueError(
-            f"attn_implementation must be one of {', '.join(ATTN_IMPLEMENTATIONS)}, "
-            f"got {attn_implementation!r}"
-        )
+    check_implementation(attn_implementation)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise ValueError(f"seed must be an integer in [0, 2^63), got {seed!r}")
     if isinstance(config, str):
