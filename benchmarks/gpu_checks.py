@@ -13,7 +13,12 @@ For every encoding that acts on the logits (ALiBi also with log-n factors), a fl
 - ``spread``: flex's gradient of the same pass taken twice (captured learned tensors get
   atomic adds, so the order of the sums varies from run to run);
 - ``compiled``: three training steps with ``train.compile`` (bf16 autocast) against the
-  same steps uncompiled, and the compiled graph's breaks.
+  same steps uncompiled, and the compiled graph's breaks;
+- ``bf16``, first: a forward and backward of the ``base`` preset (head size 64) under
+  bf16 autocast against eager's: the shape the suite trains, whose kernel tiles must fit
+  the GPU's shared memory (float32 and the small preset's head size 32 fit where bf16 at
+  64 did not: the first H200 run). A kernel that does not build is a row that did not
+  hold, with its error.
 
 Each row says whether it held; the exit status is 1 when one did not. On the CPU
 (``--device cpu``; FlexAttention has no backward there in torch 2.13) the gradients
@@ -40,6 +45,8 @@ LENGTHS = (200, 700)  # neither a multiple of 128
 VALUE_TOLERANCE = 1e-5  # float32 logits, absolute
 GRADIENT_TOLERANCE = 1e-4  # largest difference / the gradient's norm, per parameter
 COMPILED_TOLERANCE = 0.02  # relative loss, bf16 autocast compiled against uncompiled
+BF16_LENGTH = 512
+BF16_TOLERANCE = 0.05  # relative loss and gradient, bf16 autocast fused against eager
 
 
 def _model(name: str, device: torch.device, logn: bool = False):
@@ -73,14 +80,16 @@ def _relative(ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor])
     )
 
 
-def fused_rows(name: str, device: torch.device, logn: bool) -> list[dict[str, Any]]:
+def fused_rows(
+    name: str, device: torch.device, logn: bool, lengths: tuple[int, ...] = LENGTHS
+) -> list[dict[str, Any]]:
     """The values, gradients and spread rows of one encoding."""
     label = f"{name}+logn" if logn else name
     fused = "flex_attention" if device.type == "cuda" else "sdpa"
     model = _model(name, device, logn)
     rows = []
     generator = torch.Generator().manual_seed(1)
-    for length in LENGTHS:
+    for length in lengths:
         tokens = torch.randint(0, 256, (2, length), generator=generator).to(device)
         reference, reference_grads = _pass(model, tokens, "eager")
         logits, grads = _pass(model, tokens, fused)
@@ -93,6 +102,25 @@ def fused_rows(name: str, device: torch.device, logn: bool) -> list[dict[str, An
         spread = max((float((grads[n] - again[n]).abs().max()) for n in encoding), default=0.0)
         rows.append(_row(label, "spread", length, fused, spread, None))
     return rows
+
+
+def bf16_row(name: str, device: torch.device) -> dict[str, Any]:
+    """The ``base`` preset's loss and gradients under bf16 autocast, fused against eager."""
+    fused = "flex_attention" if device.type == "cuda" else "sdpa"
+    model = build_model("base", name, train_length=BF16_LENGTH, seed=7).to(device)
+    generator = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 256, (2, BF16_LENGTH), generator=generator).to(device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+    try:
+        with autocast:
+            reference, reference_grads = _pass(model, tokens, "eager")
+            logits, grads = _pass(model, tokens, fused)
+    except Exception as exc:  # the row says what did not build, the other checks go on
+        row = _row(name, "bf16", BF16_LENGTH, fused, float("inf"), BF16_TOLERANCE)
+        return row | {"error": f"{type(exc).__name__}: {str(exc)[-300:]}"}
+    loss, reference_loss = (float(x.float().logsumexp(-1).mean()) for x in (logits, reference))
+    worst = max(abs(loss - reference_loss) / abs(reference_loss), _relative(grads, reference_grads))
+    return _row(name, "bf16", BF16_LENGTH, fused, worst, BF16_TOLERANCE)
 
 
 def compiled_rows(name: str, device: torch.device, folder: Path) -> list[dict[str, Any]]:
@@ -141,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--encodings", nargs="*", default=BIASED, choices=BIASED)
     parser.add_argument("--no-compiled", action="store_true", help="leave out the training steps")
+    parser.add_argument(
+        "--lengths", type=int, nargs="+", default=list(LENGTHS), help="of the values rows"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -161,10 +192,14 @@ def main(argv: list[str] | None = None) -> int:
             }
             args.out.write_text(json.dumps(document, indent=1))
 
+    for name in args.encodings:
+        rows.append(bf16_row(name, device))
+        print(json.dumps(rows[-1]), flush=True)
+        save()
     plan = [(name, False) for name in args.encodings]
     plan += [("alibi", True)] if "alibi" in args.encodings else []
     for name, logn in plan:
-        rows.extend(fused_rows(name, device, logn))
+        rows.extend(fused_rows(name, device, logn, tuple(args.lengths)))
         print(json.dumps(rows[-1]), flush=True)
         save()
     if not args.no_compiled:

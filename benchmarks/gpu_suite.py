@@ -111,7 +111,8 @@ def _module(module: str, device: str, shape: list[str], out: Path) -> list[str]:
 
 
 def _checks(tiny: bool, folder: Path, device: str) -> list[str]:
-    shape = ["--encodings", "alibi", "fire", "--no-compiled"] if tiny else []
+    # On the GPU one length (700: six tiles, the last one partial) after the bf16 rows.
+    shape = ["--encodings", "alibi", "fire", "--no-compiled"] if tiny else ["--lengths", "700"]
     return _module("benchmarks.gpu_checks", device, shape, folder / "checks.json")
 
 
@@ -175,18 +176,26 @@ def _decode(tiny: bool, folder: Path, device: str) -> list[str]:
 
 
 # Sized from the first H200 run (issue 43): there train was stopped at 225 s, eval at 90 s,
-# the study took 158 s alone and decode (every encoding, 1x-8x) had no figure at 90 s.
+# the study took 158 s alone and decode (every encoding, 1x-8x) had no figure at 90 s; and
+# the second (2026-12-04): checks stopped at 52 s with both lengths, mfu at 75 s after
+# nope's compile (27 s warm-up), decode at 38 s without a figure, hf done in 23 s.
 # Flex compiles once per shape (tens of seconds, counted in the warm-ups), so train and
 # eval get a time box they keep themselves (--budget-s: no measurement begun past it),
 # the study reads fewer tokens per length and decode measures three encodings.
 PARTS = (
-    Part("checks", "flex against eager: values, gradients; compiled steps", 35, 30, _checks),
-    Part("train", "training tokens/s and MFU per encoding, eager and compiled", 120, 10, _train),
-    Part("mfu", "compiled MFU of nope and rope at 64k tokens a step", 50, 10, _mfu),
-    Part("eval", "evaluation tokens/s and memory per encoding, 1x to 32x", 80, 10, _eval),
-    Part("study", "a study at real scale: ppl from 1x to 16x per encoding", 100, 15, _study),
-    Part("hf", "an HF Llama evaluated by posbench against transformers", 35, 15, _hf),
-    Part("decode", "KV-cache decoding against transformers' generate", 25, 15, _decode),
+    Part(
+        "checks",
+        "flex against eager: bf16 builds, values, gradients; compiled steps",
+        45,
+        30,
+        _checks,
+    ),
+    Part("train", "training tokens/s and MFU per encoding, eager and compiled", 110, 10, _train),
+    Part("mfu", "compiled MFU of nope and rope at 64k tokens a step", 60, 10, _mfu),
+    Part("eval", "evaluation tokens/s and memory per encoding, 1x to 32x", 75, 10, _eval),
+    Part("study", "a study at real scale: ppl from 1x to 16x per encoding", 90, 15, _study),
+    Part("hf", "an HF Llama evaluated by posbench against transformers", 25, 15, _hf),
+    Part("decode", "KV-cache decoding against transformers' generate", 45, 15, _decode),
 )
 
 

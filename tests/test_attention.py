@@ -95,6 +95,58 @@ def test_every_encoding_with_a_bias_has_a_fused_form_and_no_other_has_one() -> N
         assert encoding.fusable == encoding.has_bias == (entry.family == "bias"), name
 
 
+def test_a_bias_read_from_a_table_per_pair_brings_tiles_that_the_kernel_accepts() -> None:
+    """T5, KERPLE and FIRE read a table per (query, key) pair; PyTorch's default GPU tiles
+    do not fit such a score_mod in an H200's shared memory (docs/performance.md, "Kernel
+    tiles"). Each declares its tiles: option names FlexAttention knows, forward and
+    backward block sizes that divide its 128-row sparse blocks and each other as its
+    backward kernel requires. ALiBi reads one slope per head and keeps the defaults."""
+    from typing import get_type_hints
+
+    from torch.nn.attention.flex_attention import FlexKernelOptions
+
+    from worker.encodings import REGISTRY
+
+    known = set(get_type_hints(FlexKernelOptions))
+    reads_per_pair = {"t5", "kerple_log", "kerple_power", "fire"}
+    for name in REGISTRY:
+        tiles = build(name, **dims()).flex_tiles
+        assert (tiles is not None) == (name in reads_per_pair), name
+        if tiles is None:
+            continue
+        bare = {
+            key.removeprefix("fwd_").removeprefix("bwd_"): value for key, value in tiles.items()
+        }
+        assert set(bare) <= known, (name, set(bare) - known)
+        assert all(128 % bare[key] == 0 for key in ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N2"))
+        assert bare["BLOCK_N1"] % bare["BLOCK_M1"] == 0 and bare["BLOCK_M2"] % bare["BLOCK_N2"] == 0
+        assert all(key.startswith(("fwd_", "bwd_")) for key in tiles if key.startswith("BLOCK"))
+
+
+def test_the_tiles_reach_the_kernel_on_a_gpu_only(monkeypatch) -> None:
+    """On the CPU flex_attention is called without kernel options (its kernel has none of
+    these); on a GPU with a copy of the encoding's; through the model's pass both ways."""
+    t5 = build("t5", **dims())
+    assert attention.kernel_options(t5.flex_tiles, torch.device("cpu")) is None
+    on_gpu = attention.kernel_options(t5.flex_tiles, torch.device("cuda"))
+    assert on_gpu == t5.flex_tiles and on_gpu is not t5.flex_tiles
+    assert attention.kernel_options(None, torch.device("cuda")) is None
+    calls = []
+
+    def kernel(q, k, v, *, score_mod, block_mask, kernel_options):
+        calls.append(kernel_options)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    monkeypatch.setattr(attention, "_compiled_kernel", lambda: kernel)
+    model = build_model("tiny", "t5", train_length=TRAIN, attn_implementation="flex_attention")
+    with torch.no_grad():  # evaluation: flex on the CPU too
+        pass_kernel = model.attention_kernel(1, TRAIN, CPU, torch.float32)
+        assert pass_kernel.tiles == t5.flex_tiles
+        q = torch.randn(1, 2, TRAIN, 8)
+        flex(q, q, q, pass_kernel.score_mod, mask=pass_kernel.block_mask, tiles=pass_kernel.tiles)
+    assert calls == [None]
+
+
 def test_a_fallback_is_told_once_per_model_and_what_ran_is_recorded(caplog) -> None:
     model = build_model("tiny", "alibi", train_length=TRAIN, attn_implementation="flex_attention")
     tokens = torch.randint(0, 256, (2, TRAIN))

@@ -93,8 +93,8 @@ def test_a_spent_budget_begins_no_further_measurement(tmp_path: Path) -> None:
 
 def test_the_gpu_checks_run_on_the_cpu_and_hold(tmp_path: Path) -> None:
     """benchmarks.gpu_checks compares flex with eager on a GPU; on the CPU its logic runs
-    with sdpa in flex's place: values, gradients, spread and the compiled training steps
-    (one graph: no break)."""
+    with sdpa in flex's place: the base preset under bf16, values, gradients, spread and
+    the compiled training steps (one graph: no break)."""
     out = tmp_path / "checks.json"
     args = ["--device", "cpu", "--encodings", "t5", "--out", str(out)]
     done = benchmark("gpu_checks", *args, timeout=600)
@@ -102,6 +102,7 @@ def test_the_gpu_checks_run_on_the_cpu_and_hold(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())["rows"]
     checks = [(row["check"], row["length"]) for row in rows]
     assert checks == [
+        ("bf16", 512),
         *((check, length) for length in (200, 700) for check in ("values", "gradients", "spread")),
         ("compiled", 64),
     ]

@@ -56,7 +56,7 @@ def test_every_part_runs_tiny_on_the_cpu_and_reports(tmp_path: Path) -> None:
     # The GPU-only checks' logic, on the CPU: every row held.
     checked = figures["checks"]["rows"]
     assert {row["encoding"] for row in checked} == {"alibi", "fire", "alibi+logn"}
-    assert {row["check"] for row in checked} == {"values", "gradients", "spread"}
+    assert {row["check"] for row in checked} == {"bf16", "values", "gradients", "spread"}
     assert all(row["held"] is not False for row in checked)
     # Training: one encoding of each family of the catalogue, the bias encoding first.
     trained = [row["encoding"] for row in figures["train"]["rows"]]

@@ -375,6 +375,12 @@ def fits_compiled(key: tuple) -> bool:
     return True
 
 
+def kernel_options(tiles: dict[str, int] | None, device: torch.device) -> dict[str, int] | None:
+    """The kernel options flex_attention is called with: the bias's tiles on a GPU (a copy:
+    the compiler may keep it), none on the CPU, whose kernel tiles another way."""
+    return dict(tiles) if tiles and device.type == "cuda" else None
+
+
 def flex(
     q: Tensor,
     k: Tensor,
@@ -384,16 +390,20 @@ def flex(
     mask: Any = None,
     causal: bool = True,
     window: int | None = None,
+    tiles: dict[str, int] | None = None,
 ) -> Tensor:
     """softmax(q k^T / sqrt(d) + bias) v in one fused kernel, ``q, k, v [B, H, T, d]``,
-    under ``mask`` (a pass's block mask) or the causal (windowed) one of this length."""
+    under ``mask`` (a pass's block mask) or the causal (windowed) one of this length.
+    ``tiles``: the kernel options the bias needs on a GPU (``flex_tiles``); the CPU's
+    kernel has no tiles of this kind and takes none."""
     if mask is None:
         mask = block_mask(q.shape[-2], str(q.device), window, causal)
+    options = kernel_options(tiles, q.device)
     if torch.compiler.is_compiling():  # the model is compiled: the outer compile fuses it
         from torch.nn.attention.flex_attention import flex_attention
 
-        return flex_attention(q, k, v, score_mod=mod, block_mask=mask)
-    return _compiled_kernel()(q, k, v, score_mod=mod, block_mask=mask)
+        return flex_attention(q, k, v, score_mod=mod, block_mask=mask, kernel_options=options)
+    return _compiled_kernel()(q, k, v, score_mod=mod, block_mask=mask, kernel_options=options)
 
 
 @dataclass(frozen=True)
@@ -404,3 +414,4 @@ class Kernel:
     implementation: str
     score_mod: ScoreMod | None = None
     block_mask: Any = None  # flex's, looked up once per pass (outside a compiled graph)
+    tiles: dict[str, int] | None = None  # the bias's kernel options (``flex_tiles``)

@@ -187,7 +187,9 @@ class CausalSelfAttention(nn.Module):
                 raise ValueError("xPos's decay beyond one table's span is causal only")
             y = decayed_attention(q, k, v, decay)
         elif kernel is not None and kernel.implementation == "flex_attention":
-            y = flex(q, k, v, kernel.score_mod, mask=kernel.block_mask, causal=causal)
+            y = flex(
+                q, k, v, kernel.score_mod, mask=kernel.block_mask, causal=causal, tiles=kernel.tiles
+            )
         elif attn_bias is None:
             if kernel is not None and kernel.implementation == "eager":
                 y = written_out_causal_attention(q, k, v, causal)
@@ -384,8 +386,11 @@ class Transformer(nn.Module):
             self.note_attention(choice, backward=torch.is_grad_enabled())
         if choice.implementation != "flex_attention":
             return Kernel(choice.implementation)
-        mod = score_mod(encoding.bias_mod(length), factors) if encoding.has_bias else None
-        return Kernel(choice.implementation, mod, block_mask(length, str(device)))
+        if not encoding.has_bias:
+            return Kernel(choice.implementation, None, block_mask(length, str(device)))
+        mod = score_mod(encoding.bias_mod(length), factors)
+        mask = block_mask(length, str(device))
+        return Kernel(choice.implementation, mod, mask, encoding.flex_tiles)
 
     def note_attention(self, choice: Choice, backward: bool) -> None:
         """Record what ran (training: a pass with a backward) and tell its note once."""

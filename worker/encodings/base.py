@@ -30,6 +30,31 @@ if TYPE_CHECKING:
 # (head, query, key) index tensors -> the bias of those pairs (the score_mod's addend).
 BiasMod = Callable[[Tensor, Tensor, Tensor], Tensor]
 
+# FlexAttention's tiles on a GPU for a bias that reads a table per (query, key) pair.
+# PyTorch's default on an H100 / H200 (bf16, head size 64: 128 x 128 tiles, 3 stages)
+# needs 240 KiB of shared memory with such a read (the limit is 227 KiB) and does not
+# compile; a per-head read (ALiBi's slope) fits. Measured with benchmarks/flex_probe.py
+# on an H200 (docs/performance.md, "Kernel tiles"): 64 x 64 tiles compile forward and
+# backward and were the fastest tried for one read per pair; FIRE's interpolation (two
+# reads and a division) ran 3.6x faster forward on 32 x 32 tiles, one stage.
+ONE_READ_TILES: dict[str, int] = {
+    "fwd_BLOCK_M": 64,
+    "fwd_BLOCK_N": 64,
+    "bwd_BLOCK_M1": 32,
+    "bwd_BLOCK_N1": 64,
+    "bwd_BLOCK_M2": 64,
+    "bwd_BLOCK_N2": 32,
+}
+INTERPOLATED_TILES: dict[str, int] = {
+    "fwd_BLOCK_M": 32,
+    "fwd_BLOCK_N": 32,
+    "num_stages": 1,
+    "bwd_BLOCK_M1": 16,
+    "bwd_BLOCK_N1": 32,
+    "bwd_BLOCK_M2": 32,
+    "bwd_BLOCK_N2": 16,
+}
+
 
 class PositionOutOfRange(ValueError):
     """A sequence is longer than an encoding can represent (e.g. a learned table)."""
@@ -40,6 +65,9 @@ class PositionEncoding(nn.Module):
 
     name: ClassVar[str] = ""
     has_bias: ClassVar[bool] = False
+    # FlexAttention's kernel options on a GPU for this encoding's ``bias_mod`` (None:
+    # PyTorch's defaults); what the bias reads per pair decides what fits.
+    flex_tiles: ClassVar[dict[str, int] | None] = None
 
     def __init__(self, *, n_heads: int, head_dim: int, d_model: int, train_length: int) -> None:
         super().__init__()

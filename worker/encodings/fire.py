@@ -20,7 +20,12 @@ import math
 import torch
 from torch import Tensor, nn
 
-from worker.encodings.base import BiasMod, PositionEncoding, relative_distance
+from worker.encodings.base import (
+    INTERPOLATED_TILES,
+    BiasMod,
+    PositionEncoding,
+    relative_distance,
+)
 
 # Cells of the grid on which the fused kernel reads f (``FIRE.bias_mod``): f is linear
 # inside a cell holding no knot and off by at most |slope change| x cell / 4 in the <= width
@@ -31,6 +36,7 @@ GRID_CELLS = 1 << 16
 class FIRE(PositionEncoding):
     name = "fire"
     has_bias = True
+    flex_tiles = INTERPOLATED_TILES
     eps = 1e-6
 
     def __init__(

@@ -19,7 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from worker.encodings.base import BiasMod, PositionEncoding, distance_mod, relative_distance
+from worker.encodings.base import (
+    ONE_READ_TILES,
+    BiasMod,
+    PositionEncoding,
+    distance_mod,
+    relative_distance,
+)
 
 EPS = 1e-2  # the floor the reference implementation clamps to
 POWER_MAX = 2.0
@@ -41,6 +47,7 @@ def _initial(n_heads: int, high: float) -> Tensor:
 
 class _Kerple(PositionEncoding):
     has_bias = True
+    flex_tiles = ONE_READ_TILES
     R1_INIT_HIGH = 2.0  # r1 ~ U(0, R1_INIT_HIGH) at initialisation
 
     def kernel(self, distance: Tensor) -> Tensor:

@@ -16,7 +16,13 @@ import math
 import torch
 from torch import Tensor, nn
 
-from worker.encodings.base import BiasMod, PositionEncoding, distance_mod, relative_distance
+from worker.encodings.base import (
+    ONE_READ_TILES,
+    BiasMod,
+    PositionEncoding,
+    distance_mod,
+    relative_distance,
+)
 
 
 def t5_bucket(distance: Tensor, num_buckets: int = 32, max_distance: int = 128) -> Tensor:
@@ -33,6 +39,7 @@ def t5_bucket(distance: Tensor, num_buckets: int = 32, max_distance: int = 128) 
 class T5Bias(PositionEncoding):
     name = "t5"
     has_bias = True
+    flex_tiles = ONE_READ_TILES
 
     def __init__(self, *, num_buckets: int = 32, max_distance: int = 128, **dims: int) -> None:
         super().__init__(**dims)
