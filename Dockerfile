@@ -45,9 +45,11 @@ WORKDIR /app
 # The project's source, listed once; both images copy it from here.
 FROM scratch AS source
 COPY pyproject.toml README.md /src/
-COPY worker /src/worker
-COPY jobs /src/jobs
+COPY core /src/core
 COPY db /src/db
+COPY jobs /src/jobs
+COPY worker /src/worker
+COPY cli /src/cli
 COPY dashboard /src/dashboard
 
 # Dependencies first, so that code changes do not reinstall torch. torch alone comes
@@ -66,7 +68,7 @@ ARG PIP_EXTRA_INDEX_URL=""
 ARG PIP_TRUSTED_HOST=""
 COPY --from=source /src/ ./
 # [hf]: HuggingFace corpora (hf:wikitext:...) on the cpu workers, which run this image.
-RUN pip install ".[hf]" && python -c "import torch, jobs.cli, db.migrate, dashboard, datasets"
+RUN pip install ".[hf]" && python -c "import torch, cli, db.migrate, dashboard, datasets"
 USER posbench
 EXPOSE 8501
 ENTRYPOINT ["posbench"]
@@ -84,7 +86,7 @@ ARG PIP_INDEX_URL=""
 ARG PIP_EXTRA_INDEX_URL=""
 ARG PIP_TRUSTED_HOST=""
 COPY --from=source /src/ ./
-RUN pip install ".[hf]" && python -c "import jobs.cli, worker.tasks, datasets"
+RUN pip install ".[hf]" && python -c "import cli, worker.tasks, datasets"
 USER posbench
 ENTRYPOINT ["posbench"]
 CMD ["worker", "--queues", "gpu"]

@@ -30,8 +30,8 @@ lint: $(STAMP)
 # The generated parts of the docs (the catalogue tables of docs/encodings.md and
 # docs/tasks.md).
 docs: $(STAMP)
-	$(PY) -m jobs.render.catalog docs/encodings.md
-	$(PY) -m jobs.render.tasks docs/tasks.md
+	$(PY) -m cli.render.catalog docs/encodings.md
+	$(PY) -m cli.render.tasks docs/tasks.md
 
 test: $(STAMP) lint
 	$(PY) -m pytest -n 2 -q

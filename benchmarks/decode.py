@@ -67,7 +67,7 @@ from benchmarks.harness import (
     quartiles,
     synchronize,
 )
-from jobs.render.tables import markdown_rows
+from core.tables import markdown_rows
 
 REFERENCE = "transformers"
 SOURCE = Path(__file__).resolve().parents[1] / "worker"
@@ -132,7 +132,7 @@ def export(model: Any, encoding: str, plan: Plan, folder: Path) -> Any:
     loaded as a plain transformers user loads it."""
     from transformers import GPTNeoXForCausalLM
 
-    from worker.catalog.encodings import info
+    from core.catalog.encodings import info
     from worker.export_hf import write_hf_folder
 
     entry = info(encoding)
@@ -222,7 +222,7 @@ def contenders(
     plan: Plan, encodings: list[str], exports: dict[str, Any], models: dict[str, Any]
 ) -> dict[tuple[str, int], Side]:
     """Every (implementation:encoding, length) the rounds run, grouped by length."""
-    from worker.catalog.encodings import REGISTRY
+    from core.catalog.encodings import REGISTRY
 
     fallback = next(iter(exports))  # the rope export when there is one
     sides: dict[tuple[str, int], Side] = {}
@@ -387,7 +387,7 @@ def describe(plan: Plan, rounds: int, trained: dict[str, float]) -> str:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    from worker.catalog.encodings import REGISTRY
+    from core.catalog.encodings import REGISTRY
     from worker.model import PRESETS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -421,7 +421,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    from worker.catalog.encodings import hf_exportable
+    from core.catalog.encodings import hf_exportable
     from worker.cpu import flush_denormals
 
     flush_denormals()  # as posbench run and the workers do; before the first parallel op

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import quartiles
-from jobs.render.tables import markdown_rows
-from jobs.settings import get_settings
-from jobs.spec import EvalSpec, VariantSpec, parse_spec
+from core.settings import get_settings
+from core.spec import EvalSpec, VariantSpec, parse_spec
+from core.tables import markdown_rows
 from worker.evaluate import evaluate_length
 from worker.model import ModelConfig, build_model
 from worker.run import prepared_task

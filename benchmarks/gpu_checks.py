@@ -127,7 +127,7 @@ def compiled_rows(name: str, device: torch.device, folder: Path) -> list[dict[st
     """Three steps of the trainer compiled against the same three uncompiled."""
     from torch._dynamo.utils import counters
 
-    from jobs.spec import TrainSpec
+    from core.spec import TrainSpec
     from worker.data import build_task
     from worker.training import Trainer
 

@@ -48,9 +48,9 @@ from benchmarks.harness import (
     synchronize,
     xtransformers_model,
 )
-from jobs.render.tables import markdown_rows
+from core.catalog.encodings import REGISTRY
+from core.tables import markdown_rows
 from worker.attention import compiled_shapes
-from worker.catalog.encodings import REGISTRY
 from worker.encodings.base import PositionOutOfRange
 from worker.model import PRESETS, build_model
 

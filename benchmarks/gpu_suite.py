@@ -52,9 +52,9 @@ from typing import Any
 import torch
 
 from benchmarks.gpu_targets import targets
-from jobs.metrics import Kind, headline
-from jobs.render.tables import markdown_rows
-from worker.catalog.encodings import REGISTRY
+from core.catalog.encodings import REGISTRY
+from core.metrics import Kind, headline
+from core.tables import markdown_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 METRIC = headline(Kind.LANGUAGE_MODELLING).column  # the study's: language modelling
@@ -153,7 +153,7 @@ def _eval(tiny: bool, folder: Path, device: str) -> list[str]:
 def _study(tiny: bool, folder: Path, device: str) -> list[str]:
     spec = folder / "study-spec.json"
     spec.write_text(json.dumps(study_spec(tiny), indent=1))
-    return ["-m", "jobs.cli", "run", str(spec), "--device", device, "--out", str(folder / "study")]
+    return ["-m", "cli", "run", str(spec), "--device", device, "--out", str(folder / "study")]
 
 
 def _hf(tiny: bool, folder: Path, device: str) -> list[str]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from worker.catalog.encodings import REGISTRY
+from core.catalog.encodings import REGISTRY
 
 MFU, BASE_MFU = 0.40, 0.30
 LARGE_STEP = 65_536  # tokens a step from which the 40% target applies

@@ -39,8 +39,8 @@ from benchmarks.harness import (
     synchronize,
     xtransformers_model,
 )
-from jobs.render.tables import markdown_rows
-from worker.catalog.encodings import REGISTRY
+from core.catalog.encodings import REGISTRY
+from core.tables import markdown_rows
 from worker.model import PRESETS, build_model
 from worker.training.trainer import tf32_matmuls
 

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from jobs.render.tables import markdown_rows
-from worker.catalog.encodings import REGISTRY
-from worker.catalog.models import ATTN_IMPLEMENTATIONS
+from core.catalog.encodings import REGISTRY
+from core.catalog.models import ATTN_IMPLEMENTATIONS
+from core.tables import markdown_rows
 from worker.memory import peak_resident_bytes, reset_peak_resident, resident_bytes
 from worker.model import build_model
 

@@ -50,7 +50,7 @@ import torch
 
 from benchmarks.harness import Contender, cuda_peak_bytes, interleave, peak_bytes, quartiles
 from benchmarks.hf_build import NAME, SIZES, Size, generated_documents, save_model, text_task
-from jobs.render.tables import markdown_rows
+from core.tables import markdown_rows
 
 
 class RecordingTask:
@@ -72,7 +72,7 @@ class Setup:
 
     loaded: Any  # worker.hf.loader.LoadedModel
     task: RecordingTask
-    spec: Any  # jobs.spec.EvalSpec
+    spec: Any  # core.spec.EvalSpec
     size: Size
     lengths: list[int]
     device: torch.device
@@ -94,8 +94,8 @@ def prepare(
     """Build and save the model under ``folder`` (a models root), load it as a worker
     does, and tokenize enough generated text for ``tokens_per_length`` scored targets
     (32 windows of the longest length by default) at every length."""
-    from jobs.spec import EvalSpec
-    from worker.catalog.hf_models import ModelPolicy
+    from core.catalog.hf_models import ModelPolicy
+    from core.spec import EvalSpec
     from worker.hf.loader import load_model
 
     lengths = [factor * size.context for factor in factors]
@@ -152,7 +152,7 @@ class Pass:
 def posbench_pass(setup: Setup, length: int, model: Any = None) -> Pass:
     """One evaluation at ``length``, as ``worker.evaluate.evaluate`` runs each point
     (``model``: the loaded adapter unless given)."""
-    from jobs.spec import VariantSpec
+    from core.spec import VariantSpec
     from worker.evaluate import evaluate_length
 
     row = evaluate_length(

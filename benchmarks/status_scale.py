@@ -32,12 +32,12 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
+from core.catalog.tasks import TASKS
+from core.status import RunStatus
 from db import queries
 from db.engine import engine_for
 from db.migrate import upgrade
 from db.models import Evaluation, Run, Study
-from jobs.status import RunStatus
-from worker.catalog.tasks import TASKS
 
 ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = (128, 256, 512)
@@ -114,7 +114,7 @@ def cli(home: Path, *args: str) -> Callable[[], None]:
 
     def run() -> None:
         subprocess.run(
-            [sys.executable, "-m", "jobs.cli", *args],
+            [sys.executable, "-m", "cli", *args],
             cwd=ROOT,
             env=env,
             check=True,

@@ -17,12 +17,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from core.settings import Settings
+from core.spec import parse_spec
 from db.migrate import upgrade
 from jobs.broker import start_redis, stop
 from jobs.celery_app import TRAIN_RUN, make_celery
 from jobs.service import submit
-from jobs.settings import Settings
-from jobs.spec import parse_spec
 
 ENCODINGS = ["nope", "sinusoidal", "rope", "alibi", "t5"]
 

@@ -20,6 +20,8 @@ import uuid
 
 import streamlit as st
 
+from core.safe_text import markdown
+from core.settings import get_settings
 from jobs.access import (
     OPERATOR,
     THROTTLE,
@@ -34,8 +36,6 @@ from jobs.access import (
     served_openly,
     session_expired,
 )
-from jobs.safe_text import markdown
-from jobs.settings import get_settings
 
 log = logging.getLogger("posbench.dashboard.auth")
 

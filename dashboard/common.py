@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import streamlit as st
 
-from jobs.safe_text import error_summary, markdown, redact_urls
-from jobs.settings import get_settings
+from core.safe_text import error_summary, markdown, redact_urls
+from core.settings import get_settings
 
 log = logging.getLogger("posbench.dashboard")
 
@@ -64,12 +64,12 @@ def database_error(err: BaseException) -> None:
 def page_errors() -> Iterator[None]:
     """The dashboard's error boundary, around every page (and each fragment, which reruns
     on its own): a database error becomes ``database_error``'s summary, what a person
-    caused (``jobs.errors.UserError``) its one line, and anything else a note that this
+    caused (``core.errors.UserError``) its one line, and anything else a note that this
     is a bug, with the traceback in the server log only (URLs without passwords), never
     Streamlit's traceback on the page."""
     from sqlalchemy.exc import SQLAlchemyError
 
-    from jobs.errors import UserError
+    from core.errors import UserError
 
     try:
         yield
@@ -91,8 +91,8 @@ def page_errors() -> Iterator[None]:
 def imported_captions(studies) -> None:
     """Under a selection of studies (``db.queries.studies`` rows): a caption for each
     one whose runs were imported (``posbench import``) rather than trained here."""
+    from core.analysis import imported_note
     from db import queries
-    from jobs.analysis import imported_note
 
     counts = queries.imported_runs(database(), [int(i) for i in studies["id"]])
     for row in studies.itertuples():

@@ -7,6 +7,12 @@ from __future__ import annotations
 
 import streamlit as st
 
+from core import analysis
+from core.catalog.hf_models import HF_ENCODING
+from core.metrics import Kind, headline, kind_of, metric_named, shown_with
+from core.safe_text import markdown
+from core.spec import protocol_title
+from core.tables import seed_summary_table
 from dashboard.common import (
     database,
     imported_captions,
@@ -27,12 +33,6 @@ from dashboard.curves import (
 from dashboard.diagnostics_view import render_diagnostics
 from dashboard.heatmaps import heatmap_figure
 from db import queries
-from jobs import analysis
-from jobs.metrics import Kind, headline, kind_of, metric_named, shown_with
-from jobs.render.tables import seed_summary_table
-from jobs.safe_text import markdown
-from jobs.spec import protocol_title
-from worker.catalog.hf_models import HF_ENCODING
 
 MAX_LENGTHS = 48
 TOKENIZERS_NOTE = (
@@ -60,7 +60,7 @@ def render() -> None:
         return
     chosen = studies[studies["id"].isin(selected)]
     imported_captions(chosen)
-    # Each study's metric, then the others of its kind (jobs.metrics).
+    # Each study's metric, then the others of its kind (core.metrics).
     scored_by = sorted(set(chosen["metric"]))
     metric_options = [m.name for name in scored_by for m in shown_with(name)]
     frame = queries.curves(database(), study_ids=selected, max_lengths=MAX_LENGTHS)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
-from jobs import analysis
-from jobs.safe_text import plot_text
+from core import analysis
+from core.safe_text import plot_text
 
 
 def summarize(frame: pd.DataFrame, metric: str) -> pd.DataFrame:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
+from core import analysis
+from core.metrics import diagnostics, metric_named
+from core.safe_text import markdown
 from dashboard.common import database
 from dashboard.curves import curve_figure, summarize
 from dashboard.heatmaps import heatmap_figure
 from db import queries
-from jobs import analysis
-from jobs.metrics import diagnostics, metric_named
-from jobs.safe_text import markdown
 
 GUIDE = (
     "Attention diagnostics from 256 sampled queries per window (at most 2,048 per "

@@ -11,8 +11,8 @@ import numpy as np
 import plotly.graph_objects as go
 import streamlit as st
 
-from jobs.safe_text import markdown, plot_text
-from worker.catalog.encodings import LOGN, REGISTRY, SCALINGS, TEMPERATURES
+from core.catalog.encodings import LOGN, REGISTRY, SCALINGS, TEMPERATURES
+from core.safe_text import markdown, plot_text
 
 
 @st.cache_resource(max_entries=32)

@@ -1,9 +1,9 @@
 """Heatmaps for the Compare page: a line's accuracy by group as a grid of coloured cells
-(``jobs.analysis.group_grid``), one Plotly figure per line (no Streamlit here).
+(``core.analysis.group_grid``), one Plotly figure per line (no Streamlit here).
 
 A figure's title and axes are the page's own words; the line it belongs to is shown
 beside it as escaped text. Every text that enters a figure (titles, axis labels, cell
-labels, the hover template) goes through ``jobs.safe_text.plot_text``, since Plotly
+labels, the hover template) goes through ``core.safe_text.plot_text``, since Plotly
 reads tags and ``%{...}`` in all of them.
 """
 
@@ -15,8 +15,8 @@ from numbers import Real
 import pandas as pd
 import plotly.graph_objects as go
 
-from jobs.metrics import Kind, headline
-from jobs.safe_text import plot_text
+from core.metrics import Kind, headline
+from core.safe_text import plot_text
 
 COLOR_SCALE = "Viridis"  # perceptually uniform, readable without colour vision
 CELL_PIXELS = 34

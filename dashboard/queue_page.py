@@ -8,6 +8,10 @@ import datetime as dt
 import pandas as pd
 import streamlit as st
 
+from core import analysis
+from core.safe_text import markdown
+from core.settings import get_settings
+from core.status import ACTIVE, RUN_STATUSES, STOPPING, RunStatus
 from dashboard.auth import actor, can_operate
 from dashboard.common import (
     database,
@@ -21,13 +25,9 @@ from dashboard.common import (
 from db import queries
 from db.engine import transaction
 from db.models import Study
-from jobs import analysis
-from jobs.render.watch import progress
 from jobs.retention import Busy, busy_message, delete_study, restore_study
-from jobs.safe_text import markdown
 from jobs.service import NotFound
-from jobs.settings import get_settings
-from jobs.status import ACTIVE, RUN_STATUSES, STOPPING, RunStatus
+from jobs.watch import progress
 
 REFRESH_SECONDS = 2
 EVENTS_SHOWN = 50

@@ -15,13 +15,13 @@ from typing import Any, get_args
 import streamlit as st
 from pydantic import BaseModel
 
+from core.catalog.encodings import LOGN, NO_SCALING, REGISTRY, SCALINGS, TEMPERATURES
+from core.catalog.models import ATTN_IMPLEMENTATIONS, MODEL_PRESETS
+from core.catalog.params import Param
+from core.catalog.tasks import DEFAULT_TASK, TASKS
+from core.spec import PROTOCOLS, QUEUES, EvalSpec, ModelSpec, TrainSpec
 from dashboard.common import queue_warning, served_queues
 from jobs.routing import preferred_queue
-from jobs.spec import PROTOCOLS, QUEUES, EvalSpec, ModelSpec, TrainSpec
-from worker.catalog.encodings import LOGN, NO_SCALING, REGISTRY, SCALINGS, TEMPERATURES
-from worker.catalog.models import ATTN_IMPLEMENTATIONS, MODEL_PRESETS
-from worker.catalog.params import Param
-from worker.catalog.tasks import DEFAULT_TASK, TASKS
 
 LENGTHS = [2**k for k in range(4, 18)]
 FIXED_FACTOR = 4  # the factor offered for a scaling that takes no "auto" one

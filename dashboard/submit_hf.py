@@ -3,7 +3,7 @@ found directly under the models roots, and what a study that evaluates one may s
 
 What the model is (its family, RoPE or not, its original context) is read from the
 chosen folder's config.json as JSON, within a bound, under the same containment rules as
-submit and the worker (``worker.catalog.hf_models``): no transformers here. The study it
+submit and the worker (``core.catalog.hf_models``): no transformers here. The study it
 makes trains nothing: ``train.length`` is the config's original context, the task is
 one whose examples are text (the catalogue's ``text`` flag: the model reads them in its
 own tokens), there are no encodings, and RoPE scalings are offered only for a RoPE
@@ -16,10 +16,8 @@ from typing import Any
 
 import streamlit as st
 
-from dashboard.submit_form import LENGTHS, VARIANTS, evaluation_inputs, header, task_inputs
-from jobs.safe_text import markdown
-from worker.catalog.encodings import SCALINGS
-from worker.catalog.hf_models import (
+from core.catalog.encodings import SCALINGS
+from core.catalog.hf_models import (
     ROOTS_SETTING,
     HfModelError,
     ModelFacts,
@@ -28,9 +26,11 @@ from worker.catalog.hf_models import (
     local_facts,
     model_folders,
 )
-from worker.catalog.tasks import DEFAULT_TASK, TASKS
+from core.catalog.tasks import DEFAULT_TASK, TASKS
+from core.safe_text import markdown
+from dashboard.submit_form import LENGTHS, VARIANTS, evaluation_inputs, header, task_inputs
 
-# The tasks an hf: model is evaluated on (jobs.spec.hf): those whose examples are text.
+# The tasks an hf: model is evaluated on (core.spec.hf): those whose examples are text.
 HF_TASKS = [name for name, task in TASKS.items() if task.text]
 HF_DEFAULT_TASK = DEFAULT_TASK if DEFAULT_TASK in HF_TASKS else HF_TASKS[0]
 DEFAULT_TOKENS = 65536

@@ -12,13 +12,13 @@ import json
 import streamlit as st
 import yaml
 
+from core.safe_text import markdown
+from core.settings import get_settings
+from core.spec import PRESET_SPECS, SpecError, StudySpec, parse_spec
 from dashboard.auth import actor, can_operate
 from dashboard.common import queue_warning, schema_ready
 from dashboard.submit_form import form
 from dashboard.submit_hf import hf_form
-from jobs.safe_text import markdown
-from jobs.settings import get_settings
-from jobs.spec import PRESET_SPECS, SpecError, StudySpec, parse_spec
 
 OWN_SOURCE, HF_SOURCE = "posbench", "hf"
 SOURCES = {OWN_SOURCE: "posbench's own model", HF_SOURCE: "a HuggingFace model folder"}

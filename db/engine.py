@@ -19,7 +19,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from jobs.files import private_file, private_folder
+from core.files import private_file, private_folder
 
 SQLITE_BUSY_TIMEOUT_S = 60
 # libpq's connection options over TCP (ignored on a unix socket): a connect gives up after

@@ -7,8 +7,8 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 
+from core.errors import UnavailableError
 from db.engine import engine_for, normalize_url
-from jobs.errors import UnavailableError
 
 MIGRATIONS = Path(__file__).with_name("migrations")
 

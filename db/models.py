@@ -16,7 +16,7 @@ Tables (documented for plain SQL in docs/results-database.md):
 - ``position_bins``: loss by position inside the evaluation window;
 - ``run_summaries``: one run's curve turned into numbers, (run, variant, protocol,
   name) -> value: extrapolation ratios, effective context length, area under the
-  log-perplexity curve, and the order probe (``jobs.analysis``, ``worker.probes``);
+  log-perplexity curve, and the order probe (``core.analysis``, ``worker.probes``);
 - ``events``: the audit trail, who did what to which study or run and when
   (``jobs.audit``); no foreign key, so an event outlives the study it names.
 
@@ -49,7 +49,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-from jobs.status import RunStatus
+from core.status import RunStatus
 
 
 def utcnow() -> dt.datetime:

@@ -13,6 +13,9 @@ from collections.abc import Sequence
 import pandas as pd
 from sqlalchemy import Select, case, func, select
 
+from core.analysis import ANY_PROTOCOL
+from core.metrics import METRICS, metric_named
+from core.status import RUN_STATUSES
 from db.engine import engine_for, normalize_url
 from db.models import (
     Evaluation,
@@ -24,9 +27,6 @@ from db.models import (
     TrainPoint,
     in_live_study,
 )
-from jobs.analysis import ANY_PROTOCOL
-from jobs.metrics import METRICS, metric_named
-from jobs.status import RUN_STATUSES
 
 
 def _frame(url: str, statement: Select) -> pd.DataFrame:
@@ -389,7 +389,7 @@ def _train_point_strides(url: str, run_ids: Sequence[int], cap: int) -> dict[int
 def run_summaries(
     url: str, study_ids: Sequence[int] | None = None, protocol: str | None = None
 ) -> pd.DataFrame:
-    """Every stored per-run summary (``jobs.analysis.summarize_run`` and the order
+    """Every stored per-run summary (``core.analysis.summarize_run`` and the order
     probe), one row per (run, variant, protocol, summary), with its run's identity.
     With ``protocol``, the curve summaries of that protocol and the order probe's."""
     statement = (

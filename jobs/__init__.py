@@ -1,4 +1,5 @@
-"""The job model: study specs, validation, submission and the `posbench` CLI.
+"""The queue, above the results database: submit, lifecycle, quotas, access, the
+reconciler, backups, retention, routing and the Celery application.
 
 Nothing here imports torch at module level: producers enqueue by name.
 """

@@ -27,7 +27,7 @@ from typing import Literal
 
 import tomllib
 
-from jobs.settings import Settings
+from core.settings import Settings
 
 Role = Literal["operator", "viewer"]
 OPERATOR: Role = "operator"

@@ -5,7 +5,7 @@ Each use case records its event in the transaction that makes its change, so a c
 is never stored without its event, nor an event without its change. The actor is
 whoever the entry point says acted: the OIDC e-mail or the password role and client
 address on the dashboard (``dashboard.auth.actor``), the OS user for the CLI
-(``jobs.cli.common.cli_actor``), ``posbench (retention)`` for the reconciler's purges.
+(``cli.common.cli_actor``), ``posbench (retention)`` for the reconciler's purges.
 It is a record of who asked, not proof of identity: anyone who holds the database's
 credentials can write the table.
 

@@ -25,11 +25,11 @@ from pathlib import Path
 
 from sqlalchemy.engine import make_url
 
+from core.errors import UnavailableError, UserError
+from core.files import private_folder, replacing
+from core.safe_text import redact_url, redact_urls
 from db.engine import SQLITE_BUSY_TIMEOUT_S, forget, normalize_url
 from db.migrate import current, head, known_revisions, upgrade
-from jobs.errors import UnavailableError, UserError
-from jobs.files import private_folder, replacing
-from jobs.safe_text import redact_url, redact_urls
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
 PG_DUMP_MAGIC = b"PGDMP"

@@ -13,8 +13,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from jobs.errors import UnavailableError
-from jobs.files import PRIVATE_UMASK, open_private_log, private_folder
+from core.errors import UnavailableError
+from core.files import PRIVATE_UMASK, open_private_log, private_folder
 
 
 class BrokerError(UnavailableError, RuntimeError):

@@ -9,8 +9,8 @@ from __future__ import annotations
 from celery import Celery
 from kombu import Exchange, Queue
 
-from jobs.settings import Settings, get_settings
-from jobs.spec import QUEUES
+from core.settings import Settings, get_settings
+from core.spec import QUEUES
 
 TRAIN_RUN = "posbench.train_run"
 

@@ -18,10 +18,10 @@ from pathlib import Path
 
 from rich.console import Console
 
+from core.files import PRIVATE_FOLDER, PRIVATE_UMASK, open_private_log, private_folder
+from core.safe_text import redact_url
+from core.settings import get_settings
 from jobs.broker import start_redis, stop
-from jobs.files import PRIVATE_FOLDER, PRIVATE_UMASK, open_private_log, private_folder
-from jobs.safe_text import redact_url
-from jobs.settings import get_settings
 
 DASHBOARD_APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
 
@@ -95,7 +95,7 @@ def serve(*, dashboard: bool, port: int, console: Console) -> int:
         env["POSBENCH_DATABASE_URL"] = settings.database
         upgrade(settings.database)
         backfill_summaries(settings.database)
-        spawn("worker", [sys.executable, "-m", "jobs.cli", "worker"])
+        spawn("worker", [sys.executable, "-m", "cli", "worker"])
         urls = [
             f"broker    {redact_url(settings.broker)}",
             f"database  {redact_url(settings.database)}",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from jobs.settings import get_settings
+from core.settings import get_settings
 
 
 def main() -> int:
@@ -24,8 +24,8 @@ def main() -> int:
         with engine_for(normalize_url(settings.database)).connect() as connection:
             connection.execute(text("SELECT 1"))
     except Exception as err:  # any failure means unhealthy; say which
-        from jobs.render.terminal import echo
-        from jobs.safe_text import redact_urls
+        from core.safe_text import redact_urls
+        from core.terminal import echo
 
         echo(f"unhealthy: {redact_urls(str(err))}", err=True)
         return 1

@@ -8,7 +8,7 @@
       │          └─────retry─────── failed | cancelled
       └─ reuse (the result cache has it) ──> done         import ──> done (imported)
 
-This module is the only code that writes a run's ``status`` (``jobs.status``). A
+This module is the only code that writes a run's ``status`` (``core.status``). A
 worker *claims* a queued run by writing a fresh lease token in the same UPDATE that
 moves it to running; only one claimant can win, and the claim is a ``ClaimedRun``.
 Every later write of that worker (heartbeat, progress, phase, results, the finish)
@@ -33,13 +33,13 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
+from core.results_schema import TrainPoint as Point
+from core.settings import get_settings
+from core.spec import RunSpec, StudySpec
+from core.status import FINISHED, RETRYABLE, STOPPING, RunStatus
 from db.engine import is_transient, transaction, with_retry
 from db.models import Run, Study, TrainPoint, in_live_study, utcnow
 from db.upsert import upsert
-from jobs.results_schema import TrainPoint as Point
-from jobs.settings import get_settings
-from jobs.spec import RunSpec, StudySpec
-from jobs.status import FINISHED, RETRYABLE, STOPPING, RunStatus
 
 T = TypeVar("T")
 

@@ -29,12 +29,12 @@ from __future__ import annotations
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from core.files import shown_bytes
+from core.settings import Settings
+from core.spec import StudySpec
+from core.status import ACTIVE
 from db.models import Run, Study
-from jobs.files import shown_bytes
 from jobs.lifecycle import reusable
-from jobs.settings import Settings
-from jobs.spec import StudySpec
-from jobs.status import ACTIVE
 
 
 def model_sizes(spec: StudySpec, settings: Settings) -> tuple[int, int, int] | None:
@@ -43,7 +43,7 @@ def model_sizes(spec: StudySpec, settings: Settings) -> tuple[int, int, int] | N
     with no attention term); None for posbench's own models (the spec's sizes)."""
     if spec.model.hf is None:
         return None
-    from worker.catalog.hf_models import local_facts
+    from core.catalog.hf_models import local_facts
 
     _, facts = local_facts(spec.model.hf, settings.models)
     return facts.sizes if facts is not None else (settings.max_hf_parameters, 0, 0)

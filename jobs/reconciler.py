@@ -15,9 +15,9 @@ import sys
 import threading
 import time
 
+from core.settings import Settings, get_settings
 from jobs.retention import purge
 from jobs.service import database_steady, reconcile
-from jobs.settings import Settings, get_settings
 
 log = logging.getLogger("posbench.reconciler")
 

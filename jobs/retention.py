@@ -25,12 +25,12 @@ from dataclasses import dataclass
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
+from core.settings import Settings, get_settings
+from core.status import ACTIVE
 from db.engine import transaction
 from db.models import Evaluation, Run, Study, as_utc, utcnow
 from jobs.audit import RETENTION_ACTOR, Action, actor_name, record, run_count, stamp
 from jobs.service import NotFound, live_study, missing_study
-from jobs.settings import Settings, get_settings
-from jobs.status import ACTIVE
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jobs.settings import Settings, get_settings
-from jobs.spec import QUEUES, StudySpec
+from core.settings import Settings, get_settings
+from core.spec import QUEUES, StudySpec
 
 # How long to wait for the workers' answers: Celery's broadcast gathers replies
 # until then, so it is the time a submission spends asking.

@@ -22,6 +22,13 @@ from dataclasses import dataclass
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
+from core import analysis
+from core.catalog.hf_models import weights_problem
+from core.errors import UserError
+from core.safe_text import redact_urls
+from core.settings import Settings, get_settings
+from core.spec import StudySpec
+from core.status import STOPPING, RunStatus
 from db.engine import transaction, with_retry
 from db.models import (
     Base,
@@ -35,14 +42,9 @@ from db.models import (
     utcnow,
 )
 from db.queries import run_points
-from jobs import analysis, audit, lifecycle, quotas
+from jobs import audit, lifecycle, quotas
 from jobs.audit import Action, actor_name, deleted_message, record, stamp
 from jobs.celery_app import TRAIN_RUN, producer
-from jobs.errors import UserError
-from jobs.safe_text import redact_urls
-from jobs.settings import Settings, get_settings
-from jobs.spec import StudySpec
-from jobs.status import STOPPING, RunStatus
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +66,6 @@ def sources_problem(spec: StudySpec, settings: Settings) -> str | None:
     needs (built on the meta device: no weights loaded); None when it may."""
     problem = spec.source_problem(settings.sources, settings.models)
     if problem is None and spec.model.hf is not None:
-        from worker.hf.loader import weights_problem
-
         problem = weights_problem(spec.model.hf, settings.models)
     return problem
 

@@ -1,16 +1,17 @@
 """`make lint`'s check that no terminal output reads user text as markup.
 
-posbench prints through ``jobs.render.terminal`` only: consoles and progress bars with
+posbench prints through ``core.terminal`` only: consoles and progress bars with
 markup and emoji codes off. This check refuses, in the project's own code, whatever
 would bring markup back:
 
 - a Rich ``Console``, ``Progress``, ``TextColumn``, ``Live`` or ``Status`` built outside
-  ``jobs/render/terminal.py``;
+  ``core/terminal.py``;
 - ``markup=True`` or ``emoji=True`` given to anything;
 - Rich's markup readers: ``rich.print``, ``rich.markup``, ``Text.from_markup``;
-- in the command line's and the database's code (``jobs/``, ``db/``), any other way to
+- in the vocabulary's, the database's, the queue's and the command line's code
+  (``core/``, ``db/``, ``jobs/``, ``cli/``), any other way to
   the terminal: ``print``, ``typer.echo`` / ``click.echo``, ``sys.stdout.write`` and
-  ``sys.stderr.write``; ``jobs.render.terminal.echo`` writes a line with its control
+  ``sys.stderr.write``; ``core.terminal.echo`` writes a line with its control
   characters shown.
 
 Run: ``python -m lint.terminal_output [PATH ...]`` (default: the project's packages);
@@ -24,12 +25,12 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ["jobs", "worker", "db", "dashboard", "benchmarks", "studies", "lint"]
-THE_LAYER = ROOT / "jobs" / "render" / "terminal.py"
+from lint.project import PACKAGES, ROOT
+
+THE_LAYER = ROOT / "core" / "terminal.py"
 BUILT_THERE_ONLY = {"Console", "Progress", "TextColumn", "Live", "Status"}
 # Where printing goes through the layer only, and the writers it replaces.
-ECHO_THROUGH_THE_LAYER = [ROOT / "jobs", ROOT / "db"]
+ECHO_THROUGH_THE_LAYER = [ROOT / "core", ROOT / "db", ROOT / "jobs", ROOT / "cli"]
 RAW_WRITERS = {("typer", "echo"), ("click", "echo"), ("stdout", "write"), ("stderr", "write")}
 MARKUP_READERS = {"from_markup", "render_markup"}
 
@@ -69,11 +70,11 @@ def findings(path: Path) -> Iterator[str]:
         line = f"{where}:{getattr(node, 'lineno', 0)}"
         writer = _raw_writer(node) if isinstance(node, ast.Call) else None
         if writer and _echoes_through_the_layer(path):
-            yield f"{line}: {writer}(...) writes to the terminal outside jobs.render.terminal"
+            yield f"{line}: {writer}(...) writes to the terminal outside core.terminal"
         if isinstance(node, ast.Call):
             name = _called_name(node)
             if name in BUILT_THERE_ONLY and path.resolve() != THE_LAYER:
-                yield f"{line}: {name}(...) built outside jobs/render/terminal.py"
+                yield f"{line}: {name}(...) built outside core/terminal.py"
             if name in MARKUP_READERS:
                 yield f"{line}: {name}(...) reads markup"
             for keyword in node.keywords:

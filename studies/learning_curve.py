@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from jobs.spec import EvalSpec, TrainSpec  # noqa: E402
+from core.spec import EvalSpec, TrainSpec  # noqa: E402
 from worker.data import build_task, task_info  # noqa: E402
 from worker.evaluate import evaluate_in_distribution  # noqa: E402
 from worker.model import build_model  # noqa: E402

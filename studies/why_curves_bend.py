@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from jobs.render.tables import markdown_rows  # noqa: E402
+from core.tables import markdown_rows  # noqa: E402
 
 DIAGNOSTICS = {
     "attn_entropy": "entropy",

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 if TYPE_CHECKING:
-    from jobs.settings import Settings
+    from core.settings import Settings
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # One intra-op thread per test process: with several workers on few cores,
@@ -67,8 +67,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def dashboard_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
     """For a dashboard fixture: its own home and migrated SQLite database, no login set up
     (every POSBENCH_DASHBOARD_* unset), the settings read afresh before and after."""
+    from core.settings import Settings, get_settings
     from db.migrate import upgrade
-    from jobs.settings import Settings, get_settings
 
     for name in list(os.environ):
         if name.startswith("POSBENCH_DASHBOARD_"):
@@ -109,7 +109,7 @@ def oidc_login(
     the secrets is emptied before and after: it keeps the first one it reads."""
     from streamlit.runtime.secrets import secrets_singleton
 
-    from jobs.settings import get_settings
+    from core.settings import get_settings
 
     secrets = oidc_secrets(tmp_path)
     monkeypatch.chdir(tmp_path)
@@ -133,7 +133,7 @@ def posbench_cli(
 ) -> subprocess.CompletedProcess[str]:
     """``posbench ARGS`` in a real subprocess from the project root (``input`` on stdin)."""
     return subprocess.run(
-        [sys.executable, "-m", "jobs.cli", *args],
+        [sys.executable, "-m", "cli", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -156,8 +156,8 @@ FOUR_RUNS = {
 def service_settings(tmp_path: Path, **values: Any) -> Settings:
     """Settings on a fresh SQLite database under ``tmp_path``, migrated to the latest
     schema (``values`` override any other setting)."""
+    from core.settings import Settings
     from db.migrate import upgrade
-    from jobs.settings import Settings
 
     config = Settings(home=tmp_path, database_url=f"sqlite:///{tmp_path}/test.db", **values)
     upgrade(config.database)
@@ -167,8 +167,8 @@ def service_settings(tmp_path: Path, **values: Any) -> Settings:
 def study_results(spec: dict[str, Any], device: str | None = None) -> dict[str, Any]:
     """The results.json document `posbench run` writes for ``spec``, run in this process
     (on ``device``, or this machine's default)."""
-    from jobs.settings import get_settings
-    from jobs.spec import parse_spec
+    from core.settings import get_settings
+    from core.spec import parse_spec
     from worker.run import prepared_task, resolve_device, run_study
 
     parsed, settings = parse_spec(spec), get_settings()
@@ -182,7 +182,7 @@ def worker_environment(
 ) -> Iterator[Settings]:
     """For a fixture: the settings the worker runtime reads (get_settings) on a fresh
     database, on the CPU with a one-hour deadline (``env``: more POSBENCH_* variables)."""
-    from jobs import settings as settings_module
+    from core import settings as settings_module
 
     values = {
         "POSBENCH_HOME": str(tmp_path),

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import math
 
+from core.analysis import summarize_points
+from core.results_schema import Evaluation, PositionBin, TrainPoint
+from core.settings import Settings
+from core.spec import parse_spec
+from core.status import RunStatus
 from jobs import lifecycle
-from jobs.analysis import summarize_points
-from jobs.results_schema import Evaluation, PositionBin, TrainPoint
 from jobs.service import submit
-from jobs.settings import Settings
-from jobs.spec import parse_spec
-from jobs.status import RunStatus
 from worker.probes import OrderProbe
 from worker.runtime import store
 

@@ -18,9 +18,9 @@ import torch
 from conftest import digest_in_another_process
 from typer.testing import CliRunner
 
-from jobs.cli import app
-from jobs.spec import SpecError, TrainSpec, parse_spec
-from worker.catalog.tasks import TASKS
+from cli import app
+from core.catalog.tasks import TASKS
+from core.spec import SpecError, TrainSpec, parse_spec
 from worker.data import build_task
 from worker.evaluate import evaluate_in_distribution
 from worker.model import build_model

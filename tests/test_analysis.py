@@ -1,4 +1,4 @@
-"""jobs.analysis on hand-checkable curves: every number here can be worked out on paper."""
+"""core.analysis on hand-checkable curves: every number here can be worked out on paper."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jobs.analysis import (
+from core.analysis import (
     PAIRWISE_COLUMNS,
     SUMMARY_COLUMNS,
     bootstrap_interval,
@@ -522,7 +522,7 @@ def test_claims_call_a_tie_a_tie_and_give_no_probability_from_one_seed():
 
 
 def test_curve_plots_give_every_encoding_its_own_colour_and_seeds_a_band(tmp_path):
-    from jobs.render.report import _palette, plot_curves, seed_bands
+    from cli.render.report import _palette, plot_curves, seed_bands
 
     for count in (3, 10, 11, 20):
         assert len(set(_palette(count))) == count

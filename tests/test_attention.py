@@ -294,7 +294,7 @@ def test_a_study_gives_the_same_perplexities_under_every_implementation(tmp_path
     from conftest import study_results
 
     monkeypatch.setenv("POSBENCH_HOME", str(tmp_path))
-    from jobs.settings import get_settings
+    from core.settings import get_settings
 
     get_settings.cache_clear()
     curves, records = {}, {}
@@ -329,8 +329,8 @@ def test_a_study_gives_the_same_perplexities_under_every_implementation(tmp_path
 
 
 def test_the_implementation_is_an_execution_choice_in_the_spec_not_part_of_any_hash() -> None:
-    from jobs.spec import parse_spec
-    from jobs.spec.base import SpecError
+    from core.spec import parse_spec
+    from core.spec.base import SpecError
 
     base = {"model": "tiny", "encodings": ["alibi"], "train": {"length": 32}}
     plain = parse_spec(base)

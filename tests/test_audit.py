@@ -18,6 +18,9 @@ from dashboard_seed import SEEDED_SPEC, seed_study
 from sqlalchemy import select, text, update
 from streamlit.testing.v1 import AppTest
 
+from core.settings import Settings, get_settings
+from core.spec import parse_spec
+from core.status import RunStatus
 from db import queries
 from db.engine import engine_for, transaction
 from db.migrate import upgrade
@@ -26,9 +29,6 @@ from jobs import reconciler
 from jobs.audit import RETENTION_ACTOR, actor_name
 from jobs.retention import Busy, NotDeleted, delete_study, purge, restore_study
 from jobs.service import NotFound, Refused, cancel, retry, submit
-from jobs.settings import Settings, get_settings
-from jobs.spec import parse_spec
-from jobs.status import RunStatus
 from worker.runtime.cache import cached_models
 
 SPEC = FOUR_RUNS
@@ -308,7 +308,7 @@ def test_the_cli_records_the_os_user_and_shows_the_events_as_text(tmp_path: Path
     name = "[link=http://evil]x[/link] oops [/]"
     env = cli_env(tmp_path, "alice")
     assert posbench_cli("db", "upgrade", env=env).returncode == 0
-    spec = yaml.safe_load((ROOT / "jobs" / "presets" / "smoke.yaml").read_text())
+    spec = yaml.safe_load((ROOT / "core" / "presets" / "smoke.yaml").read_text())
     spec_file = tmp_path / "spec.yaml"
     spec_file.write_text(yaml.safe_dump({**spec, "name": name}))
     submitted = posbench_cli("submit", str(spec_file), "--json", env=env)
@@ -386,7 +386,7 @@ def test_the_cli_actor_falls_back_to_the_uid(monkeypatch: pytest.MonkeyPatch) ->
     import getpass
     import os
 
-    from jobs.cli.common import cli_actor
+    from cli.common import cli_actor
 
     monkeypatch.setenv("LOGNAME", "alice")
     assert cli_actor() == "alice (cli)"

@@ -19,11 +19,11 @@ import pytest
 from conftest import isolated_env, posbench_cli
 from dashboard_seed import seed_study
 
+from core.settings import Settings
 from db import queries
 from db.engine import forget
 from db.migrate import head, upgrade
 from jobs.backup import _libpq
-from jobs.settings import Settings
 
 PASSWORD = "pw-never-shown"
 

@@ -1,4 +1,4 @@
-"""The CLI's one error boundary (``jobs.cli.common.run``): what a person caused is one
+"""The CLI's one error boundary (``cli.common.run``): what a person caused is one
 line and exit 2 (1 for what failed around them), a bug is a traceback without passwords
 and a request to report it; and every command, given hostile names and values, answers
 without a traceback and without reading them as markup."""
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from jobs.cli.common import run
-from jobs.errors import UnavailableError
-from jobs.spec import SpecError
+from cli.common import run
+from core.errors import UnavailableError
+from core.spec import SpecError
 
 
 def _raising(err: BaseException):
@@ -54,7 +54,7 @@ def _ran(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]
 def test_what_a_person_caused_is_one_line(
     err: BaseException, code: int, line: str, monkeypatch, capsys
 ) -> None:
-    monkeypatch.setattr("jobs.render.catalog.encoding_rows", _raising(err))
+    monkeypatch.setattr("cli.render.catalog.encoding_rows", _raising(err))
     exit_code, stderr = _ran(["encodings"], capsys)
     assert exit_code == code
     assert len(stderr.strip().splitlines()) == 1 and line in stderr
@@ -67,7 +67,7 @@ def test_an_unreachable_database_is_one_line(monkeypatch, capsys) -> None:
     err = OperationalError(
         "SELECT 1", {}, Exception("connection to postgresql://me:pw@db/x refused")
     )
-    monkeypatch.setattr("jobs.render.catalog.encoding_rows", _raising(err))
+    monkeypatch.setattr("cli.render.catalog.encoding_rows", _raising(err))
     exit_code, stderr = _ran(["encodings"], capsys)
     assert exit_code == 1 and stderr.startswith("error: cannot reach or read the database: ")
     assert len(stderr.strip().splitlines()) == 1 and "pw@" not in stderr
@@ -77,7 +77,7 @@ def test_a_bug_is_a_traceback_without_passwords_and_a_request_to_report_it(
     monkeypatch, capsys
 ) -> None:
     err = KeyError("postgresql://me:s3cret@db/posbench")
-    monkeypatch.setattr("jobs.render.catalog.encoding_rows", _raising(err))
+    monkeypatch.setattr("cli.render.catalog.encoding_rows", _raising(err))
     exit_code, stderr = _ran(["encodings"], capsys)
     assert exit_code == 1
     assert (
@@ -111,7 +111,7 @@ def commands() -> list[tuple[list[str], list]]:
     """Every leaf command of `posbench` with its parameters."""
     import typer
 
-    from jobs.cli import app
+    from cli import app
 
     root = typer.main.get_command(app)
     context = type(root).context_class(root)
@@ -170,8 +170,8 @@ DEEP = [
 @pytest.fixture
 def home(tmp_path, monkeypatch):
     """An empty service home with a migrated SQLite database, as the working folder."""
+    from core.settings import get_settings
     from db.migrate import upgrade
-    from jobs.settings import get_settings
 
     for name in [n for n in __import__("os").environ if n.startswith("POSBENCH_")]:
         monkeypatch.delenv(name)

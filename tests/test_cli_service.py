@@ -9,7 +9,7 @@ import pytest
 from conftest import isolated_env, posbench_cli
 from pydantic import ValidationError
 
-from jobs.settings import Settings, describe_settings_error
+from core.settings import Settings, describe_settings_error
 
 
 @pytest.fixture

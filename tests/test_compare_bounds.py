@@ -13,11 +13,11 @@ from dashboard_seed import SEEDED_SPEC, seed_study
 from sqlalchemy import insert
 from streamlit.testing.v1 import AppTest
 
+from core.settings import Settings
 from db import queries
 from db.engine import engine_for, normalize_url
 from db.models import TrainPoint
 from jobs.service import submit
-from jobs.settings import Settings
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Accuracy by group as grids: ``jobs.analysis.group_grid`` on hand-made frames (every
+"""Accuracy by group as grids: ``core.analysis.group_grid`` on hand-made frames (every
 mean worked out on paper), then the Compare page's heatmaps through AppTest on a real
 SQLite database seeded with evaluations whose groups a retrieval task (``depth=``) and
 an addition (``i= j=``) would report."""
@@ -18,14 +18,14 @@ from markdown_it import MarkdownIt
 from sqlalchemy import update
 from streamlit.testing.v1 import AppTest
 
+from core.analysis import EVAL_LENGTH, group_grid, group_keys
+from core.results_schema import Evaluation
+from core.spec import parse_spec
+from core.status import RunStatus
 from db.engine import transaction
 from db.models import Run
 from jobs import lifecycle
-from jobs.analysis import EVAL_LENGTH, group_grid, group_keys
-from jobs.results_schema import Evaluation
 from jobs.service import submit
-from jobs.spec import parse_spec
-from jobs.status import RunStatus
 from worker.runtime import store
 
 

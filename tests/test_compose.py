@@ -17,7 +17,7 @@ import pytest
 import tomllib
 import yaml
 
-from jobs.settings import Settings
+from core.settings import Settings
 from worker.tasks import gpu_for_pool_process
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -211,7 +211,7 @@ def test_service_commands_are_real_posbench_commands(name: str) -> None:
         part.replace("${POSBENCH_GPUS_PER_NODE:-1}", "1") for part in SERVICES[name]["command"]
     ]
     done = subprocess.run(
-        [sys.executable, "-m", "jobs.cli", command[0], "--help"],
+        [sys.executable, "-m", "cli", command[0], "--help"],
         capture_output=True,
         text=True,
         cwd=ROOT,

@@ -17,11 +17,11 @@ from dashboard_seed import seed_study
 from sqlalchemy import update
 from streamlit.testing.v1 import AppTest
 
+from core.settings import get_settings
+from core.spec import EvalSpec, ModelSpec, TrainSpec
 from dashboard.submit_form import parse_seeds, spec_bounds
 from db.engine import transaction
 from db.models import Run
-from jobs.settings import get_settings
-from jobs.spec import EvalSpec, ModelSpec, TrainSpec
 from worker.encodings import REGISTRY
 
 APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
@@ -217,8 +217,8 @@ def test_queue_shows_progress_failures_and_provenance(settings) -> None:
 
 def test_queue_shows_a_study_whose_runs_are_all_still_queued(settings) -> None:
     # Every loss and throughput is null (nothing ran yet, or every run was reused).
+    from core.spec import parse_spec
     from jobs.service import submit
-    from jobs.spec import parse_spec
 
     spec = parse_spec({"model": "tiny", "train": {"length": 16}, "encodings": ["nope", "rope"]})
     study = submit(spec, settings=settings, send=lambda run_id: None, actor="tester").study_id
@@ -237,8 +237,8 @@ def test_seeds_may_be_separated_by_commas_or_spaces() -> None:
 
 
 def test_queue_cancel_button_cancels_queued_runs(settings) -> None:
+    from core.spec import parse_spec
     from jobs.service import submit
-    from jobs.spec import parse_spec
 
     spec = parse_spec({"model": "tiny", "train": {"length": 16}, "encodings": ["nope"]})
     study = submit(spec, settings=settings, send=lambda run_id: None, actor="tester").study_id
@@ -413,8 +413,8 @@ def test_malformed_query_parameters_are_ignored(settings, value: str) -> None:
 
 
 def test_every_variant_the_submit_form_offers_is_a_valid_spec() -> None:
+    from core.spec import parse_spec
     from dashboard.submit_form import VARIANTS
-    from jobs.spec import parse_spec
 
     spec = parse_spec({"name": "all", "encodings": ["rope"], "eval": {"variants": VARIANTS}})
     offered = [v.split(":")[0] for v in VARIANTS]
@@ -434,7 +434,7 @@ def test_an_algorithmic_task_with_its_options_is_chosen_on_submit(settings) -> N
 def test_a_retrieval_task_s_numbers_are_bounded_by_the_catalogue_on_submit(settings) -> None:
     """niah on Submit: its number inputs carry the catalogue's bounds (a value out of them
     cannot be typed), and a multikey setting reaches the spec."""
-    from worker.catalog.tasks import TASKS
+    from core.catalog.tasks import TASKS
 
     app = AppTest.from_file(APP, default_timeout=60).run()
     app.selectbox(key="custom:task").set_value("niah").run()

@@ -20,6 +20,8 @@ from pydantic import SecretStr
 from streamlit.testing.v1 import AppTest
 from typer.testing import CliRunner
 
+from core.safe_text import markdown
+from core.settings import Settings, get_settings
 from jobs import access
 from jobs.access import (
     FREE_ATTEMPTS,
@@ -40,8 +42,6 @@ from jobs.access import (
     session_expired,
 )
 from jobs.embedded import dashboard_command
-from jobs.safe_text import markdown
-from jobs.settings import Settings, get_settings
 
 APP = str(ROOT / "dashboard" / "app.py")
 BROKEN_TOML = '[auth]\nclient_id = "posbench\n'
@@ -72,7 +72,7 @@ def dashboard_cli(tmp_path: Path, *args: str, **env: str) -> subprocess.Complete
     environment = isolated_env(tmp_path, HOME=str(tmp_path), **env)
     environment["PYTHONPATH"] = os.pathsep.join([str(ROOT), environment.get("PYTHONPATH", "")])
     return subprocess.run(
-        [sys.executable, "-m", "jobs.cli", "dashboard", *args],
+        [sys.executable, "-m", "cli", "dashboard", *args],
         cwd=tmp_path,
         env=environment,
         capture_output=True,
@@ -95,7 +95,7 @@ def test_a_network_bind_without_a_login_is_refused(tmp_path: Path, address: str)
 
 def dashboard_exec(monkeypatch: pytest.MonkeyPatch, *args: str) -> list[str]:
     """What `posbench dashboard ARGS` would exec (in-process; nothing is started)."""
-    from jobs.cli import app, serving
+    from cli import app, serving
 
     started: list[list[str]] = []
 

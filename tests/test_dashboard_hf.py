@@ -19,14 +19,14 @@ from hf_models import CONTEXT, save_model
 from sqlalchemy import select
 from streamlit.testing.v1 import AppTest
 
+from core.catalog import hf_models
+from core.catalog.hf_models import ModelPolicy, locate_model, model_folders
+from core.catalog.tasks import TASKS
+from core.settings import get_settings
+from core.spec import parse_spec
 from db import queries
 from db.engine import transaction
 from db.models import Study
-from jobs.settings import get_settings
-from jobs.spec import parse_spec
-from worker.catalog import hf_models
-from worker.catalog.hf_models import ModelPolicy, locate_model, model_folders
-from worker.catalog.tasks import TASKS
 
 APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
 TEXT_TASKS = [name for name, task in TASKS.items() if task.text]
@@ -238,10 +238,10 @@ def test_without_model_folders_it_says_where_to_put_them(
 def _stored_hf_study(settings) -> int:
     """An hf: study submitted and finished as a worker records it (bits per byte below
     the loss / ln 2: a token covers more than a byte)."""
+    from core.results_schema import Evaluation
+    from core.status import RunStatus
     from jobs import lifecycle
-    from jobs.results_schema import Evaluation
     from jobs.service import submit
-    from jobs.status import RunStatus
     from worker.runtime import store
 
     spec = parse_spec(

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from worker.catalog.corpora import SourcePolicy
+from core.catalog.corpora import SourcePolicy
 from worker.data import build_task
 from worker.data.lm import (
     MAX_BLOCKS,
@@ -416,7 +416,7 @@ def test_assoc_recall_draws_distinct_keys_from_a_huge_key_space() -> None:
 
 
 def test_the_evaluation_plan_is_checked_before_training(tmp_path: Path) -> None:
-    from jobs.spec import parse_spec
+    from core.spec import parse_spec
     from worker.run import prepared_task
 
     small = tmp_path / "small.txt"

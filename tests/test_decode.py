@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.catalog.encodings import REGISTRY, SCALINGS
+from core.catalog.encodings import REGISTRY, SCALINGS
 from worker.data.synthetic import Passkey
 from worker.decode import (
     decode_logits,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jobs.spec import SpecError, parse_spec
+from core.spec import SpecError, parse_spec
 from tests.test_evaluate import run_here
 from worker.decode import kv_cache_bytes
 from worker.model import ModelConfig, build_model

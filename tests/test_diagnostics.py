@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 
-from jobs.metrics import diagnostics
-from jobs.settings import get_settings
-from jobs.spec import EvalSpec, VariantSpec, parse_spec
-from worker.catalog.encodings import REGISTRY
+from core.catalog.encodings import REGISTRY
+from core.metrics import diagnostics
+from core.settings import get_settings
+from core.spec import EvalSpec, VariantSpec, parse_spec
 from worker.decode import decode_logits
 from worker.diagnostics import (
     STATS,

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from conftest import isolated_env, posbench_cli, service_settings, study_results
 
+from core.metrics import diagnostics
+from core.settings import Settings
 from db import queries
-from jobs.metrics import diagnostics
-from jobs.settings import Settings
 from worker.diagnostics import AttentionProbe, sampled_queries
 
 SPEC = {

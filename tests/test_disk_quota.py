@@ -16,15 +16,15 @@ from conftest import service_settings, worker_environment
 from pydantic import ValidationError
 from sqlalchemy import func, select, update
 
+from core.catalog.corpora import SourcePolicy
+from core.files import folder_bytes, shown_bytes
+from core.settings import Settings
+from core.spec import TrainSpec, parse_spec
+from core.status import RunStatus
 from db.engine import transaction
 from db.models import Evaluation, Run, Study, utcnow
 from jobs import lifecycle
-from jobs.files import folder_bytes, shown_bytes
 from jobs.service import Refused, retry, submit
-from jobs.settings import Settings
-from jobs.spec import TrainSpec, parse_spec
-from jobs.status import RunStatus
-from worker.catalog.corpora import SourcePolicy
 from worker.data import build_task
 from worker.data.lm import load_corpus
 from worker.model import build_model

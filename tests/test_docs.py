@@ -98,8 +98,8 @@ def seeded_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     where the examples' `sqlite:///.posbench/posbench.db` and `--study 1` point."""
     from dashboard_seed import seed_study
 
+    from core.settings import Settings
     from db.migrate import upgrade
-    from jobs.settings import Settings
 
     folder = tmp_path_factory.mktemp("docs")
     home = folder / ".posbench"
@@ -120,7 +120,7 @@ def test_python_examples_parse_and_run(
 
 @pytest.mark.parametrize("block", all_blocks("yaml", "yml"), ids=str)
 def test_yaml_examples_load_and_study_specs_validate(block: Block, tmp_path: Path) -> None:
-    from jobs.spec import SpecError, load_spec
+    from core.spec import SpecError, load_spec
 
     try:
         data = yaml.safe_load(block.text)
@@ -142,7 +142,7 @@ def parse_cli(args: list[str]) -> str | None:
     """Parse ``posbench ARGS`` with the real command line, invoking nothing: None, or
     what the command line says is wrong. (Typer may bring its own copy of click, so its
     classes are recognised by what they have, not imported.)"""
-    from jobs.cli import app
+    from cli import app
 
     command = typer.main.get_command(app)
     try:
@@ -233,7 +233,7 @@ def shell_problems(argv: list[str]) -> list[str]:
         return [f"no Makefile target {t!r}" for t in targets if t not in makefile_targets()]
     elif program in ("python", "python3") and args[:1] == ["-m"]:
         module, rest = args[1], args[2:]
-        if module == "jobs.cli":
+        if module == "cli":
             return shell_problems(["posbench", *rest])
         if importlib.util.find_spec(module.split(".")[0]) is None:
             return [f"no module {module}"]
@@ -348,7 +348,7 @@ def nested_models(annotation: Any) -> list[type[BaseModel]]:
 
 def spec_models() -> dict[str, type[BaseModel]]:
     """StudySpec and every model a spec nests, found from its fields."""
-    from jobs.spec import StudySpec
+    from core.spec import StudySpec
 
     found: dict[str, type[BaseModel]] = {}
 
@@ -497,7 +497,7 @@ def test_the_spec_checks_catch_mistakes() -> None:
 
 
 def test_the_catalogue_table_is_generated_from_the_registry() -> None:
-    from jobs.render.catalog import BEGIN, END, catalog_markdown
+    from cli.render.catalog import BEGIN, END, catalog_markdown
 
     page = (DOCS / "encodings.md").read_text()
     block = page.partition(BEGIN)[2].partition(END)[0].strip()
@@ -506,8 +506,8 @@ def test_the_catalogue_table_is_generated_from_the_registry() -> None:
 
 def test_the_tasks_page_is_generated_from_the_catalogue() -> None:
     """Every task's parameters, scoring and example (drawn by `posbench tasks sample`)."""
-    from jobs.render.tasks import BEGIN, END, tasks_markdown
-    from worker.catalog.tasks import TASKS
+    from cli.render.tasks import BEGIN, END, tasks_markdown
+    from core.catalog.tasks import TASKS
 
     page = (DOCS / "tasks.md").read_text()
     block = page.partition(BEGIN)[2].partition(END)[0].strip()
@@ -557,7 +557,7 @@ def test_the_details_tables_name_registered_encodings_and_parameters() -> None:
 
 
 def test_every_setting_is_documented() -> None:
-    from jobs.settings import Settings
+    from core.settings import Settings
 
     text = (DOCS / "service.md").read_text()
     prefix = Settings.model_config.get("env_prefix", "")
@@ -570,7 +570,7 @@ def test_every_setting_is_documented() -> None:
 
 
 def cli_commands() -> list[str]:
-    from jobs.cli import app
+    from cli import app
 
     def walk(command: Any, prefix: str) -> list[str]:
         if not hasattr(command, "commands"):
@@ -599,25 +599,25 @@ def _settings_rows(text: str) -> dict[str, str]:
 
 
 def test_the_security_page_states_each_setting_it_names_with_its_default() -> None:
-    import jobs.settings
-    from jobs.settings import Settings
+    import core.settings
+    from core.settings import Settings
 
-    source = _settings_rows(jobs.settings.__doc__ or "")
+    source = _settings_rows(core.settings.__doc__ or "")
     text = (DOCS / "security.md").read_text()
     table = _settings_rows(text.split("## Every setting", 1)[1])
     named = set(re.findall(r"POSBENCH_[A-Z_]+", text))
     fields = {f"POSBENCH_{name}".upper() for name in Settings.model_fields}
     assert sorted((named & fields) - set(table)) == []
     drifted = [name for name, row in table.items() if source.get(name) != row]
-    assert drifted == [], "rows differ from jobs/settings.py's table"
+    assert drifted == [], "rows differ from core/settings.py's table"
 
 
 def test_the_settings_table_states_the_defaults_the_settings_have() -> None:
-    import jobs.settings
-    from jobs.settings import Settings
+    import core.settings
+    from core.settings import Settings
 
     wrong = []
-    for name, row in _settings_rows(jobs.settings.__doc__ or "").items():
+    for name, row in _settings_rows(core.settings.__doc__ or "").items():
         stated = row.split("|")[2].strip().split(" ")[0]
         field = Settings.model_fields[name.removeprefix("POSBENCH_").lower()]
         default = field.default

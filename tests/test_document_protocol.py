@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from hf_models import CONTEXT, TEXT, build_tokenizer, save_model
 
-from jobs.spec import EvalSpec, SpecError, VariantSpec, parse_spec
-from worker.catalog.hf_models import ModelPolicy
+from core.catalog.hf_models import ModelPolicy
+from core.spec import EvalSpec, SpecError, VariantSpec, parse_spec
 from worker.data.lm import DOC_SEPARATOR, Corpus, LanguageModelling, document_spans
 from worker.data.sources import CorpusError
 from worker.evaluate import evaluate_length

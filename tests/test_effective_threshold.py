@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from jobs.analysis import effective_context_length, summarize_points, summarize_run
-from jobs.spec import SpecError, parse_spec
+from core.analysis import effective_context_length, summarize_points, summarize_run
+from core.spec import SpecError, parse_spec
 
 BASE: dict[str, Any] = {"encodings": ["rope"], "model": "tiny", "train": {"length": 32}}
 ACC = {32: 0.9, 64: 0.8, 128: 0.6, 256: 0.4}

@@ -10,9 +10,9 @@ import pytest
 import torch
 from conftest import dims
 
-from jobs.render.catalog import catalog_markdown
-from jobs.spec import parse_spec
-from worker.catalog.encodings import EncodingInfo, Param
+from cli.render.catalog import catalog_markdown
+from core.catalog.encodings import EncodingInfo, Param
+from core.spec import parse_spec
 from worker.encodings import REGISTRY, SCALINGS, EncodingConfigError, build
 from worker.encodings.base import PositionEncoding
 from worker.model import build_model
@@ -153,7 +153,7 @@ def test_odd_dimensions_are_rejected_where_pairs_are_needed() -> None:
 
 def test_registry_import_does_not_import_torch_or_transformers() -> None:
     code = (
-        "import sys, worker.encodings, worker.catalog.scalings, jobs.cli; "
+        "import sys, worker.encodings, core.catalog.scalings, cli; "
         "print('torch' in sys.modules, 'transformers' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -162,7 +162,7 @@ def test_registry_import_does_not_import_torch_or_transformers() -> None:
 
 def test_cli_lists_encodings_as_json() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "jobs.cli", "encodings", "--json"],
+        [sys.executable, "-m", "cli", "encodings", "--json"],
         capture_output=True,
         text=True,
         check=True,
@@ -183,6 +183,6 @@ def test_cli_lists_encodings_as_json() -> None:
 
 def test_cli_help_lists_commands() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "jobs.cli", "--help"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "cli", "--help"], capture_output=True, text=True, check=True
     )
     assert "encodings" in out.stdout

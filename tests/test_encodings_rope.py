@@ -15,7 +15,8 @@ from x_transformers.x_transformers import RotaryEmbedding, apply_rotary_pos_emb
 
 from worker.attention import decayed_attention
 from worker.encodings import EncodingConfigError, build
-from worker.encodings.rope import rotate_pairs, yarn_attention_factor
+from worker.encodings.rope import yarn_attention_factor
+from worker.encodings.rotary import rotate_pairs
 from worker.encodings.xpos import xpos_zeta
 from worker.model import ModelConfig, build_model
 
@@ -315,7 +316,7 @@ def test_model_scaled_passes_yarn_parameters_through() -> None:
 
 
 def test_dynamic_ntk_takes_no_factor() -> None:
-    from worker.catalog.params import EncodingConfigError
+    from core.catalog.params import EncodingConfigError
 
     rope = build("rope", **dims())
     with pytest.raises(EncodingConfigError, match="'dynamic_ntk' takes no factor"):

@@ -48,8 +48,8 @@ def test_a_wrong_statement_is_not_retried(tmp_path) -> None:
 
 def test_a_database_that_answers_only_after_retries_is_not_steady(tmp_path, monkeypatch) -> None:
     # The reconciler waits a stale window after such a pass before calling runs dead.
+    from core.settings import Settings
     from jobs import service
-    from jobs.settings import Settings
 
     settings = Settings(home=tmp_path, database_url=f"sqlite:///{tmp_path}/x.db")
     assert service.database_steady(settings)

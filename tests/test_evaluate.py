@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from jobs.settings import get_settings
-from jobs.spec import parse_spec
+from core.settings import get_settings
+from core.spec import parse_spec
 from worker.encodings import REGISTRY
 from worker.evaluate import evaluate
 from worker.model import ModelConfig, build_model
@@ -232,7 +232,7 @@ def test_a_cancel_stops_a_long_length_between_its_batches() -> None:
 def test_provenance_names_the_commit_in_a_checkout_and_in_an_image(monkeypatch) -> None:
     import subprocess
 
-    from worker import run as engine
+    from worker import outcome as engine
 
     engine._git_commit.cache_clear()
     commit = engine.provenance(torch.device("cpu"), 0, "lm")["git_commit"]

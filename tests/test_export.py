@@ -11,12 +11,12 @@ from conftest import isolated_env, posbench_cli
 from dashboard_seed import LENGTHS, seed_study
 from mlflow.tracking import MlflowClient  # a dev dependency: no skip
 
+from core.settings import Settings
 from db import queries
 from db.engine import transaction
 from db.migrate import upgrade
 from db.models import Evaluation as EvaluationRow
 from db.models import Run
-from jobs.settings import Settings
 from jobs.transfer.mlflow_export import key
 
 

@@ -15,14 +15,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
+from cli import app
+from core import settings as settings_module
+from core.catalog.corpora import SourcePolicy
+from core.settings import Settings
+from core.spec import parse_spec
 from db.migrate import upgrade
 from jobs import lifecycle
-from jobs import settings as settings_module
-from jobs.cli import app
 from jobs.service import submit
-from jobs.settings import Settings
-from jobs.spec import parse_spec
-from worker.catalog.corpora import SourcePolicy
 from worker.data.lm import DOC_SEPARATOR, load_corpus
 from worker.model import Transformer
 from worker.run import build_run_model

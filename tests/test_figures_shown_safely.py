@@ -1,6 +1,6 @@
 """Audit F6: user strings in Plotly figures are text. Plotly reads tags (``<a href>``,
 ``<b>``) in a trace's name, titles and axis labels, and ``%{...}`` in a hover template,
-so every text placed into a figure goes through one helper, ``jobs.safe_text.plot_text``
+so every text placed into a figure goes through one helper, ``core.safe_text.plot_text``
 (checked here for every figure the dashboard builds)."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from jobs.safe_text import plot_text
+from core.safe_text import plot_text
+from lint.project import PACKAGES
 
 ROOT = Path(__file__).resolve().parents[1]
 HOSTILE = "<a href=https://evil.example>click</a> %{x} &amp;"
@@ -79,7 +80,7 @@ def unsafe_figure_text(source: str, where: str) -> list[str]:
 def plotly_sources() -> list[Path]:
     return [
         path
-        for folder in ("dashboard", "jobs", "worker", "benchmarks", "studies")
+        for folder in PACKAGES
         for path in sorted((ROOT / folder).rglob("*.py"))
         if "plotly" in path.read_text()
     ]

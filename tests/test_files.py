@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 from conftest import isolated_env, posbench_cli
 
+from core import files
+from core.files import FileRefused, private_folder, read_bounded, write_atomic
+from core.results_schema import MAX_RESULTS_BYTES
+from core.settings import Settings
+from core.spec.loading import MAX_SPEC_BYTES
 from db import queries
 from db.migrate import upgrade
-from jobs import files
-from jobs.files import FileRefused, private_folder, read_bounded, write_atomic
-from jobs.results_schema import MAX_RESULTS_BYTES
-from jobs.settings import Settings
-from jobs.spec.loading import MAX_SPEC_BYTES
 
 SPEC = (
     "name: mine\nmodel: tiny\ntrain: {length: 16, steps: 2}\nencodings: [rope]\n"

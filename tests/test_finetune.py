@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from jobs.settings import get_settings
-from jobs.spec import parse_spec
+from core.settings import get_settings
+from core.spec import parse_spec
 from worker.run import prepared_task, run_one
 from worker.training import BaseHooks, RunCancelled
 

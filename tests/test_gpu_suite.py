@@ -27,8 +27,8 @@ from benchmarks.gpu_suite import (
     run_part,
 )
 from benchmarks.harness import by_value
-from jobs.results_schema import parse_results
-from worker.catalog.encodings import REGISTRY
+from core.catalog.encodings import REGISTRY
+from core.results_schema import parse_results
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hf_models import CONTEXT, FAMILIES, MORE_ROPE, save_model
 
-from worker.catalog.hf_models import ModelPolicy
+from core.catalog.hf_models import ModelPolicy
 from worker.diagnostics import STATS, AttentionProbe, sampled_queries
 from worker.hf.loader import LoadedModel, load_model
 

@@ -16,8 +16,8 @@ import pytest
 from conftest import isolated_env, posbench_cli
 from hf_models import CONTEXT, corpus_text, save_model
 
-from worker.catalog.hf_configs import HF_FAMILIES, config_parameters
-from worker.catalog.hf_models import (
+from core.catalog.hf_configs import HF_FAMILIES, config_parameters
+from core.catalog.hf_models import (
     WEIGHTS_FILE,
     WEIGHTS_INDEX,
     HfModelError,
@@ -157,7 +157,8 @@ def test_weights_the_architecture_lacks_are_refused_before_and_at_load(
 ) -> None:
     from safetensors.torch import load_file, save_file
 
-    from worker.hf.loader import _check_weights, weights_problem
+    from core.catalog.hf_models import weights_problem
+    from worker.hf.loader import _check_weights
 
     folder = variant(home, "lacking")
     tensors = load_file(folder / WEIGHTS_FILE)
@@ -185,7 +186,7 @@ def test_weights_the_architecture_lacks_are_refused_before_and_at_load(
 def test_whole_folders_of_every_family_lack_no_weight(tmp_path: Path) -> None:
     from hf_models import FAMILIES, MORE_ROPE
 
-    from worker.hf.loader import weights_problem
+    from core.catalog.hf_models import weights_problem
 
     for family in (*FAMILIES, *MORE_ROPE):  # GPT-NeoX stores lm_head as embed_out
         save_model(tmp_path / family, family)

@@ -19,8 +19,8 @@ import pytest
 import torch
 from hf_models import CONTEXT, FAMILIES, MORE_ROPE, build_tokenizer, corpus_text, save_model
 
-from jobs.spec import EvalSpec, VariantSpec
-from worker.catalog.hf_models import HfModelError, ModelPolicy
+from core.catalog.hf_models import HfModelError, ModelPolicy
+from core.spec import EvalSpec, VariantSpec
 from worker.data.lm import Corpus, LanguageModelling
 from worker.evaluate import evaluate_length
 from worker.hf.loader import LoadedModel, load_model

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from hf_models import CONTEXT, build_tokenizer, corpus_text, model_config
 
-from jobs.spec import EvalSpec
-from worker.catalog.hf_models import ModelPolicy
+from core.catalog.hf_models import ModelPolicy
+from core.spec import EvalSpec
 from worker.data.lm import Corpus, LanguageModelling
 from worker.evaluate import evaluate, evaluate_length
 from worker.hf.loader import load_model

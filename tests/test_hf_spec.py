@@ -15,9 +15,9 @@ import pytest
 from conftest import isolated_env, posbench_cli
 from hf_models import CONTEXT, FAMILIES, corpus_text, save_model
 
-from jobs.spec import SpecError, parse_spec
-from jobs.spec.hf import model_source_problem, with_model_length
-from worker.catalog.hf_models import HfModelError, ModelPolicy, local_facts, model_facts
+from core.catalog.hf_models import HfModelError, ModelPolicy, local_facts, model_facts
+from core.spec import SpecError, parse_spec
+from core.spec.hf import model_source_problem, with_model_length
 
 
 @pytest.fixture(scope="module")
@@ -297,7 +297,7 @@ def test_posbench_run_evaluates_the_model_and_import_stores_it(home: Path, tmp_p
     assert ordered > 0 and shuffled > 0  # what it measures: tests/test_hf_rope_configs.py
     assert summaries["none", "order_sensitivity"] == pytest.approx(shuffled - ordered)
     # The results file is imported like any other.
-    from jobs.settings import Settings
+    from core.settings import Settings
     from jobs.transfer.importer import import_results
 
     settings = Settings(home=tmp_path, database_url=f"sqlite:///{tmp_path}/db.sqlite")
@@ -321,8 +321,8 @@ def test_posbench_run_evaluates_the_model_and_import_stores_it(home: Path, tmp_p
 @pytest.fixture
 def worker_settings(home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """The settings a worker reads (get_settings), with the models and corpus roots."""
+    from core import settings as settings_module
     from db.migrate import upgrade
-    from jobs import settings as settings_module
 
     values = env(home, POSBENCH_DATABASE_URL=f"sqlite:///{tmp_path}/test.db")
     values["POSBENCH_HOME"] = str(tmp_path)
@@ -363,10 +363,10 @@ def test_a_study_goes_through_the_queue_a_worker_and_the_database(
     worker_settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    from core.status import RunStatus
     from db import queries
     from jobs import lifecycle
     from jobs.service import Refused, submit
-    from jobs.status import RunStatus
     from worker.runtime.execute import execute
 
     url = worker_settings.database

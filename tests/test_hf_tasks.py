@@ -25,10 +25,10 @@ from hf_models import CONTEXT, FAMILIES, family_tokenizer, save_model
 from test_algorithmic_tasks import oracle as algorithmic_oracle
 from test_ruler_tasks import read_common, read_niah, read_tracking
 
-from jobs.spec import EvalSpec, SpecError, VariantSpec, parse_spec
-from worker.catalog import tasks as catalogue
-from worker.catalog.hf_models import ModelPolicy
-from worker.catalog.tasks import TaskConfigError
+from core.catalog import tasks as catalogue
+from core.catalog.hf_models import ModelPolicy
+from core.catalog.tasks import TaskConfigError
+from core.spec import EvalSpec, SpecError, VariantSpec, parse_spec
 from worker.data import TASKS, build_task
 from worker.data.synthetic import PASSKEY_DEPTHS
 from worker.data.synthetic import QUESTION as PASSKEY_QUESTION

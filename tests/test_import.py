@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from conftest import isolated_env, posbench_cli, study_results
 
+from core.settings import Settings, get_settings
+from core.spec import parse_spec
 from db import queries
 from db.migrate import upgrade
 from jobs.service import submit
-from jobs.settings import Settings, get_settings
-from jobs.spec import parse_spec
 from jobs.transfer.importer import ImportProblem, import_results
 from worker.run import prepared_task, resolve_device, run_study
 
@@ -213,7 +213,7 @@ def test_every_free_string_of_the_results_schema_is_bounded_printable_text() -> 
     import types
     import typing
 
-    from jobs import results_schema
+    from core import results_schema
 
     records = [
         value

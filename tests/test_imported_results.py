@@ -15,12 +15,12 @@ from sqlalchemy import update
 from test_dashboard import page, plain
 from test_import import SPEC
 
+from core.settings import Settings
+from core.spec import parse_spec
 from db import queries
 from db.engine import engine_for, normalize_url, transaction
 from db.migrate import current, downgrade, head, upgrade
 from db.models import Run
-from jobs.settings import Settings
-from jobs.spec import parse_spec
 from worker.runtime.cache import cached_models
 
 NOTE = "imported from a results.json (posbench import), not trained by this service's workers"

@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from conftest import two_encodings_frame
 from torch import nn
 
-from jobs.metrics import METRICS, Kind, measured
-from jobs.spec import EvalSpec, SpecError, TrainSpec, VariantSpec, parse_spec
-from jobs.spec.key_tokens import KeyTokenSpec
-from worker.catalog.corpora import SourcePolicy
+from core.catalog.corpora import SourcePolicy
+from core.metrics import METRICS, Kind, measured
+from core.spec import EvalSpec, SpecError, TrainSpec, VariantSpec, parse_spec
+from core.spec.key_tokens import KeyTokenSpec
 from worker.data.lm import DOC_SEPARATOR, Corpus, LanguageModelling
 from worker.evaluate import evaluate_length
 from worker.key_tokens import KeyTokenTally, repeat_keys, short_context_loss, sub_windows
@@ -318,11 +318,11 @@ def test_results_json_import_csv_and_mlflow_carry_them(tmp_path) -> None:
     from conftest import isolated_env, posbench_cli
     from sqlalchemy import select
 
+    from core.settings import Settings
     from db import queries
     from db.engine import transaction
     from db.migrate import upgrade
     from db.models import Evaluation, Run
-    from jobs.settings import Settings
     from jobs.transfer.importer import import_results
     from jobs.transfer.mlflow_export import run_metrics
     from worker.run import run_study
@@ -371,7 +371,7 @@ def test_results_json_import_csv_and_mlflow_carry_them(tmp_path) -> None:
 
 
 def test_summaries_and_pairwise_claims_work_on_key_token_perplexity() -> None:
-    from jobs.analysis import claim, pairwise_table, seed_summary
+    from core.analysis import claim, pairwise_table, seed_summary
 
     def value(label: str, seed: int, length: int) -> float | None:
         # None at 1x: no target there has a context longer than the short one.

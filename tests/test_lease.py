@@ -16,9 +16,9 @@ import torch
 from sqlalchemy import event
 from sqlalchemy.exc import OperationalError
 
+from core.settings import Settings
 from db.engine import POSTGRES_NETWORK, make_engine
 from jobs.lifecycle import ClaimedRun, LeaseClock, LeaseLost, under_lease
-from jobs.settings import Settings
 from worker.runtime.execute import StoreHooks, failure_reason
 from worker.training.checkpoint import _save
 
@@ -80,7 +80,7 @@ def test_an_error_another_try_will_not_mend_is_raised_at_once() -> None:
 
 def test_the_lease_clock_defaults_to_the_stale_window(monkeypatch) -> None:
     monkeypatch.setenv("POSBENCH_STALE_AFTER_SECONDS", "45")
-    from jobs.settings import get_settings
+    from core.settings import get_settings
 
     get_settings.cache_clear()
     try:

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
+from core.analysis import run_notes
+from core.status import ACTIVE, FINISHED, RUN_STATUSES, RunStatus
 from db import queries
 from db.engine import engine_for, normalize_url
 from db.migrate import current, downgrade, head, upgrade
 from jobs import lifecycle
-from jobs.analysis import run_notes
 from jobs.lifecycle import ClaimedRun
-from jobs.status import ACTIVE, FINISHED, RUN_STATUSES, RunStatus
 
 FINETUNE = {"yarn:4+ft9": {"steps": 9, "loss": 2.1}}
 AUDIT = {"seed": 0, "torch_version": "2.13.0", "data": "lm:pystdlib:abc"}

@@ -7,8 +7,8 @@ import platform
 import pytest
 import torch
 
-from jobs.settings import get_settings
-from jobs.spec import parse_spec
+from core.settings import get_settings
+from core.spec import parse_spec
 from worker import evaluate
 from worker.memory import (
     LONG_SEQUENCE,

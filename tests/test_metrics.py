@@ -12,9 +12,9 @@ import pytest
 from pydantic import ValidationError
 from rich.console import Console
 
-from db.models import Evaluation as StoredEvaluation
-from jobs.analysis import LOWER_IS_BETTER
-from jobs.metrics import (
+from core.analysis import LOWER_IS_BETTER
+from core.catalog.tasks import TASKS
+from core.metrics import (
     METRICS,
     Kind,
     diagnostics,
@@ -24,9 +24,9 @@ from jobs.metrics import (
     reported,
     shown_with,
 )
-from jobs.render.tables import curve_table, markdown_rows, seed_means, seed_summary_table
-from jobs.results_schema import Evaluation, StudyResults, parse_results
-from worker.catalog.tasks import TASKS
+from core.results_schema import Evaluation, StudyResults, parse_results
+from core.tables import curve_table, markdown_rows, seed_means, seed_summary_table
+from db.models import Evaluation as StoredEvaluation
 
 
 def test_every_metric_has_its_columns_and_every_task_a_registered_metric() -> None:

@@ -19,7 +19,7 @@ from worker.attention import (
 )
 from worker.encodings import REGISTRY, build
 from worker.encodings.base import PositionOutOfRange, causal_toeplitz
-from worker.encodings.rope import RotaryTables, rotate_pairs
+from worker.encodings.rotary import RotaryTables, rotate_pairs
 from worker.model import (
     PRESETS,
     CausalSelfAttention,

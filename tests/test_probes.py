@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker.catalog.encodings import REGISTRY
+from core.catalog.encodings import REGISTRY
 from worker.data.base import Batch, Task
 from worker.probes import equivariance_table, order_probe
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from jobs.render.watch import progress
+from jobs.watch import progress
 
 SPEC = {
     "eval": {

@@ -14,7 +14,7 @@ from conftest import isolated_env, posbench_cli
 from sqlalchemy import select
 from streamlit.testing.v1 import AppTest
 
-from jobs.spec import EvalSpec, parse_spec, protocol_title
+from core.spec import EvalSpec, parse_spec, protocol_title
 
 
 def test_each_protocol_is_labelled_with_what_changes_its_numbers() -> None:
@@ -59,8 +59,8 @@ def test_studies_share_a_label_or_each_is_named() -> None:
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory: pytest.TempPathFactory):
     """A two-step lm study scored by three protocols, imported into a fresh home."""
+    from core.settings import Settings, get_settings
     from db.migrate import upgrade
-    from jobs.settings import Settings, get_settings
     from jobs.transfer.importer import import_results
     from worker.run import prepared_task, resolve_device, run_study
 
@@ -119,7 +119,7 @@ def test_mlflow_tags_name_each_protocol_with_its_settings(imported) -> None:
 def test_compare_titles_its_axis_with_the_protocol_and_its_settings(
     imported, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from jobs.settings import get_settings
+    from core.settings import get_settings
 
     for name in list(os.environ):
         if name.startswith("POSBENCH_DASHBOARD_"):

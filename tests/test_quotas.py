@@ -14,13 +14,13 @@ from conftest import FOUR_RUNS, isolated_env, posbench_cli, service_settings, wo
 from pydantic import ValidationError
 from sqlalchemy import func, select, update
 
+from core.settings import Settings
+from core.spec import TrainSpec, parse_spec
+from core.status import RunStatus
 from db.engine import transaction
 from db.models import Run, Study, utcnow
 from jobs import lifecycle
 from jobs.service import Refused, reconcile, submit
-from jobs.settings import Settings
-from jobs.spec import TrainSpec, parse_spec
-from jobs.status import RunStatus
 from worker.data import build_task
 from worker.model import build_model
 from worker.training import Checkpointer, Trainer

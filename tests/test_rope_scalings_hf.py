@@ -17,8 +17,8 @@ from transformers import GPTNeoXConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXRotaryEmbedding
 
-from jobs.spec import SpecError, parse_spec
-from worker.catalog.scalings import SCALINGS, Rotary
+from core.catalog.scalings import SCALINGS, Rotary
+from core.spec import SpecError, parse_spec
 from worker.encodings import EncodingConfigError, build
 from worker.encodings.rope import Rope, rope_inv_freq
 from worker.encodings.rope_scaling import (

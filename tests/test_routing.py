@@ -11,9 +11,9 @@ import pytest
 from conftest import dashboard_settings
 from streamlit.testing.v1 import AppTest
 
+from core.settings import Settings
+from core.spec import parse_spec, preset_spec
 from jobs.routing import live_queues, preferred_queue, route
-from jobs.settings import Settings
-from jobs.spec import parse_spec, preset_spec
 
 APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
 

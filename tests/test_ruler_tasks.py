@@ -14,8 +14,8 @@ import pytest
 import torch
 from conftest import digest_in_another_process
 
-from jobs.spec import EvalSpec, TrainSpec
-from worker.catalog.tasks import TASKS
+from core.catalog.tasks import TASKS
+from core.spec import EvalSpec, TrainSpec
 from worker.data import build_task
 from worker.data.synthetic import PASSKEY_DEPTHS
 from worker.evaluate import evaluate_in_distribution
@@ -296,7 +296,7 @@ def test_a_length_too_short_for_the_ranking_is_refused_though_the_longest_fits()
     # frequent_words' room is not monotone in the length: alpha 1 with 5 top words fits
     # at 640 and 1024 bytes but not at 672; the spec must refuse before training, not
     # fail at 672 after it.
-    from jobs.spec import SpecError, parse_spec
+    from core.spec import SpecError, parse_spec
 
     def study(lengths: list[int]) -> dict:
         return {
@@ -333,7 +333,7 @@ def test_every_training_length_the_range_draws_must_fit(
 ) -> None:
     """train.min_length: each step's length is drawn from [min_length, length], so a
     length there that the task cannot fill is refused before training, not met in it."""
-    from jobs.spec import SpecError, parse_spec
+    from core.spec import SpecError, parse_spec
 
     study = {"name": "drawn", "encodings": ["rope"], "task": task, "eval": {"lengths": [1024]}}
     with pytest.raises(SpecError, match=message):
@@ -380,8 +380,8 @@ def test_the_text_haystack_is_whole_lines_of_the_corpus_split_it_is_drawn_for() 
 
 
 def test_the_text_haystack_reads_a_corpus_under_the_operators_rules(tmp_path: Path) -> None:
-    from worker.catalog.corpora import SourcePolicy
-    from worker.catalog.tasks import TaskConfigError
+    from core.catalog.corpora import SourcePolicy
+    from core.catalog.tasks import TaskConfigError
     from worker.data.sources import CorpusError
 
     niah = TASKS["niah"]

@@ -16,18 +16,18 @@ import pytest
 from conftest import FOUR_RUNS
 from sqlalchemy import func, select, update
 
+from core.results_schema import Evaluation as Row
+from core.results_schema import PositionBin as Bin
+from core.results_schema import TrainPoint as Point
+from core.settings import Settings
+from core.spec import parse_spec
+from core.status import RunStatus
 from db.engine import transaction
 from db.migrate import current, head, upgrade
 from db.models import Evaluation, PositionBin, Run, Study, TrainPoint
 from jobs import lifecycle
-from jobs.results_schema import Evaluation as Row
-from jobs.results_schema import PositionBin as Bin
-from jobs.results_schema import TrainPoint as Point
 from jobs.retention import Busy, delete_study, purge
 from jobs.service import NotFound, cancel, reconcile, retry, submit
-from jobs.settings import Settings
-from jobs.spec import parse_spec
-from jobs.status import RunStatus
 from worker import liveness
 from worker.runtime import cache, store
 from worker.runtime.heartbeat import Heartbeat
@@ -449,8 +449,8 @@ def test_a_run_waits_only_for_a_twin_whose_model_it_can_adopt(settings: Settings
     assert waits(older, "n2") is None
     assert lifecycle.release(newer_claim, waiting_for=older) == "queued"
     # Said where people look: the Queue page's and `posbench status`'s note.
+    from core.analysis import run_notes
     from db import queries
-    from jobs.analysis import run_notes
 
     notes = run_notes(queries.runs(url, run_ids=[older, newer]))  # by run id
     assert notes == ["", f"waiting for run {older}, which trains the same model"]
@@ -484,8 +484,8 @@ def test_fine_tuning_records_are_kept_as_they_come(settings: Settings) -> None:
     with pytest.raises(lifecycle.LeaseLost):
         store.note_provenance(replace(claimed, lease="stolen"), "finetune", "x", {})
     # While it fine-tunes, the run's note says where it is; cleared when it is done.
+    from core.analysis import run_notes
     from db import queries
-    from jobs.analysis import run_notes
 
     lifecycle.set_phase(claimed, "fine-tuning pi:4+ft9: step 5 of 9, loss 2.100")
     assert run_notes(queries.runs(url, run_ids=[run_id])) == [

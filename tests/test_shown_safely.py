@@ -16,8 +16,8 @@ from conftest import ROOT, dashboard_settings, isolated_env, posbench_cli
 from markdown_it import MarkdownIt
 from rich.console import Console
 
-from jobs.render.terminal import console, run_progress, styled
-from jobs.safe_text import error_summary, markdown, redact_url, redact_urls
+from core.safe_text import error_summary, markdown, redact_url, redact_urls
+from core.terminal import console, run_progress, styled
 
 HOSTILE_NAMES = [
     "oops [/] x",
@@ -79,7 +79,7 @@ def test_the_lint_finds_every_way_back_to_markup(tmp_path: Path) -> None:
     planted = tmp_path / "planted.py"
     planted.write_text(PLANTED)
     found = [line.split(": ", 1)[1] for line in findings(planted)]
-    assert found.count("Console(...) built outside jobs/render/terminal.py") == 2
+    assert found.count("Console(...) built outside core/terminal.py") == 2
     assert "markup= other than False" in found
     assert "from_markup(...) reads markup" in found
     assert "rich's print reads markup" in found and "rich.print reads markup" in found
@@ -167,9 +167,9 @@ def _cli_env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 
 def _fail_a_run(url: str, study_id: int, reason: str) -> None:
+    from core.status import RunStatus
     from db import queries
     from jobs import lifecycle
-    from jobs.status import RunStatus
 
     run_id = int(queries.runs(url, study_id=study_id)["id"].iloc[0])
     lifecycle.finish(lifecycle.claim(url, run_id, "test"), RunStatus.FAILED, reason=reason)
@@ -179,7 +179,7 @@ def _fail_a_run(url: str, study_id: int, reason: str) -> None:
 def test_a_study_named_with_markup_is_shown_literally(tmp_path: Path, name: str) -> None:
     env = _cli_env(tmp_path)
     assert posbench_cli("db", "upgrade", env=env).returncode == 0
-    spec = yaml.safe_load((ROOT / "jobs" / "presets" / "smoke.yaml").read_text())
+    spec = yaml.safe_load((ROOT / "core" / "presets" / "smoke.yaml").read_text())
     spec_file = tmp_path / "spec.yaml"
     spec_file.write_text(yaml.safe_dump({**spec, "name": name}))
 
@@ -242,8 +242,8 @@ def test_up_prints_the_broker_and_database_without_their_passwords(
 ) -> None:
     import db.migrate
     import jobs.service
+    from core.settings import get_settings
     from jobs import embedded
-    from jobs.settings import get_settings
 
     monkeypatch.setenv("POSBENCH_HOME", str(tmp_path))
     monkeypatch.setenv("POSBENCH_BROKER_URL", "redis://:br0ker-s3cret@broker:6379/0")
@@ -268,8 +268,8 @@ def test_up_prints_the_broker_and_database_without_their_passwords(
 def test_the_healthcheck_says_why_without_the_password(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from core.settings import get_settings
     from jobs import celery_app, healthcheck
-    from jobs.settings import get_settings
 
     def refuse(settings):
         raise ConnectionError("cannot connect to redis://:br0ker-s3cret@broker:6379/0")

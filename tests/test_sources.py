@@ -15,12 +15,12 @@ import tomllib
 from conftest import isolated_env, posbench_cli
 from sqlalchemy import func, select
 
+from core.catalog.corpora import SourcePolicy, corpus_access_problem, scrub
+from core.settings import Settings
+from core.spec import parse_spec
 from db.engine import transaction
 from db.migrate import upgrade
 from db.models import Run, Study
-from jobs.settings import Settings
-from jobs.spec import parse_spec
-from worker.catalog.corpora import SourcePolicy, corpus_access_problem, scrub
 from worker.data import sources
 from worker.data.lm import CorpusError, load_corpus
 

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from jobs.spec import SpecError, parse_spec
-from worker.catalog.params import EncodingConfigError
+from core.catalog.params import EncodingConfigError
+from core.spec import SpecError, parse_spec
 from worker.data import TASKS, build_task
 from worker.data.base import Batch
 from worker.data.synthetic import PASSKEY_DEPTHS
@@ -279,9 +279,9 @@ def test_specs_use_the_task() -> None:
 def test_a_study_on_sov_tr_reports_accuracy_by_variant_and_depth(tmp_path) -> None:
     import pandas as pd
 
-    from jobs import analysis
-    from jobs.settings import get_settings
-    from jobs.spec import parse_spec
+    from core import analysis
+    from core.settings import get_settings
+    from core.spec import parse_spec
     from worker.run import prepared_task, resolve_device, run_study
 
     spec = parse_spec(

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from jobs.spec import PRESET_SPECS, SpecError, load_spec, parse_spec, preset_spec
+from core.spec import PRESET_SPECS, SpecError, load_spec, parse_spec, preset_spec
 
 BASE: dict[str, Any] = {"encodings": ["rope"], "model": "tiny", "train": {"length": 32}}
 
@@ -693,7 +693,7 @@ def test_notes_say_what_runs_as_written_but_is_worth_knowing() -> None:
 
 
 def test_presets_are_the_spec_files_users_can_copy() -> None:
-    from jobs.spec.presets import PRESET_NAMES, PRESETS_DIR
+    from core.spec.presets import PRESET_NAMES, PRESETS_DIR
 
     files = {path.stem for path in PRESETS_DIR.glob("*.yaml")}
     assert files == set(PRESET_NAMES)

@@ -15,11 +15,11 @@ import torch
 from conftest import two_encodings_frame
 
 import worker.evaluate
-from jobs.analysis import claim, pairwise_table, seed_summary, summarize_run
-from jobs.metrics import METRICS
-from jobs.settings import get_settings
-from jobs.spec import parse_spec
-from worker.catalog.ruler import SEPARATOR
+from core.analysis import claim, pairwise_table, seed_summary, summarize_run
+from core.catalog.ruler import SEPARATOR
+from core.metrics import METRICS
+from core.settings import get_settings
+from core.spec import parse_spec
 from worker.data import build_task
 from worker.data.synthetic import SyntheticTask, answer_batch, part_mask, parts_of
 from worker.evaluate import _Accumulator, evaluate_in_distribution
@@ -231,11 +231,11 @@ def test_results_json_import_csv_and_mlflow_carry_them(tmp_path) -> None:
     from conftest import isolated_env, posbench_cli
     from sqlalchemy import select
 
+    from core.settings import Settings
     from db import queries
     from db.engine import transaction
     from db.migrate import upgrade
     from db.models import Evaluation, Run
-    from jobs.settings import Settings
     from jobs.transfer.importer import import_results
     from jobs.transfer.mlflow_export import run_metrics
     from worker.run import run_study

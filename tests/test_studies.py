@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.spec import load_spec
+from core.spec import load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 STUDIES = sorted((ROOT / "studies").glob("*.yaml"))

@@ -14,15 +14,15 @@ from conftest import isolated_env, posbench_cli
 from dashboard_seed import SEEDED_SPEC, seed_study
 from sqlalchemy import func, select, update
 
+from core.analysis import ANY_PROTOCOL, Summary, summarize_points
+from core.settings import Settings
+from core.status import RunStatus
 from db import queries
 from db.engine import engine_for, transaction
 from db.migrate import current, downgrade, head, upgrade
 from db.models import Base, Run, RunSummary
 from jobs import lifecycle
-from jobs.analysis import ANY_PROTOCOL, Summary, summarize_points
 from jobs.lifecycle import ClaimedRun
-from jobs.settings import Settings
-from jobs.status import RunStatus
 from worker.probes import OrderProbe
 from worker.runtime import store
 
@@ -184,10 +184,10 @@ def test_results_options_are_checked(settings: Settings, args: list[str], messag
 
 
 def test_results_groups_gives_accuracy_by_word_order_variant(settings: Settings) -> None:
-    from jobs.analysis import summarize_points
-    from jobs.results_schema import Evaluation
+    from core.analysis import summarize_points
+    from core.results_schema import Evaluation
+    from core.spec import parse_spec
     from jobs.service import submit
-    from jobs.spec import parse_spec
 
     spec = parse_spec(
         {
@@ -294,7 +294,7 @@ def test_the_encoding_summaries_view_aggregates_the_seeds_for_sql(settings: Sett
 def test_a_curve_cut_short_by_its_encoding_has_no_log_perplexity_average() -> None:
     # A learned table evaluated past its end: its average over the lengths it can read
     # would look better than curves that pay for the longer ones.
-    from jobs.analysis import summarize_run
+    from core.analysis import summarize_run
 
     whole = summarize_run({32: 10.0, 64: 12.0, 128: 20.0}, 32, "perplexity")
     cut = summarize_run({32: 10.0, 64: None, 128: None}, 32, "perplexity")

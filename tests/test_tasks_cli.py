@@ -15,8 +15,8 @@ import pytest
 from conftest import ROOT, isolated_env, posbench_cli
 from typer.testing import CliRunner
 
-from jobs.cli import app
-from worker.catalog.tasks import TASKS
+from cli import app
+from core.catalog.tasks import TASKS
 from worker.data import build_task
 from worker.data.samples import Sample
 from worker.data.synthetic import SyntheticTask
@@ -174,7 +174,7 @@ def test_prompts_answers_and_groups_are_shown_as_text(monkeypatch: pytest.Monkey
 
 def test_listing_tasks_does_not_load_torch() -> None:
     script = (
-        "import sys; from typer.testing import CliRunner; from jobs.cli import app; "
+        "import sys; from typer.testing import CliRunner; from cli import app; "
         "runs = [CliRunner().invoke(app, a) for a in (['--help'], ['tasks'], "
         "['tasks', '--json'], ['tasks', 'sample', '--help'])]; "
         "print([r.exit_code for r in runs], 'torch' in sys.modules)"

@@ -15,7 +15,7 @@ import pytest
 from conftest import isolated_env, posbench_cli, study_results
 from rich.console import ColorSystem
 
-from jobs.render.terminal import console, echo, run_progress, styled, visible
+from core.terminal import console, echo, run_progress, styled, visible
 
 ESC, BEL = "\x1b", "\x07"
 HOSTILE = (
@@ -92,8 +92,8 @@ def test_the_lint_refuses_every_other_way_to_the_terminal(tmp_path: Path, monkey
 
 
 def test_a_corpus_path_with_a_control_character_is_refused() -> None:
-    from jobs.spec import parse_spec
-    from jobs.spec.base import SpecError
+    from core.spec import parse_spec
+    from core.spec.base import SpecError
 
     with pytest.raises(SpecError, match="control or separator character") as refused:
         parse_spec({"encodings": ["nope"], "task": {"name": "lm", "corpus": "text:a\x1b[2Jb"}})

@@ -13,8 +13,8 @@ from conftest import isolated_env, posbench_cli
 from dashboard_seed import seed_study
 from rich.cells import cell_len
 
+from core.settings import Settings
 from db.migrate import upgrade
-from jobs.settings import Settings
 
 WORD = re.compile(r"\b\w{3,}\b(?!…)")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from jobs.spec import TrainSpec
+from core.spec import TrainSpec
 from worker.data import build_task
 from worker.data.base import Batch
 from worker.model import build_model
@@ -437,7 +437,7 @@ def test_validation_loss_is_the_evaluation_loss_at_the_training_length(task) -> 
     # The same held-out targets as the final evaluation at the training length when the
     # budgets match (and the study's longest length is given: the stretches are laid
     # out by it), so the last validation point and the 1x evaluation agree.
-    from jobs.spec import EvalSpec
+    from core.spec import EvalSpec
     from worker.evaluate import NONE, evaluate_length
 
     model = build_model("tiny", "rope", train_length=32, seed=2).eval()

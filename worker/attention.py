@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from worker.catalog.models import ATTN_IMPLEMENTATIONS
+from core.catalog.models import ATTN_IMPLEMENTATIONS
 from worker.encodings.base import BiasMod, PositionEncoding, causal_toeplitz
-from worker.encodings.rope import BlockDecay, scale_pairs
+from worker.encodings.rotary import BlockDecay, scale_pairs
 
 log = logging.getLogger("posbench.attention")
 

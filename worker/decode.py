@@ -51,7 +51,8 @@ from torch import Tensor
 
 from worker.diagnostics import logn_factors, scale_rows
 from worker.encodings.base import PositionEncoding
-from worker.encodings.rope import BlockDecay, Rope, RotaryTables, rotated, scale_pairs
+from worker.encodings.rope import Rope
+from worker.encodings.rotary import BlockDecay, RotaryTables, rotated, scale_pairs
 from worker.encodings.xpos import XPos
 from worker.model import Transformer
 

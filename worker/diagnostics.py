@@ -37,14 +37,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from worker.encodings.rope import scale_pairs
+from worker.encodings.rotary import scale_pairs
 
 # Query positions sampled per window, the sampled queries a point records at most (its
 # first windows'), and the first tokens whose mass is the sink's.
 QUERY_SAMPLE = 256
 QUERY_BUDGET = 2048
 SINK_TOKENS = 4
-# What the probe measures, in the order of its tally (jobs.metrics names the metric
+# What the probe measures, in the order of its tally (core.metrics names the metric
 # each one is stored as, ``Metric.diagnostic``).
 STATS = ("entropy", "normalised_entropy", "distance", "sink_mass", "beyond_mass", "max_logit")
 # The logit of a masked key where the probe writes one out.

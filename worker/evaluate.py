@@ -23,9 +23,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from jobs.metrics import Kind, diagnostics, kind_of
-from jobs.results_schema import Evaluation, PositionBin, bounded_text
-from jobs.spec import EvalSpec, VariantSpec
+from core.metrics import Kind, diagnostics, kind_of
+from core.results_schema import Evaluation, PositionBin, bounded_text
+from core.spec import EvalSpec, VariantSpec
 from worker import liveness
 from worker.data.base import Batch, Task
 from worker.decode import DecodeTally, decode_scores

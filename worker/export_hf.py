@@ -39,9 +39,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from jobs.errors import UserError
-from jobs.files import write_atomic
-from worker.catalog.scalings import ORIGINAL, Rotary, scaling_info
+from core.catalog.scalings import ORIGINAL, Rotary, scaling_info
+from core.errors import UserError
+from core.files import write_atomic
 from worker.data.lm import DOC_SEPARATOR
 from worker.model import Transformer
 

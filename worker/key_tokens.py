@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from jobs.spec.key_tokens import KeyTokenSpec
+    from core.spec.key_tokens import KeyTokenSpec
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
 

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from core.catalog.models import MODEL_PRESETS
+from core.catalog.params import is_positive_int
 from worker.attention import (
     MAX_BLOCK_ROWS,
     MAX_FLEX_SHAPES,
@@ -38,17 +40,10 @@ from worker.attention import (
     score_mod,
     written_out_causal_attention,
 )
-from worker.catalog.models import MODEL_PRESETS
-from worker.catalog.params import is_positive_int
 from worker.diagnostics import AttentionProbe, LayerProbe, logn_factors, scale_rows
 from worker.encodings import build
 from worker.encodings.base import PositionEncoding
-from worker.encodings.rope import (
-    RotaryTables,
-    rotate_pairs,
-    rotate_pairs_into,
-    rotated,
-)
+from worker.encodings.rotary import RotaryTables, rotate_pairs, rotate_pairs_into, rotated
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ import threading
 from celery import bootsteps
 from celery.signals import worker_init, worker_process_init
 
+from core.settings import get_settings
 from jobs.celery_app import TRAIN_RUN, app
-from jobs.settings import get_settings
 from worker.runtime import shutdown
 
 

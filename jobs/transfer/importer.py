@@ -22,6 +22,17 @@ from typing import Any
 from pydantic import ValidationError
 from sqlalchemy import select
 
+from core.analysis import ANY_PROTOCOL, effective_setting, summarize_points
+from core.catalog.encodings import REGISTRY
+from core.catalog.params import short_repr
+from core.errors import UserError
+from core.files import FileRefused, read_bounded
+from core.metrics import GROWTH_DIAGNOSTIC, METRICS, Kind, diagnostics, measured, metric_named
+from core.results_schema import MAX_RESULTS_BYTES, RunRecord, parse_results
+from core.results_schema import Evaluation as Row
+from core.settings import Settings, get_settings
+from core.spec import MAX_VARIANT_LABEL, SpecError, parse_spec
+from core.status import RunStatus
 from db.engine import transaction
 from db.models import (
     Evaluation,
@@ -32,20 +43,9 @@ from db.models import (
     in_live_study,
     utcnow,
 )
-from jobs.analysis import ANY_PROTOCOL, effective_setting, summarize_points
 from jobs.audit import Action, record, run_count
-from jobs.errors import UserError
-from jobs.files import FileRefused, read_bounded
 from jobs.lifecycle import import_run
-from jobs.metrics import GROWTH_DIAGNOSTIC, METRICS, Kind, diagnostics, measured, metric_named
-from jobs.results_schema import MAX_RESULTS_BYTES, RunRecord, parse_results
-from jobs.results_schema import Evaluation as Row
 from jobs.service import new_study
-from jobs.settings import Settings, get_settings
-from jobs.spec import MAX_VARIANT_LABEL, SpecError, parse_spec
-from jobs.status import RunStatus
-from worker.catalog.encodings import REGISTRY
-from worker.catalog.params import short_repr
 
 
 class ImportProblem(UserError, ValueError):
@@ -287,7 +287,7 @@ def _flattened(values: object) -> object:
 
 
 def _check_metrics(at: str, row: Row, task, *, byte_level: bool = True) -> None:
-    """The metrics of an evaluation point (``jobs.metrics``): the loss and the task's
+    """The metrics of an evaluation point (``core.metrics``): the loss and the task's
     metric present, no metric of another kind of task, each within its range, and those
     that follow from the loss consistent with it (per byte: for byte-level models only,
     not ``byte_level`` for an hf: model's tokens)."""

@@ -40,14 +40,14 @@ from typing import Any
 
 from sqlalchemy import select
 
+from core.analysis import ANY_PROTOCOL, line_name
+from core.errors import UserError
+from core.metrics import METRICS
+from core.spec import PROTOCOLS, protocol_title
+from core.status import RunStatus
 from db.engine import transaction
 from db.models import Evaluation, Run, RunSummary, Study, TrainPoint, as_utc
-from jobs.analysis import ANY_PROTOCOL, line_name
 from jobs.audit import deleted_message
-from jobs.errors import UserError
-from jobs.metrics import METRICS
-from jobs.spec import PROTOCOLS, protocol_title
-from jobs.status import RunStatus
 
 CURVE_METRICS = tuple(METRICS.values())  # every metric an evaluation point can carry
 TRAIN_METRICS = ("loss", "val_loss", "lr", "tokens_per_second")

@@ -104,7 +104,7 @@ class Site:
             path = folder / "spec.yaml"
             path.write_text(yaml.safe_dump(spec("reference", steps, seeds=[seed])))
             done = subprocess.run(
-                [sys.executable, "-m", "jobs.cli", "run", str(path), "--json", "--device", "cpu"],
+                [sys.executable, "-m", "cli", "run", str(path), "--json", "--device", "cpu"],
                 cwd=ROOT,
                 env=base_env(folder / "home"),
                 capture_output=True,
@@ -198,7 +198,7 @@ class Stage:
             env["PYTHONPATH"] = str(SLOW_HOOK)
         self.workers[name] = self.site.net.spawn(
             host,
-            [sys.executable, "-m", "jobs.cli", "worker", "--name", f"{name}@faults"],
+            [sys.executable, "-m", "cli", "worker", "--name", f"{name}@faults"],
             env=env,
             log=self.log(name),
             cwd=ROOT,
@@ -224,7 +224,7 @@ class Stage:
     def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         """``posbench ARGS`` from the driver's namespace."""
         return subprocess.run(
-            [sys.executable, "-m", "jobs.cli", *args],
+            [sys.executable, "-m", "cli", *args],
             cwd=ROOT,
             env=self.env("driver"),
             capture_output=True,

@@ -60,7 +60,7 @@ def test_postgres_restarts_in_the_middle_of_a_submit(stage: Stage, site: Site) -
     site.postgres.execute(SLOW_INSERT, stage.database)
     path = stage.spec_file("mid-submit", 100, seeds=[0, 1])
     submit = subprocess.Popen(
-        [sys.executable, "-m", "jobs.cli", "submit", str(path), "--queue", "cpu"],
+        [sys.executable, "-m", "cli", "submit", str(path), "--queue", "cpu"],
         cwd=ROOT,
         env=stage.env(),
         stdout=subprocess.PIPE,
@@ -187,7 +187,7 @@ def test_the_cli_and_the_dashboard_during_a_database_outage(stage: Stage, site: 
         [
             sys.executable,
             "-m",
-            "jobs.cli",
+            "cli",
             "dashboard",
             "--port",
             str(port),

@@ -109,7 +109,7 @@ def running_dashboard(env: dict[str, str]) -> Iterator[str]:
     port = free_port()
     command = ["dashboard", "--port", str(port), "--address", "127.0.0.1"]
     dashboard = subprocess.Popen(
-        [sys.executable, "-m", "jobs.cli", *command],
+        [sys.executable, "-m", "cli", *command],
         cwd=ROOT,
         env={**env, "PYTHONPATH": str(ROOT)},
         stdout=subprocess.DEVNULL,

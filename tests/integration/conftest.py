@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
+from core.settings import Settings
 from db.engine import transaction
 from db.migrate import upgrade
 from db.models import Run
 from jobs.broker import start_redis, stop
 from jobs.celery_app import TRAIN_RUN, make_celery
-from jobs.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 IN_CI = os.environ.get("CI") == "true"
@@ -123,7 +123,7 @@ class Cluster:
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
         """``posbench ARGS`` in a subprocess pointed at this cluster."""
         return subprocess.run(
-            [sys.executable, "-m", "jobs.cli", *args],
+            [sys.executable, "-m", "cli", *args],
             cwd=ROOT,
             env=self.env,
             capture_output=True,
@@ -140,7 +140,7 @@ class Cluster:
             [
                 sys.executable,
                 "-m",
-                "jobs.cli",
+                "cli",
                 "worker",
                 "--name",
                 f"{name}@%h",

@@ -15,9 +15,9 @@ import pytest
 from dashboard_seed import seed_study
 from test_backup import assert_same, contents
 
+from core.settings import Settings
 from db.migrate import current, head, upgrade
 from jobs import backup
-from jobs.settings import Settings
 
 from .conftest import ROOT, _postgres_database, missing
 
@@ -48,7 +48,7 @@ def cli(url: str, pg_bin: Path, home: Path, *args: str) -> subprocess.CompletedP
         COLUMNS="300",
     )
     return subprocess.run(
-        [sys.executable, "-m", "jobs.cli", *args],
+        [sys.executable, "-m", "cli", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,

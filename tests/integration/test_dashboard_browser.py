@@ -15,9 +15,9 @@ import pytest
 import redis
 from streamlit.testing.v1 import AppTest
 
+from core.settings import get_settings
 from db import queries
 from db.migrate import upgrade
-from jobs.settings import get_settings
 
 from .browser import (
     SCREENSHOTS,
@@ -64,7 +64,7 @@ def test_browser_submit_watch_compare() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("POSBENCH_")}
     env.update({"POSBENCH_HOME": str(home), "POSBENCH_DEVICE": "cpu", "PYTHONUNBUFFERED": "1"})
     up = subprocess.Popen(
-        [sys.executable, "-m", "jobs.cli", "up", "--port", str(port)],
+        [sys.executable, "-m", "cli", "up", "--port", str(port)],
         cwd=ROOT,
         env=env,
         stdout=subprocess.DEVNULL,

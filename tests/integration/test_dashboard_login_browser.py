@@ -23,11 +23,11 @@ import pytest
 from dashboard_seed import seed_study
 from sqlalchemy import update
 
+from core.settings import Settings
 from db.engine import transaction
 from db.migrate import upgrade
 from db.models import Run
 from jobs.access import FREE_ATTEMPTS
-from jobs.settings import Settings
 
 from .browser import SCREENSHOTS, free_port, launch, require_chromium, wait_http
 from .conftest import ROOT
@@ -95,7 +95,7 @@ def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Da
             command += ["--server.port", str(port), "--server.headless", "true"]
             command += ["--browser.gatherUsageStats", "false"]
         else:
-            command = [sys.executable, "-m", "jobs.cli", "dashboard", "--port", str(port)]
+            command = [sys.executable, "-m", "cli", "dashboard", "--port", str(port)]
         log = home / "dashboard.log"
         with log.open("wb") as out:
             process = subprocess.Popen(command, cwd=home, env=env, stdout=out, stderr=out)

@@ -8,11 +8,11 @@ import json
 import os
 from pathlib import Path
 
+from core.catalog.models import MODEL_PRESETS
+from core.settings import Settings
+from core.spec import parse_spec
 from db.migrate import upgrade
-from jobs.settings import Settings
-from jobs.spec import parse_spec
 from jobs.transfer.importer import import_results
-from worker.catalog.models import MODEL_PRESETS
 from worker.run import prepared_task, resolve_device, run_study
 
 from .browser import SCREENSHOTS, patient_page, require_chromium, running_dashboard

@@ -15,10 +15,10 @@ import pytest
 from hf_models import CONTEXT, save_model
 from streamlit.testing.v1 import AppTest
 
+from core.settings import get_settings
+from core.spec import parse_spec
 from db import queries
 from jobs.service import submit
-from jobs.settings import get_settings
-from jobs.spec import parse_spec
 
 LENGTHS = [CONTEXT, 2 * CONTEXT]
 EVAL = {"lengths": LENGTHS, "tokens": 512, "order_probe": False}

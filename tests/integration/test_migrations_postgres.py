@@ -29,12 +29,12 @@ def test_0010_audit_and_soft_delete_on_postgresql(postgres_server: str, tmp_path
     PostgreSQL, then 0010 down and up again."""
     from sqlalchemy import text
 
+    from core.settings import Settings
+    from core.spec import parse_spec
     from db import queries
     from db.engine import engine_for
     from jobs.retention import delete_study, purge, restore_study
     from jobs.service import cancel, submit
-    from jobs.settings import Settings
-    from jobs.spec import parse_spec
 
     url = _postgres_database(postgres_server)
     upgrade(url)

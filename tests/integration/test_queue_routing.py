@@ -8,10 +8,10 @@ from collections.abc import Callable
 
 from sqlalchemy import select
 
+from core.status import RunStatus
 from db.engine import transaction
 from db.models import Study
 from jobs.routing import live_queues
-from jobs.status import RunStatus
 from tests.integration.conftest import Cluster
 
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
+from core.spec import parse_spec
 from db import queries
 from db.engine import transaction
 from db.models import Evaluation, Study, TrainPoint
 from jobs.service import cancel, submit
-from jobs.spec import parse_spec
 
 from .conftest import Cluster
 
@@ -355,3 +355,60 @@ def test_bad_input_exits_2_and_writes_nothing(
 
     client = redis.Redis(unix_socket_path=cluster.settings.broker.removeprefix("redis+socket://"))
     assert client.llen("gpu") == 0 and client.dbsize() == 0
+
+
+def test_a_message_written_before_the_move_is_taken_by_a_worker_of_this_layout(
+    cluster_factory, sqlite_url: str
+) -> None:
+    """Messages already in a queue when workers are upgraded (issue 44 moved the modules
+    into floors): a Celery protocol-2 message for ``posbench.train_run``, written by hand
+    with kombu byte for byte as the producers before the move wrote it (task name in the
+    headers, the run id as the only argument, JSON), is taken and the run finishes."""
+    import uuid
+
+    from kombu import Connection, Exchange, Queue
+
+    cluster = cluster_factory(sqlite_url)
+    published = []
+
+    def as_before(run_id: int) -> None:
+        task_id = str(uuid.uuid4())
+        headers = {
+            "lang": "py",
+            "task": "posbench.train_run",
+            "id": task_id,
+            "shadow": None,
+            "eta": None,
+            "expires": None,
+            "group": None,
+            "group_index": None,
+            "retries": 0,
+            "timelimit": [None, None],
+            "root_id": task_id,
+            "parent_id": None,
+            "argsrepr": f"({run_id},)",
+            "kwargsrepr": "{}",
+            "origin": "gen1@before",
+            "ignore_result": False,
+        }
+        body = [[run_id], {}, {"callbacks": None, "errbacks": None, "chain": None, "chord": None}]
+        queue = Queue("gpu", Exchange("gpu"), routing_key="gpu")
+        with Connection(cluster.settings.broker) as connection:
+            connection.Producer().publish(
+                json.dumps(body),
+                exchange=queue.exchange,
+                routing_key="gpu",
+                declare=[queue],
+                headers=headers,
+                content_type="application/json",
+                content_encoding="utf-8",
+                delivery_mode=2,
+            )
+        published.append(run_id)
+
+    submitted = submit(spec(["rope"]), settings=cluster.settings, send=as_before, actor="tester")
+    assert published == submitted.queued and not submitted.unsent
+    cluster.start_worker()
+    (run,) = cluster.wait_for(all_done, what="the run of the old message done")
+    assert run.attempts == 1
+    assert evaluation_keys(cluster) == [(run.id, "none", "nonoverlapping", n) for n in LENGTHS]

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from core.spec import parse_spec
 from db.engine import transaction
 from jobs import lifecycle
 from jobs.service import new_study
-from jobs.spec import parse_spec
 
 SECRET = "outside-secret-4711"
 

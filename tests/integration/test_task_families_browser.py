@@ -18,8 +18,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
+from core.spec import parse_spec
 from jobs.service import submit
-from jobs.spec import parse_spec
 
 from .browser import SCREENSHOTS, free_port, patient_page, require_chromium, wait_http
 from .conftest import ROOT
@@ -86,7 +86,7 @@ def test_a_study_per_family_through_the_queue_onto_compare(
     ]
     port = free_port()
     env = {**cluster.env, "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "jobs.cli", "dashboard", "--port", str(port)]
+    command = [sys.executable, "-m", "cli", "dashboard", "--port", str(port)]
     dashboard = subprocess.Popen(
         [*command, "--address", "127.0.0.1"],
         cwd=ROOT,

@@ -23,10 +23,10 @@ import pytest
 import redis
 import yaml
 
+from core.spec import preset_spec
 from db import queries
 from jobs.broker import redis_server_binary, stop
 from jobs.service import submit
-from jobs.spec import preset_spec
 
 from .conftest import ROOT, _postgres_database, make_cluster, missing
 
@@ -37,7 +37,7 @@ REDIS_PASSWORD = "${REDIS_PASSWORD:?set REDIS_PASSWORD in .env (see .env.example
 
 def command(service: str) -> list[str]:
     parts = [p.replace("${POSBENCH_GPUS_PER_NODE:-1}", "1") for p in SERVICES[service]["command"]]
-    return [sys.executable, "-m", "jobs.cli", *parts]
+    return [sys.executable, "-m", "cli", *parts]
 
 
 def free_port() -> int:

@@ -26,7 +26,7 @@ def test_up_serves_submit_and_stops_cleanly_on_ctrl_c() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("POSBENCH_")}
     env.update({"POSBENCH_HOME": str(home), "POSBENCH_DEVICE": "cpu", "PYTHONUNBUFFERED": "1"})
     up = subprocess.Popen(
-        [sys.executable, "-m", "jobs.cli", "up", "--no-dashboard"],
+        [sys.executable, "-m", "cli", "up", "--no-dashboard"],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -42,7 +42,7 @@ def test_up_serves_submit_and_stops_cleanly_on_ctrl_c() -> None:
         socket = home.resolve() / "redis" / "redis.sock"
         assert redis.Redis(unix_socket_path=str(socket)).ping()
         done = subprocess.run(
-            [sys.executable, "-m", "jobs.cli", "submit", "--preset", "smoke", "--wait", "--json"],
+            [sys.executable, "-m", "cli", "submit", "--preset", "smoke", "--wait", "--json"],
             cwd=ROOT,
             env=env,
             capture_output=True,
@@ -52,7 +52,7 @@ def test_up_serves_submit_and_stops_cleanly_on_ctrl_c() -> None:
         assert done.returncode == 0, done.stderr
         study = json.loads(done.stdout.splitlines()[0])["study"]
         status = subprocess.run(
-            [sys.executable, "-m", "jobs.cli", "status", str(study), "--json"],
+            [sys.executable, "-m", "cli", "status", str(study), "--json"],
             cwd=ROOT,
             env=env,
             capture_output=True,
@@ -124,7 +124,7 @@ def test_nothing_under_the_home_is_open_to_group_or_others() -> None:
         }
     )
     up = subprocess.Popen(
-        [sys.executable, "-m", "jobs.cli", "up", "--port", str(port)],
+        [sys.executable, "-m", "cli", "up", "--port", str(port)],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -144,7 +144,7 @@ def test_nothing_under_the_home_is_open_to_group_or_others() -> None:
             ["db", "backup", "--out", str(home / "backup.db")],
         ):
             done = subprocess.run(
-                [sys.executable, "-m", "jobs.cli", *command],
+                [sys.executable, "-m", "cli", *command],
                 cwd=ROOT,
                 env=env,
                 capture_output=True,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from worker.catalog.tasks import TASKS, TaskInfo, task_info
+from core.catalog.tasks import TASKS, TaskInfo, task_info
 
 if TYPE_CHECKING:
     from worker.data.base import Task

@@ -9,14 +9,14 @@ whole list must be counted.
   answer is the ``num_top`` most frequent, most frequent first.
 
 The list is words and spaces, shuffled; the bytes a word cannot fill are spaces before
-it. The texts are the templates of ``worker.catalog.ruler``.
+it. The texts are the templates of ``core.catalog.ruler``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from worker.catalog.ruler import (
+from core.catalog.ruler import (
     COMMON_QUESTION,
     FREQUENT_QUESTION,
     SYMBOL_SIZES,

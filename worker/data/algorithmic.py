@@ -1,5 +1,5 @@
 """The algorithmic length-generalisation tasks: arithmetic and string transductions
-whose problem size grows with the sequence length (``worker.catalog.algorithmic`` holds
+whose problem size grows with the sequence length (``core.catalog.algorithmic`` holds
 their formats and sizes).
 
 - ``addition`` / ``binary_addition``: ``a+b=`` then the sum, zero-padded to one digit more
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.catalog.algorithmic import (
+from core.catalog.algorithmic import (
     ADDITION_CELLS,
     ARROW,
     EQUALS,
@@ -49,7 +49,7 @@ def _draw(count: int, low: int, high: int, generator: torch.Generator) -> list[i
 
 class Addition(SyntheticTask):
     """``a+b=`` then ``a + b``. In evaluation, the operand lengths of each group's cell of
-    the grid (``worker.catalog.algorithmic.GRID``), labelled ``i=<i> j=<j>``; in training,
+    the grid (``core.catalog.algorithmic.GRID``), labelled ``i=<i> j=<j>``; in training,
     each drawn uniformly from 1 to the longest that fits."""
 
     name = "addition"

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor
 
-from worker.catalog.corpora import SourcePolicy
+from core.catalog.corpora import SourcePolicy
 
 NO_SOURCES = SourcePolicy()  # without the caller's rules: no text: path, no hf:
 
 if TYPE_CHECKING:
-    from jobs.spec import EvalSpec
+    from core.spec import EvalSpec
 
 
 @dataclass

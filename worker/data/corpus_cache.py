@@ -24,7 +24,7 @@ import time
 import uuid
 from pathlib import Path
 
-from jobs.files import folder_bytes
+from core.files import folder_bytes
 
 log = logging.getLogger(__name__)
 

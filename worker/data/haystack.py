@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from worker.catalog.corpora import SourcePolicy
+from core.catalog.corpora import SourcePolicy
 from worker.data.base import NO_SOURCES
 from worker.data.lm import DOC_SEPARATOR, load_corpus, read_documents
 from worker.data.sources import CorpusError

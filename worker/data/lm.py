@@ -11,7 +11,7 @@ Corpora:
   ``text``, else the only string column. Rows that are lines (WikiText) are joined as
   one stream; other rows (PG-19's books) are documents.
 
-The rules (``worker.catalog.corpora.SourcePolicy``) are the caller's argument: the
+The rules (``core.catalog.corpora.SourcePolicy``) are the caller's argument: the
 engine reads no settings, and without rules it reads pystdlib only. Byte caps are
 enforced while reading: a file or corpus over them is refused, never truncated.
 
@@ -38,15 +38,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from jobs.files import private_folder, write_atomic
-from jobs.metrics import Kind, headline
-from worker.catalog.corpora import SourcePolicy
+from core.catalog.corpora import SourcePolicy
+from core.files import private_folder, write_atomic
+from core.metrics import Kind, headline
 from worker.data import corpus_cache
 from worker.data.base import NO_SOURCES, Batch, Task, from_sequences
 from worker.data.sources import CorpusError, Document, huggingface, text_documents
 
 if TYPE_CHECKING:
-    from jobs.spec import EvalSpec
+    from core.spec import EvalSpec
 
 VALID_PERCENT = 5
 DOC_SEPARATOR = b"\x00"

@@ -11,7 +11,7 @@ arXiv:2404.06654), byte-level like the other synthetic tasks.
 
 A task with several answers writes them in a canonical order (the keys as asked, each
 key's values as they appear; a chain's variables as assigned) separated by ``, ``, and
-the whole span is scored. The texts are the templates of ``worker.catalog.ruler``.
+the whole span is scored. The texts are the templates of ``core.catalog.ruler``.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from worker.catalog.corpora import SourcePolicy
-from worker.catalog.ruler import (
+from core.catalog.corpora import SourcePolicy
+from core.catalog.ruler import (
     DEFAULT_CORPUS,
     NIAH_NEEDLE,
     NIAH_QUESTION,
@@ -42,7 +42,7 @@ from worker.data.haystack import TextHaystack
 from worker.data.synthetic import FILLER, PASSKEY_DEPTHS, SyntheticTask
 
 if TYPE_CHECKING:
-    from jobs.spec import EvalSpec
+    from core.spec import EvalSpec
 
 CONSONANTS = "bdfgklmnprstvz"
 VOWELS = "aeiou"

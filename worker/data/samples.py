@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from worker.catalog.tasks import TaskConfigError
+from core.catalog.tasks import TaskConfigError
 from worker.data import build_task
 from worker.data.synthetic import Example, SyntheticTask, part_spans, parts_of
 

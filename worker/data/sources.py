@@ -10,8 +10,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobs.files import NotRegularFile, TooLarge, read_at_most
-from worker.catalog.corpora import (
+from core.catalog.corpora import (
     FILE_CAP_SETTING,
     TOTAL_CAP_SETTING,
     SourcePolicy,
@@ -22,7 +21,8 @@ from worker.catalog.corpora import (
     locate,
     scrub,
 )
-from worker.catalog.tasks import TaskConfigError
+from core.catalog.tasks import TaskConfigError
+from core.files import NotRegularFile, TooLarge, read_at_most
 
 
 class CorpusError(TaskConfigError):

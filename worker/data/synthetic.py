@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from jobs.metrics import Kind, headline
-from worker.catalog.tasks import assoc_recall_pairs
+from core.catalog.tasks import assoc_recall_pairs
+from core.metrics import Kind, headline
 from worker.data.base import Batch, Task, from_sequences
 
 FILLER = (

@@ -47,7 +47,7 @@ from typing import NamedTuple
 
 import torch
 
-from worker.catalog.tasks import TaskConfigError
+from core.catalog.tasks import TaskConfigError
 from worker.data.synthetic import PASSKEY_DEPTHS, Example, ExampleMaker, SyntheticTask
 
 VARIANTS = ("marked", "bare")

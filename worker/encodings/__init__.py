@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from worker.catalog.encodings import (
+from core.catalog.encodings import (
     REGISTRY,
     SCALINGS,
     EncodingInfo,
@@ -20,7 +20,7 @@ from worker.catalog.encodings import (
     info,
     scaling_info,
 )
-from worker.catalog.params import EncodingConfigError, Param, is_positive_int
+from core.catalog.params import EncodingConfigError, Param, is_positive_int
 
 if TYPE_CHECKING:
     from worker.encodings.base import PositionEncoding

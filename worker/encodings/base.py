@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor, nn
 
-from worker.catalog.params import EncodingConfigError, is_positive_int, short_repr
+from core.catalog.params import EncodingConfigError, is_positive_int, short_repr
 
 if TYPE_CHECKING:
-    from worker.encodings.rope import RotaryTables
+    from worker.encodings.rotary import RotaryTables
 
 
 # (head, query, key) index tensors -> the bias of those pairs (the score_mod's addend).

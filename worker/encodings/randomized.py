@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from worker.encodings.base import PositionEncoding
-from worker.encodings.rope import Rope, RotaryTables
+from worker.encodings.rope import Rope
+from worker.encodings.rotary import RotaryTables
 from worker.encodings.sinusoidal import Sinusoidal
 
 

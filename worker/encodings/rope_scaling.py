@@ -1,5 +1,5 @@
 """The formulas of RoPE's inference-time scalings (the catalogue entries, with their
-parameters and rules, are in ``worker/catalog/scalings.py``).
+parameters and rules, are in ``core/catalog/scalings.py``).
 
 A scaling changes the frequencies of a model trained with plain RoPE over L tokens (the
 original length: the training length unless the variant says otherwise), and some add

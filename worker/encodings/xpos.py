@@ -24,7 +24,8 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from worker.encodings.rope import BlockDecay, Rope, RotaryTables, decay_scale
+from worker.encodings.rope import Rope
+from worker.encodings.rotary import BlockDecay, RotaryTables, decay_scale
 
 # The largest scale a table may hold, as a natural log: e^60 = 1e26 leaves float32
 # (max 3.4e38) room for the q and k values it multiplies.

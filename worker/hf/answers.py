@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from worker.catalog.tasks import TaskConfigError, task_info
+from core.catalog.tasks import TaskConfigError, task_info
 from worker.data.base import Batch, Task
 from worker.data.synthetic import (
     Example,
@@ -56,7 +56,7 @@ from worker.data.synthetic import (
 from worker.hf.tokens import tokenizer_fingerprint
 
 if TYPE_CHECKING:
-    from jobs.spec import EvalSpec
+    from core.spec import EvalSpec
 
 # The search for a byte budget gives up after this many tries (it takes a few).
 MAX_TRIES = 64

@@ -27,9 +27,8 @@ from typing import Any
 
 import torch
 
-from jobs.files import FileRefused, read_bounded
-from worker.catalog.corpora import SourcePolicy, scrub
-from worker.catalog.hf_models import (
+from core.catalog.corpora import SourcePolicy, scrub
+from core.catalog.hf_models import (
     CONFIG_FILE,
     MAX_CONFIG_BYTES,
     TOKENIZER_FILE,
@@ -37,13 +36,12 @@ from worker.catalog.hf_models import (
     Located,
     ModelFacts,
     ModelPolicy,
-    checked_folder,
-    locate_model,
+    locate,
     model_facts,
     size_problem,
-    tensor_shapes,
     weights_files,
 )
+from core.files import FileRefused, read_bounded
 from worker.hf.model import HfCausalLM
 
 CHUNK = 8 << 20
@@ -106,15 +104,6 @@ def checked_tokenizer(folder: Path) -> tuple[Any, str]:
     return PreTrainedTokenizerFast(tokenizer_object=backend, **tokens), digest.hexdigest()
 
 
-def locate(name: str, policy: ModelPolicy) -> Located:
-    """Where ``name`` comes from, checked here (the worker's file system) as at submit:
-    ``checked_folder``."""
-    located = locate_model(name, policy)
-    if located.folder is not None and located.root is not None:
-        checked_folder(located.folder, located.root, policy)
-    return located
-
-
 def _source(located: Located, name: str) -> tuple[str, dict[str, Any]]:
     """What from_pretrained reads, and its identity for the provenance."""
     import transformers
@@ -130,52 +119,6 @@ def _source(located: Located, name: str) -> tuple[str, dict[str, Any]]:
         "weights_files": [path.name for path in weights],
     }
     return str(located.folder), record
-
-
-def weights_problem(name: str, policy: ModelPolicy) -> str | None:
-    """Before anything is loaded or queued: the weights a local folder's architecture
-    needs that its safetensors files lack (audit F4: they would be initialised at random
-    and evaluated as the named model). The architecture is built on the meta device (no
-    memory, no weights) from config.json. A weight tied to another (the output embedding
-    to the input one) counts as present when either is; one stored under another name
-    (transformers renames some on load: GPT-NeoX's embed_out is lm_head) counts as present
-    when a stored tensor of its shape is left over. None for a hub id (its files are the
-    worker's to check) or when nothing lacks."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    located = locate(name, policy)
-    if located.folder is None:
-        return None
-    config = AutoConfig.from_pretrained(located.folder, local_files_only=True)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    files: dict[str, tuple[int, ...]] = {}  # each stored tensor's name and shape
-    for path in weights_files(located.folder):
-        files |= tensor_shapes(path)
-    prefix = f"{model.base_model_prefix}."  # a base model's checkpoint, as transformers maps it
-    present = set(files) | {prefix + key for key in files}
-    tensors = dict(model.named_parameters(remove_duplicate=False))
-    tensors |= dict(model.named_buffers(remove_duplicate=False))
-    groups: dict[int, list[str]] = {}  # the names of one tensor (tied weights share one)
-    for key in model.state_dict():
-        groups.setdefault(id(tensors.get(key, key)), []).append(key)
-    named = {key for keys in groups.values() for key in keys}
-    spare = [
-        shape for key, shape in files.items() if key not in named and prefix + key not in named
-    ]
-    lacking = []
-    for keys in sorted(sorted(keys) for keys in groups.values()):
-        if any(key in present for key in keys):
-            continue
-        shape = tuple(tensors[keys[0]].shape) if keys[0] in tensors else None
-        if shape in spare:
-            spare.remove(shape)  # stored under another name
-        else:
-            lacking.append(keys[0])
-    if not lacking:
-        return None
-    shown = ", ".join(lacking[:3]) + (f" and {len(lacking) - 3} more" if len(lacking) > 3 else "")
-    return f"model.hf {name!r} lacks weights its config needs: {shown}"
 
 
 def _check_weights(name: str, loading: dict[str, Any]) -> None:

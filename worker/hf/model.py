@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from worker.catalog.hf_models import HfModelError, ModelFacts
-from worker.catalog.params import is_positive_int
-from worker.catalog.scalings import SCALINGS, Rotary
+from core.catalog.hf_models import HfModelError, ModelFacts
+from core.catalog.params import is_positive_int
+from core.catalog.scalings import SCALINGS, Rotary
 from worker.diagnostics import AttentionProbe, logn_factors
 from worker.hf.attention import attending, attention_modules
 from worker.model import ModelConfig

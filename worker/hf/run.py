@@ -8,15 +8,16 @@ from typing import Any
 
 import torch
 
-from jobs.spec import RunSpec, StudySpec
-from jobs.spec.hf import model_problems
-from worker.catalog.hf_models import NO_MODELS, HfModelError, ModelPolicy
+from core.catalog.hf_models import NO_MODELS, HfModelError, ModelPolicy
+from core.spec import RunSpec, StudySpec
+from core.spec.hf import model_problems
 from worker.data.base import Task
 from worker.data.synthetic import SyntheticTask
 from worker.evaluate import evaluate
 from worker.hf.answers import TokenizedSynthetic
 from worker.hf.loader import LoadedModel, load_model
 from worker.hf.tokens import TokenizedLanguageModelling, tokenized
+from worker.outcome import RunResult, probe_order, provenance
 from worker.training import NO_HOOKS, RunCancelled, RunHooks, TrainResult
 
 
@@ -55,8 +56,6 @@ def run_hf(
 ):
     """Evaluate the study's hf: model (``run``: its one run) at every planned point but
     those in ``skip_evaluations``; ``task`` is the study's task, prepared."""
-    from worker.run import RunResult, probe_order, provenance
-
     loaded = checked_model(spec, models)
     text = in_tokens(task, loaded.tokenizer, spec.eval.bos)
     text.check_plan(spec.eval, spec.train.length if spec.eval.order_probe else None)

@@ -35,7 +35,7 @@ from worker.data.lm import (
 from worker.data.sources import CorpusError
 
 if TYPE_CHECKING:
-    from jobs.spec import EvalSpec
+    from core.spec import EvalSpec
 
 
 def byte_ends(text: str, char_ends: np.ndarray) -> tuple[np.ndarray, int]:

@@ -29,13 +29,13 @@ from urllib.parse import unquote, urlparse
 
 from sqlalchemy import select, update
 
+from core.files import private_folder
+from core.status import RunStatus
 from db.engine import transaction, with_retry
 from db.models import Run, TrainPoint, in_live_study
 from db.upsert import upsert
 from jobs import lifecycle
-from jobs.files import private_folder
 from jobs.lifecycle import ClaimedRun
-from jobs.status import RunStatus
 from worker.runtime.store import stored_provenance
 
 log = logging.getLogger(__name__)

@@ -20,17 +20,17 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy.exc import OperationalError
 
+from core.errors import UserError
+from core.files import private_folder
+from core.metrics import GROWTH_DIAGNOSTIC
+from core.safe_text import redact_urls
+from core.settings import Settings, get_settings
+from core.status import RunStatus
 from db.engine import is_transient
 from db.models import as_utc, utcnow
 from jobs import lifecycle
-from jobs.errors import UserError
-from jobs.files import private_folder
 from jobs.lifecycle import ClaimedRun, LeaseLost
-from jobs.metrics import GROWTH_DIAGNOSTIC
 from jobs.quotas import deadline_reason
-from jobs.safe_text import redact_urls
-from jobs.settings import Settings, get_settings
-from jobs.status import RunStatus
 from worker.runtime import artifacts, cache, store
 from worker.runtime.heartbeat import Heartbeat, exit_hung
 from worker.runtime.shutdown import shutting_down
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 def execute(claimed: ClaimedRun, node: str) -> str:
     """Run ``claimed`` to its end on this worker (``node``: its host name); returns what
     became of it, for the task's result."""
-    from jobs.spec import parse_spec
+    from core.spec import parse_spec
 
     settings = get_settings()
     url, run = claimed.url, claimed.run
@@ -86,7 +86,7 @@ def execute(claimed: ClaimedRun, node: str) -> str:
 def _train_and_evaluate(claimed: ClaimedRun, spec, run, beat) -> str:
     import torch
 
-    from jobs.analysis import effective_setting, summarize_points
+    from core.analysis import effective_setting, summarize_points
     from worker.run import prepared_task, resolve_device, run_one
     from worker.training import RunCancelled
 
@@ -301,7 +301,7 @@ MAX_REASON_CHARS = 2000
 
 def failure_reason(err: BaseException) -> str:
     """The reason a failed run shows, one line without passwords: the error's own words
-    for what a user can cause (``jobs.errors.UserError``, a diverged loss, memory, a bad
+    for what a user can cause (``core.errors.UserError``, a diverged loss, memory, a bad
     value), and for the rest (bugs) that it is one, what and where, to be reported."""
     from worker.training import TrainingDiverged
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
+from core.analysis import Summary
+from core.results_schema import Evaluation as EvaluationRow
 from db.engine import transaction, with_retry
 from db.models import Evaluation, PositionBin, Run, RunSummary
 from db.queries import run_points
 from db.upsert import upsert
-from jobs.analysis import Summary
 from jobs.lifecycle import ClaimedRun, hold, under_lease
-from jobs.results_schema import Evaluation as EvaluationRow
 
 
 def stored_provenance(session: Session, run_id: int) -> dict:

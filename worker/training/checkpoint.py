@@ -21,7 +21,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from jobs.files import folder_bytes, private_folder, shown_bytes, write_atomic
+from core.files import folder_bytes, private_folder, shown_bytes, write_atomic
 
 CHECKPOINT_VERSION = 2
 log = logging.getLogger(__name__)

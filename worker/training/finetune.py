@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from jobs.results_schema import TrainPoint
-from jobs.spec import RunSpec, StudySpec, VariantSpec
+from core.results_schema import TrainPoint
+from core.spec import RunSpec, StudySpec, VariantSpec
 from worker.data.base import Task
 from worker.encodings.base import PositionOutOfRange
 from worker.model import Transformer

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from jobs.results_schema import Evaluation, TrainPoint
+    from core.results_schema import Evaluation, TrainPoint
 
 
 class RunHooks(Protocol):

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from jobs.results_schema import TrainPoint
-from jobs.spec import TrainSpec
+from core.results_schema import TrainPoint
+from core.spec import TrainSpec
 from worker import liveness
 from worker.data.base import Batch, Task
 from worker.model import Transformer

@@ -31,7 +31,7 @@ def upgrade() -> None:
         sa.UniqueConstraint("run_id", "variant", "protocol", "name", name="uq_run_summaries_key"),
     )
     # Per encoding, for plain SQL: mean, range and seed count of every summary. The
-    # bootstrap intervals need resampling and are computed on read (jobs.analysis).
+    # bootstrap intervals need resampling and are computed on read (core.analysis).
     op.execute(
         """
         CREATE VIEW encoding_summaries AS

@@ -2,7 +2,7 @@
 
 Revision 0002 stored them under 'nonoverlapping', and readers recognised them by the
 name prefix 'order_'. This moves them to the protocol-free marker
-``jobs.analysis.ANY_PROTOCOL``.
+``core.analysis.ANY_PROTOCOL``.
 
 Revision ID: 0003
 Revises: 0002

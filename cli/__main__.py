@@ -1,0 +1,5 @@
+"""``python -m cli``: the same as the ``posbench`` command."""
+
+from cli import main
+
+main()
