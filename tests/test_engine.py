@@ -49,12 +49,12 @@ def test_a_wrong_statement_is_not_retried(tmp_path) -> None:
 def test_a_database_that_answers_only_after_retries_is_not_steady(tmp_path, monkeypatch) -> None:
     # The reconciler waits a stale window after such a pass before calling runs dead.
     from core.settings import Settings
-    from jobs import service
+    from jobs import reconciler
 
     settings = Settings(home=tmp_path, database_url=f"sqlite:///{tmp_path}/x.db")
-    assert service.database_steady(settings)
+    assert reconciler.database_steady(settings)
     refused = real_error("postgresql+psycopg://user@127.0.0.1:1/none?connect_timeout=2")
-    real = service.transaction
+    real = reconciler.transaction
     failures = [refused]
 
     def flaky(url):
@@ -62,6 +62,6 @@ def test_a_database_that_answers_only_after_retries_is_not_steady(tmp_path, monk
             raise failures.pop()
         return real(url)
 
-    monkeypatch.setattr(service, "transaction", flaky)
+    monkeypatch.setattr(reconciler, "transaction", flaky)
     monkeypatch.setattr("db.engine.time.sleep", lambda seconds: None)
-    assert not service.database_steady(settings)
+    assert not reconciler.database_steady(settings)

@@ -20,7 +20,8 @@ from core.status import RunStatus
 from db.engine import transaction
 from db.models import Run, Study, utcnow
 from jobs import lifecycle
-from jobs.service import Refused, reconcile, submit
+from jobs.reconciler import reconcile
+from jobs.service import Refused, submit
 from worker.data import build_task
 from worker.model import build_model
 from worker.training import Checkpointer, Trainer

@@ -26,8 +26,9 @@ from db.engine import transaction
 from db.migrate import current, head, upgrade
 from db.models import Evaluation, PositionBin, Run, Study, TrainPoint
 from jobs import lifecycle
+from jobs.reconciler import reconcile
 from jobs.retention import Busy, delete_study, purge
-from jobs.service import NotFound, cancel, reconcile, retry, submit
+from jobs.service import NotFound, cancel, retry, submit
 from worker import liveness
 from worker.runtime import cache, store
 from worker.runtime.heartbeat import Heartbeat
