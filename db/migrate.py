@@ -6,6 +6,7 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from sqlalchemy import Connection
 
 from core.errors import UnavailableError
 from db.engine import engine_for, normalize_url
@@ -46,12 +47,19 @@ def check_encoding(engine) -> None:
 def upgrade(url: str, revision: str = "head") -> None:
     """Bring the database at ``url`` to ``revision`` (creating it if needed); a
     PostgreSQL database that is not UTF8 is refused first, with how to make one."""
-    config = alembic_config(url)
     engine = engine_for(normalize_url(url))
     check_encoding(engine)
     with engine.begin() as connection:
-        config.attributes["connection"] = connection
-        command.upgrade(config, revision)
+        upgrade_in(connection, revision)
+
+
+def upgrade_in(connection: Connection, revision: str = "head") -> None:
+    """Bring the database of ``connection`` to ``revision`` inside the transaction the
+    caller holds: the migrations commit or roll back with whatever else it does."""
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    config.attributes["connection"] = connection
+    command.upgrade(config, revision)
 
 
 def downgrade(url: str, revision: str) -> None:

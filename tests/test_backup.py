@@ -18,12 +18,16 @@ import pandas as pd
 import pytest
 from conftest import isolated_env, posbench_cli
 from dashboard_seed import seed_study
+from test_audit import finish_every_run
 
 from core.settings import Settings
 from db import queries
-from db.engine import forget
+from db.engine import forget, transaction
 from db.migrate import head, upgrade
-from jobs.backup import _libpq
+from db.models import RunSummary
+from db.upsert import upsert
+from jobs.backup.postgres import libpq
+from jobs.retention import delete_study
 
 PASSWORD = "pw-never-shown"
 
@@ -290,6 +294,29 @@ def _plain_sqlite(tmp_path: Path) -> Path:
             ),
             ("(index 'n', table 'notes')",),
         ),
+        (  # the F5 residue: tables made again under their own names, rows that do not fit
+            lambda home, tmp: _planted(
+                home, tmp, "ALTER TABLE evaluations ADD COLUMN planted DOUBLE DEFAULT 1.0"
+            ),
+            (
+                "its table evaluations has columns posbench's evaluations does not ('planted')",
+                "a restore takes only rows, into the tables posbench's migrations make",
+            ),
+        ),
+        (
+            lambda home, tmp: _planted(home, tmp, "ALTER TABLE runs DROP COLUMN imported_from"),
+            ("its table runs lacks columns posbench's runs has ('imported_from')",),
+        ),
+        (
+            lambda home, tmp: _planted(
+                home, tmp, remade_summaries("GENERATED ALWAYS AS (1.0) VIRTUAL")
+            ),
+            ("its table run_summaries computes columns instead of storing them ('value')",),
+        ),
+        (
+            lambda home, tmp: _planted(home, tmp, "DELETE FROM studies"),
+            ("a row of its table runs (rowid 1) refers to a row of studies that it does not",),
+        ),
     ],
     ids=[
         "missing",
@@ -301,6 +328,10 @@ def _plain_sqlite(tmp_path: Path) -> Path:
         "trigger",
         "view",
         "table and index",
+        "extra column",
+        "missing column",
+        "computed column",
+        "dangling reference",
     ],
 )
 def test_restore_refuses_what_is_no_posbench_backup_and_writes_nothing(
@@ -317,6 +348,35 @@ PLANTED_TRIGGER = (
     "CREATE TRIGGER rewrite AFTER INSERT ON evaluations BEGIN "
     "UPDATE evaluations SET perplexity = 1.0 WHERE id = NEW.id; END"
 )
+
+
+def remade_summaries(value: str) -> str:
+    """SQL that makes run_summaries again under its own name, without its unique key and
+    with ``value`` for the definition of its value column (its rows kept, their values
+    too unless the column is computed). legacy_alter_table: the rename leaves the view
+    that reads the table alone."""
+    columns = "id, run_id, variant, protocol, name" + ("" if "GENERATED" in value else ", value")
+    return f"""
+        PRAGMA legacy_alter_table = ON;
+        CREATE TABLE remade (id INTEGER NOT NULL PRIMARY KEY,
+            run_id INTEGER NOT NULL REFERENCES runs (id), variant VARCHAR(120) NOT NULL,
+            protocol VARCHAR(20) NOT NULL, name VARCHAR(40) NOT NULL, value DOUBLE {value});
+        INSERT INTO remade ({columns}) SELECT {columns} FROM run_summaries;
+        DROP TABLE run_summaries;
+        ALTER TABLE remade RENAME TO run_summaries;
+    """
+
+
+# encoding_summaries made again under its own name, as the fourth audit's F5 residue had it:
+# every mean 1.0, and the deleted studies' rows shown.
+REMADE_VIEW = """
+DROP VIEW encoding_summaries;
+CREATE VIEW encoding_summaries AS
+    SELECT r.study_id, r.label, r.encoding, m.variant, m.protocol, m.name,
+           1.0 AS mean, MIN(m.value) AS min, MAX(m.value) AS max, COUNT(m.value) AS seeds
+    FROM run_summaries m JOIN runs r ON r.id = m.run_id
+    GROUP BY r.study_id, r.label, r.encoding, m.variant, m.protocol, m.name;
+"""
 
 
 def _planted(home: Path, tmp_path: Path, statements: str) -> Path:
@@ -344,6 +404,115 @@ def _pg_dump(tmp_path: Path) -> Path:
     path = tmp_path / "cluster.dump"
     path.write_bytes(b"PGDMP\x01\x10\x00" + b"\x00" * 100)
     return path
+
+
+def test_a_backup_at_an_earlier_revision_restores_its_rows_and_migrates(tmp_path: Path) -> None:
+    """The new database is made at the backup's revision (0009: before the audit
+    columns and the events table), takes its rows, then migrates to the latest."""
+    old = tmp_path / "old"
+    upgrade(url_of(old), "0009")
+    forget(url_of(old))
+    with database(old / "posbench.db") as connection:
+        connection.execute(
+            "INSERT INTO studies (id, name, task, metric, train_length, spec, created_at) "
+            "VALUES (7, 'from 0009', 'lm', 'perplexity', 32, '{}', '2026-01-01 00:00:00')"
+        )
+    out = tmp_path / "at-0009.db"
+    assert cli(old, "db", "backup", "--out", str(out)).returncode == 0
+    home = tmp_path / "home"
+    done = cli(home, "db", "restore", str(out))
+    assert done.returncode == 0, done.stderr
+    assert f"(schema 0009, now at {head()})" in done.stdout and "1 studies" in done.stdout
+    assert schema_of(home / "posbench.db") == migrations_schema(tmp_path)
+    assert queries.studies(url_of(home)).name.tolist() == ["from 0009"]
+
+
+def schema_of(path: Path) -> dict[tuple[str, str], str | None]:
+    """Every schema object of a SQLite database and its definition."""
+    with database(path) as connection:
+        rows = connection.execute("SELECT type, name, sql FROM sqlite_master")
+        return {(kind, name): definition for kind, name, definition in rows}
+
+
+def migrations_schema(tmp_path: Path) -> dict[tuple[str, str], str | None]:
+    """The schema of a new database the migrations made."""
+    url = f"sqlite:///{tmp_path / 'fresh.db'}"
+    upgrade(url)
+    forget(url)
+    return schema_of(tmp_path / "fresh.db")
+
+
+def summaries_view(home: Path) -> list[tuple]:
+    """What the encoding_summaries view shows to SQL."""
+    with database(home / "posbench.db") as connection:
+        return connection.execute(
+            "SELECT study_id, label, variant, protocol, name, mean, min, max, seeds "
+            "FROM encoding_summaries ORDER BY study_id, label, variant, protocol, name"
+        ).fetchall()
+
+
+def test_a_view_made_again_under_its_own_name_restores_as_the_migrations_make_it(
+    home: Path, tmp_path: Path
+) -> None:
+    """The fourth audit's F5 residue: encoding_summaries made again under its own name
+    (every mean 1.0, the deleted studies shown) passed a check by name and was restored
+    as it stood. The restore takes the backup's rows only, into the migrations' schema."""
+    settings = Settings(home=home)
+    finish_every_run(settings)
+    delete_study(1, actor="alice", settings=settings)
+    assert seed_study(settings) == 2  # study 1 deleted, study 2 live
+    url = url_of(home)
+    shown = summaries_view(home)
+    assert {row[0] for row in shown} == {2} and {row[5] for row in shown} != {1.0}
+    summaries, studies = queries.run_summaries(url), queries.studies(url)
+    out = _planted(home, tmp_path, REMADE_VIEW)
+    with database(out) as connection:  # the backup's own view: what the auditor saw
+        planted = connection.execute("SELECT study_id, mean FROM encoding_summaries").fetchall()
+    assert {study for study, _ in planted} == {1, 2} and {mean for _, mean in planted} == {1.0}
+
+    remove_database(home)
+    done = cli(home, "db", "restore", str(out))
+    assert done.returncode == 0, done.stderr
+    assert schema_of(home / "posbench.db") == migrations_schema(tmp_path)
+    assert summaries_view(home) == shown  # the true means, study 1 left out
+    pd.testing.assert_frame_equal(queries.run_summaries(url), summaries)
+    pd.testing.assert_frame_equal(queries.studies(url), studies)
+    assert queries.deleted_studies(url).id.tolist() == [1]
+
+
+def test_a_table_made_again_under_its_own_name_restores_as_the_migrations_make_it(
+    home: Path, tmp_path: Path
+) -> None:
+    """run_summaries made again without its unique key and with a default value of 1.0:
+    a summary written twice would count twice in every mean, and the worker's upsert
+    (ON CONFLICT on that key) would fail. Its rows come back in the migrations' table."""
+    url = url_of(home)
+    before = contents(url)
+    out = _planted(home, tmp_path, remade_summaries("DEFAULT 1.0"))
+    remove_database(home)
+    done = cli(home, "db", "restore", str(out))
+    assert done.returncode == 0, done.stderr
+    assert schema_of(home / "posbench.db") == migrations_schema(tmp_path)
+    assert_same(before, contents(url))
+    first = queries.run_summaries(url).iloc[0]
+    key = {
+        "run_id": int(first.run_id),
+        "variant": first.variant,
+        "protocol": first.protocol,
+        "name": first.summary,
+    }
+    with transaction(url) as session:  # as worker.runtime.store.record_summaries writes
+        upsert(
+            session, RunSummary.__table__, {**key, "value": 5.0}, keys=tuple(key), returning=None
+        )
+    again = queries.run_summaries(url)
+    assert len(again) == len(before["summaries"])  # updated in place, not added
+    assert 5.0 in again.value.tolist()
+    with database(home / "posbench.db") as connection, pytest.raises(sqlite3.IntegrityError):
+        connection.execute(
+            "INSERT INTO run_summaries (run_id, variant, protocol, name) VALUES (?, ?, ?, ?)",
+            tuple(key.values()),
+        )
 
 
 @pytest.mark.slow
@@ -376,9 +545,9 @@ def test_without_pg_dump_the_postgresql_backup_says_how_and_never_shows_the_pass
 
 
 def test_the_password_reaches_pg_tools_in_the_environment_only() -> None:
-    target, env = _libpq(f"postgres://posbench:{PASSWORD}%40x@db.example:5433/pb?sslmode=require")
+    target, env = libpq(f"postgres://posbench:{PASSWORD}%40x@db.example:5433/pb?sslmode=require")
     assert target == "postgresql://posbench@db.example:5433/pb?sslmode=require"
     assert env["PGPASSWORD"] == PASSWORD + "@x"
-    target, env = _libpq("postgresql://posbench@/pb?host=/run/postgresql")  # no password
+    target, env = libpq("postgresql://posbench@/pb?host=/run/postgresql")  # no password
     assert target == "postgresql://posbench@/pb?host=%2Frun%2Fpostgresql"  # libpq decodes it
     assert env.get("PGPASSWORD") == os.environ.get("PGPASSWORD")
