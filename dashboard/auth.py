@@ -106,9 +106,11 @@ def role() -> Role | None:
 
 
 def actor() -> str:
-    """Who acts, as the audit trail records it: the OIDC e-mail, or the role that logged
-    in with a password and the client's address, or the loopback operator when no login
-    is configured."""
+    """Who acts, as the audit trail and the per-submitter quota name them: the OIDC
+    e-mail; for a password, the role it gave (``dashboard operator``: whoever holds the
+    operators' password shares one quota), never the client's address, which a visitor
+    can choose (the fourth audit's G5) and which goes to the server's log only; the
+    loopback operator when no login is configured."""
     given = st.session_state.get(ACTOR)
     if isinstance(given, str) and given:
         return given
@@ -156,14 +158,20 @@ def _signed_in_sidebar(who: str, on_logout) -> None:
         st.button("Log out", key="logout", on_click=on_logout)
 
 
-def _client() -> tuple[str, list[str]]:
-    """The client's address (as Streamlit saw the connection) and the throttle's keys."""
-    session = st.session_state.setdefault(SESSION_ID, uuid.uuid4().hex)
+def client_address() -> str:
+    """The client's address as the server saw the connection (``local`` on loopback or
+    without one): for the server's log and the throttle, never for who acts."""
     try:
         address = st.context.ip_address
     except Exception:  # no request context
         address = None
-    address = address if isinstance(address, str) and address else "local"
+    return address if isinstance(address, str) and address else "local"
+
+
+def _client() -> tuple[str, list[str]]:
+    """The client's address and the throttle's keys."""
+    session = st.session_state.setdefault(SESSION_ID, uuid.uuid4().hex)
+    address = client_address()
     return address, [f"session:{session}", f"address:{address}"]
 
 
@@ -203,7 +211,7 @@ def _password_gate() -> bool:
             st.session_state[ROLE] = found
             st.session_state[LOGGED_IN_AT] = time.time()
             st.session_state[BROWSER] = browser()
-            st.session_state[ACTOR] = f"dashboard {found} from {address}"
+            st.session_state[ACTOR] = f"dashboard {found}"
             st.rerun()
     return False
 
