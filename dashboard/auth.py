@@ -5,7 +5,8 @@ visitor, logout and session expiry. The decisions are ``jobs.access``'s.
   the gate shows only "closed" when ``server.address`` is not loopback, as with a bare
   `streamlit run`), and the visitor is an operator;
 - ``POSBENCH_DASHBOARD_PASSWORD`` / ``POSBENCH_DASHBOARD_VIEWER_PASSWORD``: a password
-  form, slowed down after wrong passwords (per session and per client address);
+  form, slowed down after wrong passwords (per session, per client address, and past a
+  ceiling per minute for all clients together);
 - an OIDC provider in ``.streamlit/secrets.toml`` (``[auth]``): ``st.login``, then the
   allow-lists decide the role; a secrets file that cannot be parsed closes the dashboard.
 """
@@ -192,6 +193,21 @@ def _password_gate() -> bool:
     with st.form("login"):
         given = st.text_input("Password", type="password")
         if st.form_submit_button("Log in"):
+            per_minute = settings.dashboard_wrong_passwords_per_minute
+            crowded = THROTTLE.crowded(per_minute)
+            if crowded > 0:
+                log.warning(
+                    "dashboard login refused from %s: %d wrong passwords in the last minute "
+                    "from all clients, backing off %d s",
+                    address,
+                    per_minute,
+                    math.ceil(crowded),
+                )
+                st.error(
+                    "Too many wrong passwords on this dashboard in the last minute, from "
+                    f"everyone: try again in {math.ceil(crowded)} s."
+                )
+                return False
             wait = THROTTLE.wait(keys)
             if wait > 0:
                 log.warning(

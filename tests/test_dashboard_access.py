@@ -4,6 +4,7 @@ secrets file closes the dashboard, OIDC accounts need an allow-list, viewers onl
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
@@ -93,27 +94,28 @@ def test_a_network_bind_without_a_login_is_refused(tmp_path: Path, address: str)
     assert f"--address {address} serves the dashboard to the network" in done.stderr
 
 
-def dashboard_exec(monkeypatch: pytest.MonkeyPatch, *args: str) -> list[str]:
-    """What `posbench dashboard ARGS` would exec (in-process; nothing is started)."""
+def dashboard_exec(monkeypatch: pytest.MonkeyPatch, *args: str) -> tuple[list[str], dict[str, str]]:
+    """What `posbench dashboard ARGS` would exec, and with which environment (in-process;
+    nothing is started)."""
     from cli import app, serving
 
-    started: list[list[str]] = []
+    started: list[tuple[list[str], dict[str, str]]] = []
 
-    def execvp(_: str, command: list[str]) -> None:
-        started.append(command)
+    def execvpe(_: str, command: list[str], env: dict[str, str]) -> None:
+        started.append((command, env))
 
-    monkeypatch.setattr(serving.os, "execvp", execvp)
+    monkeypatch.setattr(serving.os, "execvpe", execvpe)
     result = CliRunner().invoke(app, ["dashboard", *args])
     assert result.exit_code == 0, result.output
-    (command,) = started
-    return command
+    (done,) = started
+    return done
 
 
 def test_the_dashboard_binds_loopback_by_default(
     settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    command = dashboard_exec(monkeypatch)
+    command, _ = dashboard_exec(monkeypatch)
     assert command[command.index("--server.address") + 1] == "127.0.0.1"
 
 
@@ -122,8 +124,65 @@ def test_a_network_bind_with_a_password_is_served(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     passwords(monkeypatch, "s3cret")
-    command = dashboard_exec(monkeypatch, "--address", "0.0.0.0")
+    command, _ = dashboard_exec(monkeypatch, "--address", "0.0.0.0")
     assert command[command.index("--server.address") + 1] == "0.0.0.0"
+
+
+# --- the fourth audit's G2: whose X-Forwarded-For is believed ---
+
+
+def test_the_dashboard_believes_no_proxy_unless_one_is_set(
+    settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FORWARDED_ALLOW_IPS", "*")  # uvicorn's own variable does not win
+    _, env = dashboard_exec(monkeypatch)
+    assert env["FORWARDED_ALLOW_IPS"] == ""
+    monkeypatch.setenv("POSBENCH_DASHBOARD_TRUSTED_PROXIES", " 10.0.0.5, fd00::/64 ,")
+    get_settings.cache_clear()
+    _, env = dashboard_exec(monkeypatch)
+    assert env["FORWARDED_ALLOW_IPS"] == "10.0.0.5,fd00::/64"
+    assert env["POSBENCH_DASHBOARD_TRUSTED_PROXIES"] == " 10.0.0.5, fd00::/64 ,"  # the rest kept
+
+
+def test_an_empty_list_of_proxies_is_one_uvicorn_trusts_nobody_by() -> None:
+    # What dashboard_environment relies on: uvicorn reads an empty FORWARDED_ALLOW_IPS as
+    # no trusted peer (its default, when the variable is absent, is loopback).
+    from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
+
+    def client_seen(trusted: str) -> tuple[str, int]:
+        seen = {}
+
+        async def app(scope, receive, send) -> None:
+            seen.update(scope)
+
+        scope = {
+            "type": "http",
+            "client": ("127.0.0.1", 5000),
+            "headers": [(b"x-forwarded-for", b"203.0.113.99")],
+        }
+        asyncio.run(ProxyHeadersMiddleware(app, trusted_hosts=trusted)(scope, None, None))
+        return seen["client"]
+
+    assert client_seen("") == ("127.0.0.1", 5000)
+    assert client_seen("127.0.0.1") == ("203.0.113.99", 0)
+
+
+@pytest.mark.parametrize("value", ["*", "localhost", "10.0.0.1/24", "10.0.0.300", "::1, nope"])
+def test_trusted_proxies_must_be_addresses_or_networks(value: str) -> None:
+    from pydantic import ValidationError
+
+    from core.settings import describe_settings_error
+
+    with pytest.raises(ValidationError) as refused:
+        Settings(dashboard_trusted_proxies=value)
+    line = describe_settings_error(refused.value)
+    assert line.startswith(f"POSBENCH_DASHBOARD_TRUSTED_PROXIES = {value!r}: ")
+    assert "is not an IP address or network (e.g. 10.0.0.5, 10.0.0.0/24" in line
+    assert Settings(dashboard_trusted_proxies="10.0.0.0/24,::1").dashboard_trusted_proxies == [
+        "10.0.0.0/24",
+        "::1",
+    ]
 
 
 def test_only_loopback_addresses_count_as_loopback() -> None:
@@ -449,6 +508,46 @@ def test_wrong_passwords_back_off_exponentially() -> None:
     assert throttle.wait(["session:b", "address:192.0.2.8"], now=1000.0) == 0  # someone else
     throttle.succeeded(keys)
     assert throttle.wait(keys, now=1000.0) == 0
+
+
+def test_wrong_passwords_from_everyone_together_have_a_ceiling_per_minute() -> None:
+    # The fourth audit's G2: 30 wrong passwords, each under an address of its own, were
+    # all checked; keys per client cannot stop clients that look different each time.
+    throttle = Throttle()
+    for n in range(5):
+        throttle.failed([f"session:{n}", f"address:192.0.2.{n}"], now=1000.0 + n)
+    assert throttle.crowded(6, now=1005.0) == 0  # under the ceiling
+    assert throttle.crowded(5, now=1005.0) == 55  # until the first is a minute old
+    assert throttle.crowded(2, now=1005.0) == 58  # until all but one of the last two are
+    assert throttle.wait(["session:new", "address:198.51.100.1"], now=1005.0) == 0
+    assert throttle.crowded(5, now=1060.0) == 0
+    throttle.succeeded(["session:0", "address:192.0.2.0"])  # an operator's login
+    assert throttle.crowded(4, now=1060.0) == 1  # the other four count on
+
+
+def test_past_the_ceiling_no_password_is_checked_for_anyone(
+    settings, monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    passwords(monkeypatch, "s3cret")
+    monkeypatch.setenv("POSBENCH_DASHBOARD_WRONG_PASSWORDS_PER_MINUTE", "2")
+    get_settings.cache_clear()
+    from dashboard import auth
+
+    for n in range(2):  # two clients, one wrong password each: no key backs off
+        monkeypatch.setattr(auth, "client_address", lambda n=n: f"192.0.2.{n}")
+        app = AppTest.from_file(APP, default_timeout=60).run()
+        assert [e.value for e in log_in(app, "wrong").error] == ["Wrong password."]
+    monkeypatch.setattr(auth, "client_address", lambda: "198.51.100.1")
+    with caplog.at_level(logging.WARNING, logger="posbench.dashboard.auth"):
+        app = log_in(AppTest.from_file(APP, default_timeout=60).run(), "s3cret")
+    (error,) = [e.value for e in app.error]
+    assert re.fullmatch(
+        r"Too many wrong passwords on this dashboard in the last minute, from everyone: "
+        r"try again in (59|60) s\.",
+        error,
+    ), error
+    assert "Submit a study" not in [t.value for t in app.title]
+    assert "refused from 198.51.100.1: 2 wrong passwords in the last minute" in caplog.text
 
 
 def log_in(app: AppTest, password: str) -> AppTest:
