@@ -9,6 +9,9 @@ visitor, logout and session expiry. The decisions are ``jobs.access``'s.
   ceiling per minute for all clients together);
 - an OIDC provider in ``.streamlit/secrets.toml`` (``[auth]``): ``st.login``, then the
   allow-lists decide the role; a secrets file that cannot be parsed closes the dashboard.
+
+A password login is bound to the browser's binding cookie (``dashboard.binding``),
+checked on every rerun.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import streamlit as st
 
 from core.safe_text import markdown
 from core.settings import get_settings
+from dashboard import binding
 from jobs.access import (
     OPERATOR,
     THROTTLE,
@@ -44,9 +48,7 @@ ROLE = "posbench_role"
 LOGGED_IN_AT = "posbench_logged_in_at"
 SESSION_ID = "posbench_session_id"
 ACTOR = "posbench_actor"
-BROWSER = "posbench_browser"  # the fingerprint of the browser that logged in
-# Streamlit's XSRF cookie: set once in each browser, sent with every connection of it.
-BROWSER_COOKIE = "_streamlit_xsrf"
+BROWSER = "posbench_browser"  # a hash of the binding cookie of the browser that logged in
 
 
 def _secrets() -> Secrets:
@@ -128,28 +130,32 @@ def _logout() -> None:
         st.session_state.pop(key, None)
 
 
-def browser() -> str:
-    """What the connection's browser holds and a replayed session id lacks (audit F10:
-    replaying a Streamlit session id resumed an operator's session without a password):
-    a hash of its Streamlit cookie and its User-Agent, checked on every rerun."""
+def browser() -> str | None:
+    """What the connection's browser holds and neither its scripts nor a replayed
+    session id carry (audit F10): a hash of its binding cookie (``dashboard.binding``);
+    "" when the connection brought none; None when the script runs without a connection
+    (a test's AppTest, whose requests have no headers at all)."""
     try:
-        cookie = st.context.cookies.get(BROWSER_COOKIE)
-        agent = st.context.headers.get("User-Agent")
-    except Exception:  # no request context (a test's script run)
-        cookie = agent = None
-    cookie, agent = (value if isinstance(value, str) else "" for value in (cookie, agent))
-    if not (cookie or agent):
-        return ""  # nothing to bind to
-    return hashlib.sha256(f"{cookie}\0{agent}".encode()).hexdigest()
+        headers, cookies = st.context.headers, st.context.cookies
+    except Exception:  # no runtime at all
+        return None
+    if not headers:
+        return None
+    cookie = cookies.get(binding.COOKIE)
+    if not binding.well_formed(cookie):
+        return ""
+    return hashlib.sha256(cookie.encode()).hexdigest()
 
 
 def _same_browser() -> bool:
-    """False, logged, when this session's login came from another browser (a login
-    from a connection with neither the cookie nor a User-Agent is bound to nothing)."""
-    bound = st.session_state.get(BROWSER)
-    if not bound or bound == browser():
+    """False, logged, when this connection's browser is not the one that logged in (a
+    login is never bound to "": a connection without the cookie cannot log in)."""
+    if st.session_state.get(BROWSER) == browser():
         return True
-    log.warning("dashboard session used from another browser than its login: logged out")
+    log.warning(
+        "dashboard session used from another browser than its login, from %s: logged out",
+        client_address(),
+    )
     return False
 
 
@@ -215,6 +221,19 @@ def _password_gate() -> bool:
                 )
                 st.error(f"Too many wrong passwords: try again in {math.ceil(wait)} s.")
                 return False
+            held = browser()
+            if held == "":
+                log.warning(
+                    "dashboard login refused from %s: the connection brought no %s cookie "
+                    "(cookies blocked, or a dashboard not started from dashboard/serve.py)",
+                    address,
+                    binding.COOKIE,
+                )
+                st.error(
+                    "This browser did not keep the dashboard's cookie, which a login needs: "
+                    "allow cookies for this site and reload the page."
+                )
+                return False
             found = password_role(given, settings)
             if found is None:
                 failures = THROTTLE.failed(keys)
@@ -226,7 +245,7 @@ def _password_gate() -> bool:
             log.info("dashboard login from %s as %s", address, found)
             st.session_state[ROLE] = found
             st.session_state[LOGGED_IN_AT] = time.time()
-            st.session_state[BROWSER] = browser()
+            st.session_state[BROWSER] = held
             st.session_state[ACTOR] = f"dashboard {found}"
             st.rerun()
     return False

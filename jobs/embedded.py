@@ -24,11 +24,14 @@ from core.safe_text import redact_url
 from core.settings import Settings, get_settings
 from jobs.broker import start_redis, stop
 
-DASHBOARD_APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
+# The ASGI entry module: dashboard/app.py behind the binding cookie (dashboard.binding).
+DASHBOARD_APP = Path(__file__).resolve().parent.parent / "dashboard" / "serve.py"
 
 
 def dashboard_command(port: int, address: str = "127.0.0.1") -> list[str]:
-    """``streamlit run`` for the dashboard, headless, with the developer toolbar hidden."""
+    """``streamlit run`` for the dashboard, headless, with the developer toolbar hidden:
+    of dashboard/serve.py, which Streamlit serves as an ASGI app (uvicorn, the same
+    options) with the binding cookie's middleware."""
     options = {
         "server.port": str(port),
         "server.address": address,

@@ -623,11 +623,73 @@ def test_a_session_replayed_from_another_browser_is_logged_out(
     assert [t.value for t in app.run().title] == ["posbench"]
 
 
-def test_the_browser_is_its_cookie_and_user_agent() -> None:
+def test_a_script_run_without_a_connection_is_bound_to_nothing() -> None:
     from dashboard import auth
 
-    assert auth.BROWSER_COOKIE == "_streamlit_xsrf"
-    assert auth.browser() == ""  # no request context here: nothing to bind a login to
+    assert auth.browser() is None  # an AppTest run: no request, no cookie to bind to
+
+
+def test_a_connection_without_the_binding_cookie_cannot_log_in(
+    settings, monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    from dashboard import auth
+
+    passwords(monkeypatch, "s3cret")
+    monkeypatch.setattr(auth, "browser", lambda: "")  # a request that brought no cookie
+    with caplog.at_level(logging.WARNING, logger="posbench.dashboard.auth"):
+        app = log_in(AppTest.from_file(APP, default_timeout=60).run(), "s3cret")
+    assert [e.value for e in app.error] == [
+        "This browser did not keep the dashboard's cookie, which a login needs: allow "
+        "cookies for this site and reload the page."
+    ]
+    assert "posbench_role" not in app.session_state
+    assert "the connection brought no posbench_browser cookie" in caplog.text
+
+
+def asgi_response(scope: dict) -> list[tuple[bytes, bytes]]:
+    """The headers ``BindingCookie`` lets through for a request of ``scope`` to an app
+    that answers 200 with one header of its own."""
+    from dashboard.binding import BindingCookie
+
+    sent: list[dict] = []
+
+    async def app(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"x-app", b"1")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(BindingCookie(app)({"type": "http", "scheme": "http", **scope}, None, send))
+    assert sent[1]["body"] == b"ok"
+    return sent[0]["headers"]
+
+
+def test_the_binding_cookie_is_set_once_random_and_out_of_scripts_reach() -> None:
+    from dashboard.binding import COOKIE, well_formed
+
+    first, second = (dict(asgi_response({"headers": []})) for _ in range(2))
+    assert first[b"x-app"] == b"1"  # the app's own headers kept
+    name, _, attributes = first[b"set-cookie"].decode().partition("; ")
+    token = name.removeprefix(f"{COOKIE}=")
+    assert well_formed(token) and token not in second[b"set-cookie"].decode()
+    assert attributes == "Path=/; HttpOnly; SameSite=Strict"
+    secure = dict(asgi_response({"headers": [], "scheme": "https"}))[b"set-cookie"]
+    assert secure.endswith(b"; SameSite=Strict; Secure")
+    kept = [(b"cookie", f"_streamlit_xsrf=x; {COOKIE}={token}".encode())]
+    assert b"set-cookie" not in dict(asgi_response({"headers": kept}))
+    for malformed in ("short", token + "x", token[:-1] + "!"):
+        replaced = [(b"cookie", f"{COOKIE}={malformed}".encode())]
+        assert b"set-cookie" in dict(asgi_response({"headers": replaced})), malformed
+
+
+def test_the_dashboard_is_served_behind_the_binding_cookie() -> None:
+    from streamlit.web.server.app_discovery import discover_asgi_app
+
+    command = dashboard_command(8501)
+    served = Path(command[command.index("run") + 1])
+    assert served == ROOT / "dashboard" / "serve.py"
+    assert discover_asgi_app(served).import_string == "serve:app"  # what streamlit run finds
 
 
 def test_logout_returns_to_the_login(settings, monkeypatch: pytest.MonkeyPatch) -> None:

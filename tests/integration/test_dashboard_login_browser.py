@@ -7,6 +7,7 @@ showing nothing but why it is closed."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -472,6 +473,82 @@ def test_an_expired_session_asks_for_the_password_again(expiring: Dashboard, new
     _navigation(page).get_by_text("Queue").click()  # the next interaction, same session
     expect(page.get_by_text("Your session expired: log in again.")).to_be_visible()
     _login_only(page, fresh=False)
+
+
+# --- audit F10: a login bound to a cookie that no script and no replayed header holds ---
+
+BINDING = "posbench_browser"
+# Streamlit's WebSocket opened as a reconnect opens it, but with the session id given:
+# its subprotocols are "streamlit", the XSRF cookie's value and the session id.
+REPLAY = """
+(() => {
+  const Native = window.WebSocket;
+  window.WebSocket = class extends Native {
+    constructor(url, protocols) { super(url, [...protocols.slice(0, 2), %s]); }
+  };
+})();
+"""
+
+
+def _session_ids(page: Page) -> list[str]:
+    """The Streamlit session ids the server gives ``page`` (in its NewSession
+    messages), filled in as they come."""
+    from streamlit.proto.ForwardMsg_pb2 import ForwardMsg
+
+    ids: list[str] = []
+
+    def watch(socket) -> None:
+        def received(payload: bytes | str) -> None:
+            if isinstance(payload, bytes):
+                message = ForwardMsg.FromString(payload)
+                if message.HasField("new_session"):
+                    ids.append(message.new_session.initialize.session_id)
+
+        socket.on("framereceived", received)
+
+    page.on("websocket", watch)
+    return ids
+
+
+def _replaying(new_page, dashboard: Dashboard, session: str, agent: str, cookies) -> Page:
+    """Another browser with the User-Agent ``agent`` and ``cookies`` (Playwright's
+    cookie records) that opens the dashboard with Streamlit session ``session``."""
+    page = new_page(user_agent=agent)
+    page.context.add_cookies(cookies)
+    page.context.add_init_script(REPLAY % json.dumps(session))
+    page.goto(dashboard.base)
+    return page
+
+
+def test_a_session_replayed_without_the_binding_cookie_is_logged_out(
+    roles: Dashboard, new_page
+) -> None:
+    # The audit: the XSRF cookie (readable by the page's scripts, and sent in the
+    # WebSocket's header beside the session id) and the User-Agent were the binding;
+    # replaying them with the session id gave "signed in as operator".
+    from playwright.sync_api import expect
+
+    victim = new_page()
+    sessions = _session_ids(victim)
+    victim.goto(roles.base)
+    _log_in(victim, OPERATOR_PASSWORD)
+    expect(victim.get_by_text("signed in as operator")).to_be_visible()
+    held = {cookie["name"]: cookie for cookie in victim.context.cookies()}
+    assert held[BINDING]["httpOnly"] and held[BINDING]["sameSite"] == "Strict"
+    scripts_see = victim.evaluate("document.cookie")
+    assert "_streamlit_xsrf=" in scripts_see and BINDING not in scripts_see
+    agent = victim.evaluate("navigator.userAgent")
+    (session,) = set(sessions)
+    # With every cookie the victim's browser holds, the replay resumes the login: what
+    # remains (docs/security.md), and the proof that the replay itself works.
+    thief = _replaying(new_page, roles, session, agent, list(held.values()))
+    expect(thief.get_by_text("signed in as operator")).to_be_visible()
+    # With what the page's scripts and the WebSocket's header give away, it does not.
+    replay = _replaying(new_page, roles, session, agent, [held["_streamlit_xsrf"]])
+    _login_only(replay, fresh=False)
+    assert roles.said("dashboard session used from another browser than its login") >= 1
+    thief.reload()
+    _login_only(thief, fresh=False)  # the login it rode on is over
 
 
 # --- finding 1: `streamlit run` by hand, no login ---
