@@ -255,7 +255,10 @@ def test_pages_rendered_past_the_gate_of_an_open_dashboard_allow_nothing(setting
     app = AppTest.from_function(script, default_timeout=60).run()
     assert not app.exception
     assert not {b.key for b in app.button} & {"cancel", "retry", "delete", "submit"}
-    assert [i.value for i in app.info] == ["Submitting needs the operator role."]
+    assert [i.value for i in app.info] == [  # the live runs (a fragment) show nothing either
+        "Your session ended: reload the page to log in again.",
+        "Submitting needs the operator role.",
+    ]
 
 
 @pytest.mark.parametrize("address", ["::1", "unix:///tmp/posbench-dashboard.sock"])
@@ -692,6 +695,87 @@ def test_the_dashboard_is_served_behind_the_binding_cookie() -> None:
     assert discover_asgi_app(served).import_string == "serve:app"  # what streamlit run finds
 
 
+def test_a_fragment_checks_the_login_before_each_of_its_runs(
+    settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The fourth audit's G4: the Queue's live runs (a fragment) rerun without the page and
+    # its gate; a client with only the session id got them, and past the login's expiry
+    # an open tab kept refreshing them. The page is rendered here without the gate.
+    from dashboard import auth
+
+    passwords(monkeypatch, "s3cret")
+    seed_study(get_settings())
+    seen = {"browser": None}
+    monkeypatch.setattr(auth, "browser", lambda: seen["browser"])
+
+    def script() -> None:
+        from dashboard import queue_page
+
+        queue_page.render()
+
+    def queue(**state: object) -> AppTest:
+        app = AppTest.from_function(script, default_timeout=60)
+        for key, value in state.items():
+            app.session_state[key] = value
+        app.run()
+        assert not app.exception, app.exception
+        assert "Queue" in [t.value for t in app.title]  # the page around the fragment
+        return app
+
+    def runs(app: AppTest) -> list:
+        return [f.value for f in app.dataframe if "ETA" in f.value.columns]
+
+    login = {
+        "posbench_role": OPERATOR,
+        "posbench_logged_in_at": time.time(),
+        "posbench_browser": None,
+    }
+    fresh = queue(**login)
+    assert len(runs(fresh)) == 1 and auth.SESSION_ENDED not in [i.value for i in fresh.info]
+    expired = queue(**{**login, "posbench_logged_in_at": time.time() - 12 * 3600 - 1})
+    assert runs(expired) == [] and auth.SESSION_ENDED in [i.value for i in expired.info]
+    assert "posbench_role" not in expired.session_state  # the login is over
+    seen["browser"] = "another browser's cookie"
+    elsewhere = queue(**login)
+    assert runs(elsewhere) == [] and auth.SESSION_ENDED in [i.value for i in elsewhere.info]
+    assert runs(queue()) == []  # and a session that never logged in
+
+
+PLANTED_FRAGMENTS = """\
+import streamlit
+import streamlit as st
+from streamlit import fragment
+
+
+@st.fragment(run_every=2)
+def live() -> None: ...
+
+
+@st.fragment
+def plain() -> None: ...
+
+
+refresh = streamlit.fragment(plain)
+"""
+
+
+def test_the_lint_refuses_a_fragment_without_the_login_check(tmp_path: Path) -> None:
+    from lint import fragments
+
+    planted = tmp_path / "planted.py"
+    planted.write_text(PLANTED_FRAGMENTS)
+    found = [line.split(": ", 1)[1] for line in fragments.findings(planted)]
+    assert found == [
+        "streamlit's fragment imported: use dashboard.auth.fragment",
+        "st.fragment without the login's check: use dashboard.auth.fragment",
+        "st.fragment without the login's check: use dashboard.auth.fragment",
+        "streamlit.fragment without the login's check: use dashboard.auth.fragment",
+    ]
+    assert fragments.main([str(planted)]) == 1
+    assert fragments.main([]) == 0  # the dashboard's own code: its one fragment is guarded
+    assert list(fragments.findings(ROOT / "dashboard" / "auth.py")) == []  # the guard itself
+
+
 def test_logout_returns_to_the_login(settings, monkeypatch: pytest.MonkeyPatch) -> None:
     passwords(monkeypatch, "s3cret")
     app = log_in(AppTest.from_file(APP, default_timeout=60).run(), "s3cret")
@@ -758,7 +842,9 @@ def test_the_queue_shows_operator_actions_only_to_operators(
 
     for role, expected in ((VIEWER, set()), (OPERATOR, {"cancel", "retry", "cancel-run"})):
         app = AppTest.from_function(script, default_timeout=60)
-        app.session_state["posbench_role"] = role
+        app.session_state["posbench_role"] = role  # as a password login leaves it
+        app.session_state["posbench_logged_in_at"] = time.time()
+        app.session_state["posbench_browser"] = None
         app.run()
         assert not app.exception
         keys = {b.key for b in app.button}

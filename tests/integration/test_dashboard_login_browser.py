@@ -475,6 +475,35 @@ def test_an_expired_session_asks_for_the_password_again(expiring: Dashboard, new
     _login_only(page, fresh=False)
 
 
+# --- the fourth audit's G4: the Queue's live runs rerun without the page's gate ---
+
+
+@pytest.fixture(scope="module")
+def ending(serve: Callable[..., Dashboard]) -> Dashboard:
+    # Long enough to see the live runs first on a loaded machine, short enough to wait.
+    return serve("ending", **_with_passwords(POSBENCH_DASHBOARD_SESSION_HOURS="0.004"))
+
+
+def test_the_live_runs_end_with_the_login(ending: Dashboard, new_page) -> None:
+    from playwright.sync_api import expect
+
+    from dashboard.auth import SESSION_ENDED
+
+    page = new_page()
+    page.goto(ending.base)
+    _log_in(page, OPERATOR_PASSWORD)
+    _navigation(page).get_by_text("Queue").click()
+    live = page.get_by_text(re.compile(r"refreshed every 2s"))  # the fragment's caption
+    expect(live).to_be_visible()
+    logged_in = time.monotonic()
+    # Nothing more is done on the page: only the fragment's own reruns reach the server.
+    expect(page.get_by_text(SESSION_ENDED)).to_be_visible()
+    assert time.monotonic() - logged_in < 0.004 * 3600 + 2 * 5  # its first rerun past it
+    expect(live).to_have_count(0)
+    expect(page.get_by_text("Provenance")).to_have_count(0)
+    expect(page.get_by_role("heading", name="Queue", level=1)).to_be_visible()  # the page's
+
+
 # --- audit F10: a login bound to a cookie that no script and no replayed header holds ---
 
 BINDING = "posbench_browser"
