@@ -218,6 +218,16 @@ def _navigation(page: Page):
     return page.get_by_test_id("stSidebarNav").get_by_role("link")
 
 
+def _to_the_queue(page: Page) -> None:
+    """From an operator's landing page (Submit, once it has rendered) to the Queue."""
+    from playwright.sync_api import expect
+
+    expect(page.get_by_role("heading", name="Submit a study")).to_be_visible()
+    _settled(page)
+    _navigation(page).get_by_text("Queue").click()
+    expect(page.get_by_role("main")).to_contain_text(f"{STUDY} · task lm")
+
+
 def _attempt(page: Page, dashboard: Dashboard, password: str) -> str:
     """One login attempt, returned once decided: "failed" (the password was checked, and
     wrong: the server logs it), "refused" (not checked, backing off: logged too) or "in"."""
@@ -360,8 +370,7 @@ def test_a_client_address_claimed_in_a_header_is_not_believed(forged: Dashboard,
     time.sleep(_wait_shown(page) + 0.2)
     assert _attempt(page, forged, OPERATOR_PASSWORD) == "in"
     expect(page.get_by_text("signed in as operator")).to_be_visible()
-    _navigation(page).get_by_text("Queue").click()
-    expect(page.get_by_role("main")).to_contain_text(f"{STUDY} · task lm")
+    _to_the_queue(page)
     page.get_by_role("button", name="Cancel study").click()
     assert _newest_event(forged) == ("dashboard operator", "cancel")  # the role, no address
     assert forged.said(f"{FAILED} local (") == FREE_ATTEMPTS
@@ -492,7 +501,7 @@ def test_the_live_runs_end_with_the_login(ending: Dashboard, new_page) -> None:
     page = new_page()
     page.goto(ending.base)
     _log_in(page, OPERATOR_PASSWORD)
-    _navigation(page).get_by_text("Queue").click()
+    _to_the_queue(page)
     live = page.get_by_text(re.compile(r"refreshed every 2s"))  # the fragment's caption
     expect(live).to_be_visible()
     logged_in = time.monotonic()
