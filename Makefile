@@ -26,6 +26,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m lint.terminal_output
+	$(PY) -m lint.fragments
 
 # The generated parts of the docs (the catalogue tables of docs/encodings.md and
 # docs/tasks.md).

@@ -96,7 +96,8 @@ def dashboard(
     """Serve the Streamlit dashboard (health check: /_stcore/health)."""
     import socket
 
-    from jobs.embedded import dashboard_command
+    from core.settings import get_settings
+    from jobs.embedded import dashboard_command, dashboard_environment
 
     _check_port(port)
     try:
@@ -106,7 +107,7 @@ def dashboard(
     _refuse_unsafe_serving(address)
 
     command = dashboard_command(port, address)
-    os.execvp(command[0], command)
+    os.execvpe(command[0], command, dashboard_environment(os.environ, get_settings()))
 
 
 def _refuse_unsafe_serving(address: str) -> None:

@@ -19,6 +19,8 @@
 | POSBENCH_DASHBOARD_SESSION_HOURS | 12 | a dashboard login lasts this long |
 | POSBENCH_DASHBOARD_OPERATORS | unset | OIDC: e-mails or @domains with the operator role (',') |
 | POSBENCH_DASHBOARD_VIEWERS | unset | OIDC: e-mails or @domains with the viewer role (',') |
+| POSBENCH_DASHBOARD_TRUSTED_PROXIES | unset | proxies whose X-Forwarded-For is believed (',') |
+| POSBENCH_DASHBOARD_WRONG_PASSWORDS_PER_MINUTE | 30 | most wrong passwords a minute, all clients |
 | POSBENCH_CORPUS_ROOTS | <home>/corpora | folders a text: corpus may come from (':'-separated) |
 | POSBENCH_CORPUS_MAX_FILE_BYTES | 268435456 (256 MiB) | a larger text: corpus file is refused |
 | POSBENCH_CORPUS_MAX_TOTAL_BYTES | 1073741824 (1 GiB) | a larger corpus (in all) is refused |
@@ -39,6 +41,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -94,6 +97,15 @@ class Settings(BaseSettings):
     dashboard_viewers: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="OIDC e-mails or @domains with the viewer role"
     )
+    # Uvicorn believes X-Forwarded-For from these peers only (jobs.embedded passes them
+    # on); its own default trusts loopback, and a forged header then named the client.
+    dashboard_trusted_proxies: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="addresses or networks of proxies whose X-Forwarded-For is believed",
+    )
+    dashboard_wrong_passwords_per_minute: int = Field(
+        30, ge=1, le=10_000, description="wrong passwords checked per minute, all clients"
+    )
     corpus_roots: Annotated[list[Path] | None, NoDecode] = Field(
         None, description="folders a text: corpus may come from (default: <home>/corpora)"
     )
@@ -148,7 +160,9 @@ class Settings(BaseSettings):
         7.0, ge=0, le=3650, description="how long a deleted study can be restored"
     )
 
-    @field_validator("corpus_roots", "models_roots", "hf_allow", mode="before")
+    @field_validator(
+        "corpus_roots", "models_roots", "hf_allow", "dashboard_trusted_proxies", mode="before"
+    )
     @classmethod
     def _split(cls, value: Any, info) -> Any:
         # From the environment: a JSON list, or names separated by ':' (roots, like
@@ -169,6 +183,19 @@ class Settings(BaseSettings):
         if value.lstrip().startswith("["):
             return json.loads(value)
         return [part.strip().lower() for part in value.split(",") if part.strip()]
+
+    @field_validator("dashboard_trusted_proxies")
+    @classmethod
+    def _trusted_proxies(cls, entries: list[str]) -> list[str]:
+        for entry in entries:
+            try:
+                ipaddress.ip_network(entry)  # an address is a network of one
+            except ValueError:
+                raise ValueError(
+                    f"{entry!r} is not an IP address or network (e.g. 10.0.0.5, "
+                    "10.0.0.0/24 or fd00::/64, without host bits after the /)"
+                ) from None
+        return entries
 
     @field_validator("corpus_roots", "models_roots")
     @classmethod

@@ -5,23 +5,33 @@ visitor, logout and session expiry. The decisions are ``jobs.access``'s.
   the gate shows only "closed" when ``server.address`` is not loopback, as with a bare
   `streamlit run`), and the visitor is an operator;
 - ``POSBENCH_DASHBOARD_PASSWORD`` / ``POSBENCH_DASHBOARD_VIEWER_PASSWORD``: a password
-  form, slowed down after wrong passwords (per session and per client address);
+  form, slowed down after wrong passwords (per session, per client address, and past a
+  ceiling per minute for all clients together);
 - an OIDC provider in ``.streamlit/secrets.toml`` (``[auth]``): ``st.login``, then the
   allow-lists decide the role; a secrets file that cannot be parsed closes the dashboard.
+
+A password login is bound to the browser's binding cookie (``dashboard.binding``),
+checked on every rerun; every fragment (``fragment``) checks the login before each of
+its runs, which skip the gate.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
 import time
 import uuid
+from collections.abc import Callable
+from typing import ParamSpec
 
 import streamlit as st
 
 from core.safe_text import markdown
-from core.settings import get_settings
+from core.settings import Settings, get_settings
+from dashboard import binding
+from dashboard.common import page_errors
 from jobs.access import (
     OPERATOR,
     THROTTLE,
@@ -38,14 +48,13 @@ from jobs.access import (
 )
 
 log = logging.getLogger("posbench.dashboard.auth")
+P = ParamSpec("P")
 
 ROLE = "posbench_role"
 LOGGED_IN_AT = "posbench_logged_in_at"
 SESSION_ID = "posbench_session_id"
 ACTOR = "posbench_actor"
-BROWSER = "posbench_browser"  # the fingerprint of the browser that logged in
-# Streamlit's XSRF cookie: set once in each browser, sent with every connection of it.
-BROWSER_COOKIE = "_streamlit_xsrf"
+BROWSER = "posbench_browser"  # a hash of the binding cookie of the browser that logged in
 
 
 def _secrets() -> Secrets:
@@ -88,6 +97,55 @@ def _open_gate() -> bool:
     return True
 
 
+SESSION_ENDED = "Your session ended: reload the page to log in again."
+
+
+def admitted() -> bool:
+    """Whether this session may still see the dashboard, decided as ``gate`` decides but
+    rendering nothing, for what reruns without the gate (a fragment): the role the gate
+    gave; for a password login, its age and its browser (a login that fails them is
+    ended); for OIDC, the account, its allow-list and its age; with no login, the bind."""
+    settings = get_settings()
+    secrets = _secrets()
+    if secrets.broken is not None:
+        return False
+    if secrets.oidc:
+        if not st.user.is_logged_in or st.session_state.get(ROLE) is None:
+            return False
+        user = st.user.to_dict()
+        return oidc_role(user, settings) is not None and not _oidc_expired(user, settings)
+    if not password_configured(settings):
+        return not served_openly(st.get_option("server.address"))
+    if st.session_state.get(ROLE) is None:
+        return False
+    if session_expired(st.session_state.get(LOGGED_IN_AT), settings) or not _same_browser():
+        _logout()
+        return False
+    return True
+
+
+def fragment(*, run_every: float | None = None) -> Callable[[Callable[P, None]], Callable[P, None]]:
+    """``st.fragment`` for the dashboard, which `make lint` (lint/fragments.py) allows
+    nowhere else in it: a fragment's own reruns skip the page and its gate (the fourth
+    audit's G4: a client with only the session id got the Queue's runs table, and an open
+    tab kept refreshing past the login's expiry), so each of its runs asks ``admitted``
+    first and shows only ``SESSION_ENDED`` when not; then it runs inside the page's error
+    boundary (``page_errors``)."""
+
+    def guard(body: Callable[P, None]) -> Callable[P, None]:
+        @functools.wraps(body)
+        def guarded(*args: P.args, **kwargs: P.kwargs) -> None:
+            if not admitted():
+                st.info(SESSION_ENDED)
+                return
+            with page_errors():
+                body(*args, **kwargs)
+
+        return st.fragment(guarded, run_every=run_every)
+
+    return guard
+
+
 def role() -> Role | None:
     """The visitor's role; a page rendered without the gate (tests) is an operator's only
     when no login is configured and the dashboard is served on loopback."""
@@ -106,9 +164,11 @@ def role() -> Role | None:
 
 
 def actor() -> str:
-    """Who acts, as the audit trail records it: the OIDC e-mail, or the role that logged
-    in with a password and the client's address, or the loopback operator when no login
-    is configured."""
+    """Who acts, as the audit trail and the per-submitter quota name them: the OIDC
+    e-mail; for a password, the role it gave (``dashboard operator``: whoever holds the
+    operators' password shares one quota), never the client's address, which a visitor
+    can choose (the fourth audit's G5) and which goes to the server's log only; the
+    loopback operator when no login is configured."""
     given = st.session_state.get(ACTOR)
     if isinstance(given, str) and given:
         return given
@@ -125,28 +185,32 @@ def _logout() -> None:
         st.session_state.pop(key, None)
 
 
-def browser() -> str:
-    """What the connection's browser holds and a replayed session id lacks (audit F10:
-    replaying a Streamlit session id resumed an operator's session without a password):
-    a hash of its Streamlit cookie and its User-Agent, checked on every rerun."""
+def browser() -> str | None:
+    """What the connection's browser holds and neither its scripts nor a replayed
+    session id carry (audit F10): a hash of its binding cookie (``dashboard.binding``);
+    "" when the connection brought none; None when the script runs without a connection
+    (a test's AppTest, whose requests have no headers at all)."""
     try:
-        cookie = st.context.cookies.get(BROWSER_COOKIE)
-        agent = st.context.headers.get("User-Agent")
-    except Exception:  # no request context (a test's script run)
-        cookie = agent = None
-    cookie, agent = (value if isinstance(value, str) else "" for value in (cookie, agent))
-    if not (cookie or agent):
-        return ""  # nothing to bind to
-    return hashlib.sha256(f"{cookie}\0{agent}".encode()).hexdigest()
+        headers, cookies = st.context.headers, st.context.cookies
+    except Exception:  # no runtime at all
+        return None
+    if not headers:
+        return None
+    cookie = cookies.get(binding.COOKIE)
+    if not binding.well_formed(cookie):
+        return ""
+    return hashlib.sha256(cookie.encode()).hexdigest()
 
 
 def _same_browser() -> bool:
-    """False, logged, when this session's login came from another browser (a login
-    from a connection with neither the cookie nor a User-Agent is bound to nothing)."""
-    bound = st.session_state.get(BROWSER)
-    if not bound or bound == browser():
+    """False, logged, when this connection's browser is not the one that logged in (a
+    login is never bound to "": a connection without the cookie cannot log in)."""
+    if st.session_state.get(BROWSER) == browser():
         return True
-    log.warning("dashboard session used from another browser than its login: logged out")
+    log.warning(
+        "dashboard session used from another browser than its login, from %s: logged out",
+        client_address(),
+    )
     return False
 
 
@@ -156,14 +220,20 @@ def _signed_in_sidebar(who: str, on_logout) -> None:
         st.button("Log out", key="logout", on_click=on_logout)
 
 
-def _client() -> tuple[str, list[str]]:
-    """The client's address (as Streamlit saw the connection) and the throttle's keys."""
-    session = st.session_state.setdefault(SESSION_ID, uuid.uuid4().hex)
+def client_address() -> str:
+    """The client's address as the server saw the connection (``local`` on loopback or
+    without one): for the server's log and the throttle, never for who acts."""
     try:
         address = st.context.ip_address
     except Exception:  # no request context
         address = None
-    address = address if isinstance(address, str) and address else "local"
+    return address if isinstance(address, str) and address else "local"
+
+
+def _client() -> tuple[str, list[str]]:
+    """The client's address and the throttle's keys."""
+    session = st.session_state.setdefault(SESSION_ID, uuid.uuid4().hex)
+    address = client_address()
     return address, [f"session:{session}", f"address:{address}"]
 
 
@@ -184,12 +254,40 @@ def _password_gate() -> bool:
     with st.form("login"):
         given = st.text_input("Password", type="password")
         if st.form_submit_button("Log in"):
+            per_minute = settings.dashboard_wrong_passwords_per_minute
+            crowded = THROTTLE.crowded(per_minute)
+            if crowded > 0:
+                log.warning(
+                    "dashboard login refused from %s: %d wrong passwords in the last minute "
+                    "from all clients, backing off %d s",
+                    address,
+                    per_minute,
+                    math.ceil(crowded),
+                )
+                st.error(
+                    "Too many wrong passwords on this dashboard in the last minute, from "
+                    f"everyone: try again in {math.ceil(crowded)} s."
+                )
+                return False
             wait = THROTTLE.wait(keys)
             if wait > 0:
                 log.warning(
                     "dashboard login refused from %s: backing off %d s", address, math.ceil(wait)
                 )
                 st.error(f"Too many wrong passwords: try again in {math.ceil(wait)} s.")
+                return False
+            held = browser()
+            if held == "":
+                log.warning(
+                    "dashboard login refused from %s: the connection brought no %s cookie "
+                    "(cookies blocked, or a dashboard not started from dashboard/serve.py)",
+                    address,
+                    binding.COOKIE,
+                )
+                st.error(
+                    "This browser did not keep the dashboard's cookie, which a login needs: "
+                    "allow cookies for this site and reload the page."
+                )
                 return False
             found = password_role(given, settings)
             if found is None:
@@ -202,8 +300,8 @@ def _password_gate() -> bool:
             log.info("dashboard login from %s as %s", address, found)
             st.session_state[ROLE] = found
             st.session_state[LOGGED_IN_AT] = time.time()
-            st.session_state[BROWSER] = browser()
-            st.session_state[ACTOR] = f"dashboard {found} from {address}"
+            st.session_state[BROWSER] = held
+            st.session_state[ACTOR] = f"dashboard {found}"
             st.rerun()
     return False
 
@@ -228,8 +326,7 @@ def _oidc_gate() -> bool:
         )
         st.button("Log out", on_click=st.logout)
         return False
-    issued = user.get("iat")
-    if isinstance(issued, int | float) and session_expired(float(issued), settings):
+    if _oidc_expired(user, settings):
         log.info("dashboard session of %r expired", email)
         st.logout()
         return False
@@ -237,3 +334,9 @@ def _oidc_gate() -> bool:
     st.session_state[ACTOR] = email
     _signed_in_sidebar(f"{email} ({found})", st.logout)
     return True
+
+
+def _oidc_expired(user: dict[str, object], settings: Settings) -> bool:
+    """Whether an OIDC login is older than the session lasts (its ID token's ``iat``)."""
+    issued = user.get("iat")
+    return isinstance(issued, int | float) and session_expired(float(issued), settings)

@@ -12,11 +12,10 @@ from core import analysis
 from core.safe_text import markdown
 from core.settings import get_settings
 from core.status import ACTIVE, RUN_STATUSES, STOPPING, RunStatus
-from dashboard.auth import actor, can_operate
+from dashboard.auth import actor, can_operate, fragment
 from dashboard.common import (
     database,
     imported_captions,
-    page_errors,
     picker_studies,
     query_ints,
     schema_ready,
@@ -66,13 +65,8 @@ def runs_view(study_id: int, tokens_per_step: int) -> tuple[pd.DataFrame, pd.Dat
     return view, runs
 
 
-@st.fragment(run_every=REFRESH_SECONDS)
+@fragment(run_every=REFRESH_SECONDS)
 def live_runs(study_id: int, tokens_per_step: int) -> None:
-    with page_errors():  # a fragment reruns on its own, outside the page's guard
-        _live_runs(study_id, tokens_per_step)
-
-
-def _live_runs(study_id: int, tokens_per_step: int) -> None:
     view, runs = runs_view(study_id, tokens_per_step)
     counts = view["status"].value_counts().to_dict()
     st.caption(

@@ -8,7 +8,9 @@ dashboard's gate share them and tests can call them directly.
 - a secrets file that exists but cannot be parsed closes the dashboard (it may be the
   file that configures the login);
 - a password gives the operator or the viewer role; wrong ones slow the next attempt
-  down exponentially, per session and per client address;
+  down exponentially, per session and per client address, and past
+  ``POSBENCH_DASHBOARD_WRONG_PASSWORDS_PER_MINUTE`` in a minute from all clients together
+  no password is checked until the minute has passed;
 - an OIDC account gets a role only from the allow-lists (e-mails or domains);
 - a login lasts ``POSBENCH_DASHBOARD_SESSION_HOURS``.
 """
@@ -20,6 +22,7 @@ import ipaddress
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +40,7 @@ FREE_ATTEMPTS = 3  # wrong passwords before the back-off starts
 MAX_BACKOFF_SECONDS = 300.0  # the longest wait between two attempts
 FORGET_AFTER_SECONDS = 86_400.0  # a key silent this long starts afresh
 MAX_KEYS = 10_000  # the oldest keys are forgotten beyond this (bounded memory)
+MINUTE = 60.0  # the window of the dashboard-wide ceiling on wrong passwords
 
 DASHBOARD_DIR = Path(__file__).resolve().parent.parent / "dashboard"
 
@@ -215,12 +219,14 @@ def backoff_seconds(failures: int) -> float:
 
 
 class Throttle:
-    """Wrong-password counts by key ("session:<id>", "address:<ip>"), shared by every
-    session of the dashboard's process."""
+    """Wrong-password counts by key ("session:<id>", "address:<ip>"), and the times of the
+    last minute's wrong passwords from every client: shared by every session of the
+    dashboard's process."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._failures: dict[str, tuple[int, float]] = {}
+        self._recent: deque[float] = deque(maxlen=MAX_KEYS)
 
     def wait(self, keys: Iterable[str], now: float | None = None) -> float:
         """Seconds before any of ``keys`` may try again (0: now)."""
@@ -232,11 +238,25 @@ class Throttle:
                 waits.append(last + backoff_seconds(failures) - now)
             return max(waits)
 
+    def crowded(self, per_minute: int, now: float | None = None) -> float:
+        """Seconds before the dashboard checks another password, from anyone, when
+        ``per_minute`` wrong ones came in the last minute (0: now). The ceiling that
+        clients the keys cannot tell apart (many sessions, many machines, addresses a
+        trusted proxy was told) do not pass together (the fourth audit's G2)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self._forget_recent(now)
+            if len(self._recent) < per_minute:
+                return 0.0
+            return self._recent[-per_minute] + MINUTE - now
+
     def failed(self, keys: Iterable[str], now: float | None = None) -> int:
-        """Count a wrong password for each key; the most failures of any of them."""
+        """Count a wrong password for each key and for the dashboard; the most failures
+        of any key."""
         now = time.monotonic() if now is None else now
         with self._lock:
             self._forget(now)
+            self._recent.append(now)
             counts = [0]
             for key in keys:
                 failures = self._failures.get(key, (0, now))[0] + 1
@@ -252,14 +272,20 @@ class Throttle:
     def clear(self) -> None:
         with self._lock:
             self._failures.clear()
+            self._recent.clear()
 
     def _forget(self, now: float) -> None:
+        self._forget_recent(now)
         stale = [k for k, (_, last) in self._failures.items() if now - last > FORGET_AFTER_SECONDS]
         for key in stale:
             del self._failures[key]
         while len(self._failures) >= MAX_KEYS:
             oldest = min(self._failures, key=lambda k: self._failures[k][1])
             del self._failures[oldest]
+
+    def _forget_recent(self, now: float) -> None:
+        while self._recent and now - self._recent[0] >= MINUTE:
+            self._recent.popleft()
 
 
 THROTTLE = Throttle()

@@ -14,20 +14,24 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from rich.console import Console
 
 from core.files import PRIVATE_FOLDER, PRIVATE_UMASK, open_private_log, private_folder
 from core.safe_text import redact_url
-from core.settings import get_settings
+from core.settings import Settings, get_settings
 from jobs.broker import start_redis, stop
 
-DASHBOARD_APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
+# The ASGI entry module: dashboard/app.py behind the binding cookie (dashboard.binding).
+DASHBOARD_APP = Path(__file__).resolve().parent.parent / "dashboard" / "serve.py"
 
 
 def dashboard_command(port: int, address: str = "127.0.0.1") -> list[str]:
-    """``streamlit run`` for the dashboard, headless, with the developer toolbar hidden."""
+    """``streamlit run`` for the dashboard, headless, with the developer toolbar hidden:
+    of dashboard/serve.py, which Streamlit serves as an ASGI app (uvicorn, the same
+    options) with the binding cookie's middleware."""
     options = {
         "server.port": str(port),
         "server.address": address,
@@ -42,6 +46,16 @@ def dashboard_command(port: int, address: str = "127.0.0.1") -> list[str]:
     for key, value in options.items():
         command += [f"--{key}", value]
     return command
+
+
+def dashboard_environment(environ: Mapping[str, str], settings: Settings) -> dict[str, str]:
+    """The dashboard process's environment: ``environ`` with the proxies uvicorn (which
+    serves Streamlit) believes X-Forwarded-For from set to
+    POSBENCH_DASHBOARD_TRUSTED_PROXIES, none by default (an empty FORWARDED_ALLOW_IPS
+    trusts no peer). Uvicorn's own default trusts loopback: any local process, or a
+    proxy on this host passing the client's header on, named the client's address, which
+    the login's back-off and the log lines key on (the fourth audit's G2)."""
+    return {**environ, "FORWARDED_ALLOW_IPS": ",".join(settings.dashboard_trusted_proxies)}
 
 
 def owner_only(home: Path) -> int | None:
@@ -74,11 +88,12 @@ def serve(*, dashboard: bool, port: int, console: Console) -> int:
     logs = settings.home / "logs"
     private_folder(logs)
 
-    def spawn(name: str, command: list[str]) -> None:
+    def spawn(name: str, command: list[str], environ: dict[str, str] | None = None) -> None:
         log = open_private_log(logs / f"{name}.log")  # the child owns it
-        children.append(
-            (name, subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
+        process = subprocess.Popen(
+            command, env=env if environ is None else environ, stdout=log, stderr=subprocess.STDOUT
         )
+        children.append((name, process))
 
     def shutdown(*_: object) -> None:
         raise KeyboardInterrupt
@@ -101,7 +116,8 @@ def serve(*, dashboard: bool, port: int, console: Console) -> int:
             f"database  {redact_url(settings.database)}",
         ]
         if dashboard and DASHBOARD_APP.exists():
-            spawn("dashboard", dashboard_command(port, address="127.0.0.1"))
+            command = dashboard_command(port, address="127.0.0.1")
+            spawn("dashboard", command, dashboard_environment(env, settings))
             urls.insert(0, f"dashboard http://localhost:{port}")
         console.print("posbench is up", style="bold")
         console.print("  " + "\n  ".join(urls))

@@ -66,7 +66,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def dashboard_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
     """For a dashboard fixture: its own home and migrated SQLite database, no login set up
-    (every POSBENCH_DASHBOARD_* unset), the settings read afresh before and after."""
+    (every POSBENCH_DASHBOARD_* unset), served on 127.0.0.1 (as `_dashboard_on_loopback`
+    does when the test module imported Streamlit itself: a page's fragments check the
+    bind too), the settings read afresh before and after."""
+    from streamlit import config as streamlit_config
+
     from core.settings import Settings, get_settings
     from db.migrate import upgrade
 
@@ -78,7 +82,10 @@ def dashboard_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Itera
     get_settings.cache_clear()
     config = Settings()
     upgrade(config.database)
+    bound = streamlit_config.get_option("server.address")
+    streamlit_config.set_option("server.address", "127.0.0.1")
     yield config
+    streamlit_config.set_option("server.address", bound)
     get_settings.cache_clear()
 
 

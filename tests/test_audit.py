@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
+import pwd
 import re
 import threading
 from pathlib import Path
@@ -34,6 +36,7 @@ from worker.runtime.cache import cached_models
 SPEC = FOUR_RUNS
 OSC8 = "\x1b]8;"  # a terminal hyperlink: what markup in a name must never become
 SGR = re.compile(r"\x1b\[[0-9;]*m")
+ME = f"{pwd.getpwuid(os.getuid()).pw_name} (cli)"  # who runs these tests, as the CLI names them
 
 
 def no_broker(run_id: int) -> None:
@@ -299,8 +302,9 @@ def test_one_submitter_cannot_take_every_active_run(tmp_path: Path) -> None:
 
 
 def cli_env(home: Path, user: str, **extra: str) -> dict[str, str]:
-    """posbench's environment as OS user ``user`` (getpass reads $LOGNAME first), in a
-    wide terminal where Rich markup would colour and link."""
+    """posbench's environment with $LOGNAME and $USER saying ``user`` (which changes
+    nobody's identity: the CLI names the OS account), in a wide terminal where Rich
+    markup would colour and link."""
     return isolated_env(home, LOGNAME=user, USER=user, COLUMNS="400", FORCE_COLOR="1", **extra)
 
 
@@ -321,11 +325,11 @@ def test_the_cli_records_the_os_user_and_shows_the_events_as_text(tmp_path: Path
     assert OSC8 not in shown.stdout
     plain = SGR.sub("", shown.stdout)
     assert f"{name}: 3 runs queued, 0 reused" in plain
-    assert "alice (cli)" in plain and "bob (cli)" in plain
+    assert ME in plain and "alice" not in plain and "bob" not in plain
     events = json.loads(posbench_cli("status", "--events", "--json", env=env).stdout)
     assert [(e["actor"], e["action"], e["study_id"], e["run_id"]) for e in events] == [
-        ("bob (cli)", "cancel", study, None),  # newest first
-        ("alice (cli)", "submit", study, None),
+        (ME, "cancel", study, None),  # newest first
+        (ME, "submit", study, None),
     ]
     limited = posbench_cli("status", "--events", str(study), "--limit", "1", "--json", env=env)
     assert [e["action"] for e in json.loads(limited.stdout)] == ["cancel"]
@@ -348,10 +352,10 @@ def test_delete_restore_and_purge_from_the_cli(tmp_path: Path) -> None:
     for args in (["status", str(study)], ["results", "--study", str(study)]):
         hidden = posbench_cli(*args, env=env)
         assert hidden.returncode == 2
-        assert f"study {study} is deleted (by bob (cli), " in hidden.stderr
+        assert f"study {study} is deleted (by {ME}, " in hidden.stderr
     listed = json.loads(posbench_cli("status", "--deleted", "--json", env=env).stdout)
     assert [(s["id"], s["submitted_by"], s["deleted_by"]) for s in listed] == [
-        (study, "alice (cli)", "bob (cli)")
+        (study, "alice (cli)", ME)
     ]
     deleted_at, purge_at = (
         dt.datetime.fromisoformat(listed[0][key].replace("Z", "+00:00"))
@@ -374,7 +378,7 @@ def test_delete_restore_and_purge_from_the_cli(tmp_path: Path) -> None:
     assert f"purged 1 study ({study}): 4 runs, 0 evaluations" in gone.stdout
     late = posbench_cli("restore", str(study), env=env)
     assert late.returncode == 2
-    assert f"study {study} was purged (" in late.stderr and "by alice (cli))" in late.stderr
+    assert f"study {study} was purged (" in late.stderr and f"by {ME})" in late.stderr
     actions = [
         e["action"]
         for e in json.loads(posbench_cli("status", "--events", "--json", env=env).stdout)
@@ -382,19 +386,22 @@ def test_delete_restore_and_purge_from_the_cli(tmp_path: Path) -> None:
     assert actions == ["purge", "delete", "restore", "delete", "submit"]
 
 
-def test_the_cli_actor_falls_back_to_the_uid(monkeypatch: pytest.MonkeyPatch) -> None:
-    import getpass
-    import os
-
+def test_the_cli_actor_is_the_os_account_whatever_the_environment_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The fourth audit's G5: getpass read $LOGNAME first, and changing it passed the
+    # per-submitter quota twice.
     from cli.common import cli_actor
 
-    monkeypatch.setenv("LOGNAME", "alice")
-    assert cli_actor() == "alice (cli)"
+    for name in ("alice", "bob"):
+        for variable in ("LOGNAME", "USER", "LNAME", "USERNAME"):
+            monkeypatch.setenv(variable, name)
+        assert cli_actor() == ME
 
-    def nameless() -> str:
-        raise KeyError("getpwuid(): uid not found")
+    def nameless(uid: int) -> pwd.struct_passwd:
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
 
-    monkeypatch.setattr(getpass, "getuser", nameless)
+    monkeypatch.setattr(pwd, "getpwuid", nameless)
     assert cli_actor() == f"uid {os.getuid()} (cli)"
 
 
@@ -486,16 +493,23 @@ def test_an_oidc_operator_is_recorded_by_e_mail(oidc_dashboard, dashboard) -> No
     assert list(frame_with(app, "actor")["actor"]) == ["alice@lab.example", "tester"]
 
 
-def test_a_password_operator_is_recorded_with_the_client_address(
-    dashboard, monkeypatch: pytest.MonkeyPatch
+def test_a_password_operator_is_recorded_by_the_role_and_the_address_only_logged(
+    dashboard, monkeypatch: pytest.MonkeyPatch, caplog
 ) -> None:
+    import logging
+
+    from dashboard import auth
+
     monkeypatch.setenv("POSBENCH_DASHBOARD_PASSWORD", "s3cret")
     get_settings.cache_clear()
     study = seed_study(get_settings())
     finish_every_run(dashboard)
+    monkeypatch.setattr(auth, "client_address", lambda: "203.0.113.99")
     app = gated_queue_page().run()
     app.text_input[0].set_value("s3cret")
-    app.button[0].click().run()  # AppTest has no client connection: its address is "local"
+    with caplog.at_level(logging.INFO, logger="posbench.dashboard.auth"):
+        app.button[0].click().run()
+    assert "dashboard login from 203.0.113.99 as operator" in caplog.text
     delete_on_the_page(app, study)
-    assert trail(dashboard)[-1] == ("dashboard operator from local", "delete", study, None)
-    assert list(frame_with(app, "deleted_by")["deleted_by"]) == ["dashboard operator from local"]
+    assert trail(dashboard)[-1] == ("dashboard operator", "delete", study, None)
+    assert list(frame_with(app, "deleted_by")["deleted_by"]) == ["dashboard operator"]

@@ -4,6 +4,7 @@ secrets file closes the dashboard, OIDC accounts need an allow-list, viewers onl
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
@@ -93,27 +94,28 @@ def test_a_network_bind_without_a_login_is_refused(tmp_path: Path, address: str)
     assert f"--address {address} serves the dashboard to the network" in done.stderr
 
 
-def dashboard_exec(monkeypatch: pytest.MonkeyPatch, *args: str) -> list[str]:
-    """What `posbench dashboard ARGS` would exec (in-process; nothing is started)."""
+def dashboard_exec(monkeypatch: pytest.MonkeyPatch, *args: str) -> tuple[list[str], dict[str, str]]:
+    """What `posbench dashboard ARGS` would exec, and with which environment (in-process;
+    nothing is started)."""
     from cli import app, serving
 
-    started: list[list[str]] = []
+    started: list[tuple[list[str], dict[str, str]]] = []
 
-    def execvp(_: str, command: list[str]) -> None:
-        started.append(command)
+    def execvpe(_: str, command: list[str], env: dict[str, str]) -> None:
+        started.append((command, env))
 
-    monkeypatch.setattr(serving.os, "execvp", execvp)
+    monkeypatch.setattr(serving.os, "execvpe", execvpe)
     result = CliRunner().invoke(app, ["dashboard", *args])
     assert result.exit_code == 0, result.output
-    (command,) = started
-    return command
+    (done,) = started
+    return done
 
 
 def test_the_dashboard_binds_loopback_by_default(
     settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    command = dashboard_exec(monkeypatch)
+    command, _ = dashboard_exec(monkeypatch)
     assert command[command.index("--server.address") + 1] == "127.0.0.1"
 
 
@@ -122,8 +124,65 @@ def test_a_network_bind_with_a_password_is_served(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     passwords(monkeypatch, "s3cret")
-    command = dashboard_exec(monkeypatch, "--address", "0.0.0.0")
+    command, _ = dashboard_exec(monkeypatch, "--address", "0.0.0.0")
     assert command[command.index("--server.address") + 1] == "0.0.0.0"
+
+
+# --- the fourth audit's G2: whose X-Forwarded-For is believed ---
+
+
+def test_the_dashboard_believes_no_proxy_unless_one_is_set(
+    settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FORWARDED_ALLOW_IPS", "*")  # uvicorn's own variable does not win
+    _, env = dashboard_exec(monkeypatch)
+    assert env["FORWARDED_ALLOW_IPS"] == ""
+    monkeypatch.setenv("POSBENCH_DASHBOARD_TRUSTED_PROXIES", " 10.0.0.5, fd00::/64 ,")
+    get_settings.cache_clear()
+    _, env = dashboard_exec(monkeypatch)
+    assert env["FORWARDED_ALLOW_IPS"] == "10.0.0.5,fd00::/64"
+    assert env["POSBENCH_DASHBOARD_TRUSTED_PROXIES"] == " 10.0.0.5, fd00::/64 ,"  # the rest kept
+
+
+def test_an_empty_list_of_proxies_is_one_uvicorn_trusts_nobody_by() -> None:
+    # What dashboard_environment relies on: uvicorn reads an empty FORWARDED_ALLOW_IPS as
+    # no trusted peer (its default, when the variable is absent, is loopback).
+    from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
+
+    def client_seen(trusted: str) -> tuple[str, int]:
+        seen = {}
+
+        async def app(scope, receive, send) -> None:
+            seen.update(scope)
+
+        scope = {
+            "type": "http",
+            "client": ("127.0.0.1", 5000),
+            "headers": [(b"x-forwarded-for", b"203.0.113.99")],
+        }
+        asyncio.run(ProxyHeadersMiddleware(app, trusted_hosts=trusted)(scope, None, None))
+        return seen["client"]
+
+    assert client_seen("") == ("127.0.0.1", 5000)
+    assert client_seen("127.0.0.1") == ("203.0.113.99", 0)
+
+
+@pytest.mark.parametrize("value", ["*", "localhost", "10.0.0.1/24", "10.0.0.300", "::1, nope"])
+def test_trusted_proxies_must_be_addresses_or_networks(value: str) -> None:
+    from pydantic import ValidationError
+
+    from core.settings import describe_settings_error
+
+    with pytest.raises(ValidationError) as refused:
+        Settings(dashboard_trusted_proxies=value)
+    line = describe_settings_error(refused.value)
+    assert line.startswith(f"POSBENCH_DASHBOARD_TRUSTED_PROXIES = {value!r}: ")
+    assert "is not an IP address or network (e.g. 10.0.0.5, 10.0.0.0/24" in line
+    assert Settings(dashboard_trusted_proxies="10.0.0.0/24,::1").dashboard_trusted_proxies == [
+        "10.0.0.0/24",
+        "::1",
+    ]
 
 
 def test_only_loopback_addresses_count_as_loopback() -> None:
@@ -196,7 +255,10 @@ def test_pages_rendered_past_the_gate_of_an_open_dashboard_allow_nothing(setting
     app = AppTest.from_function(script, default_timeout=60).run()
     assert not app.exception
     assert not {b.key for b in app.button} & {"cancel", "retry", "delete", "submit"}
-    assert [i.value for i in app.info] == ["Submitting needs the operator role."]
+    assert [i.value for i in app.info] == [  # the live runs (a fragment) show nothing either
+        "Your session ended: reload the page to log in again.",
+        "Submitting needs the operator role.",
+    ]
 
 
 @pytest.mark.parametrize("address", ["::1", "unix:///tmp/posbench-dashboard.sock"])
@@ -451,6 +513,46 @@ def test_wrong_passwords_back_off_exponentially() -> None:
     assert throttle.wait(keys, now=1000.0) == 0
 
 
+def test_wrong_passwords_from_everyone_together_have_a_ceiling_per_minute() -> None:
+    # The fourth audit's G2: 30 wrong passwords, each under an address of its own, were
+    # all checked; keys per client cannot stop clients that look different each time.
+    throttle = Throttle()
+    for n in range(5):
+        throttle.failed([f"session:{n}", f"address:192.0.2.{n}"], now=1000.0 + n)
+    assert throttle.crowded(6, now=1005.0) == 0  # under the ceiling
+    assert throttle.crowded(5, now=1005.0) == 55  # until the first is a minute old
+    assert throttle.crowded(2, now=1005.0) == 58  # until all but one of the last two are
+    assert throttle.wait(["session:new", "address:198.51.100.1"], now=1005.0) == 0
+    assert throttle.crowded(5, now=1060.0) == 0
+    throttle.succeeded(["session:0", "address:192.0.2.0"])  # an operator's login
+    assert throttle.crowded(4, now=1060.0) == 1  # the other four count on
+
+
+def test_past_the_ceiling_no_password_is_checked_for_anyone(
+    settings, monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    passwords(monkeypatch, "s3cret")
+    monkeypatch.setenv("POSBENCH_DASHBOARD_WRONG_PASSWORDS_PER_MINUTE", "2")
+    get_settings.cache_clear()
+    from dashboard import auth
+
+    for n in range(2):  # two clients, one wrong password each: no key backs off
+        monkeypatch.setattr(auth, "client_address", lambda n=n: f"192.0.2.{n}")
+        app = AppTest.from_file(APP, default_timeout=60).run()
+        assert [e.value for e in log_in(app, "wrong").error] == ["Wrong password."]
+    monkeypatch.setattr(auth, "client_address", lambda: "198.51.100.1")
+    with caplog.at_level(logging.WARNING, logger="posbench.dashboard.auth"):
+        app = log_in(AppTest.from_file(APP, default_timeout=60).run(), "s3cret")
+    (error,) = [e.value for e in app.error]
+    assert re.fullmatch(
+        r"Too many wrong passwords on this dashboard in the last minute, from everyone: "
+        r"try again in (59|60) s\.",
+        error,
+    ), error
+    assert "Submit a study" not in [t.value for t in app.title]
+    assert "refused from 198.51.100.1: 2 wrong passwords in the last minute" in caplog.text
+
+
 def log_in(app: AppTest, password: str) -> AppTest:
     app.text_input[0].set_value(password)
     return app.button[0].click().run()
@@ -524,11 +626,154 @@ def test_a_session_replayed_from_another_browser_is_logged_out(
     assert [t.value for t in app.run().title] == ["posbench"]
 
 
-def test_the_browser_is_its_cookie_and_user_agent() -> None:
+def test_a_script_run_without_a_connection_is_bound_to_nothing() -> None:
     from dashboard import auth
 
-    assert auth.BROWSER_COOKIE == "_streamlit_xsrf"
-    assert auth.browser() == ""  # no request context here: nothing to bind a login to
+    assert auth.browser() is None  # an AppTest run: no request, no cookie to bind to
+
+
+def test_a_connection_without_the_binding_cookie_cannot_log_in(
+    settings, monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    from dashboard import auth
+
+    passwords(monkeypatch, "s3cret")
+    monkeypatch.setattr(auth, "browser", lambda: "")  # a request that brought no cookie
+    with caplog.at_level(logging.WARNING, logger="posbench.dashboard.auth"):
+        app = log_in(AppTest.from_file(APP, default_timeout=60).run(), "s3cret")
+    assert [e.value for e in app.error] == [
+        "This browser did not keep the dashboard's cookie, which a login needs: allow "
+        "cookies for this site and reload the page."
+    ]
+    assert "posbench_role" not in app.session_state
+    assert "the connection brought no posbench_browser cookie" in caplog.text
+
+
+def asgi_response(scope: dict) -> list[tuple[bytes, bytes]]:
+    """The headers ``BindingCookie`` lets through for a request of ``scope`` to an app
+    that answers 200 with one header of its own."""
+    from dashboard.binding import BindingCookie
+
+    sent: list[dict] = []
+
+    async def app(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"x-app", b"1")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(BindingCookie(app)({"type": "http", "scheme": "http", **scope}, None, send))
+    assert sent[1]["body"] == b"ok"
+    return sent[0]["headers"]
+
+
+def test_the_binding_cookie_is_set_once_random_and_out_of_scripts_reach() -> None:
+    from dashboard.binding import COOKIE, well_formed
+
+    first, second = (dict(asgi_response({"headers": []})) for _ in range(2))
+    assert first[b"x-app"] == b"1"  # the app's own headers kept
+    name, _, attributes = first[b"set-cookie"].decode().partition("; ")
+    token = name.removeprefix(f"{COOKIE}=")
+    assert well_formed(token) and token not in second[b"set-cookie"].decode()
+    assert attributes == "Path=/; HttpOnly; SameSite=Strict"
+    secure = dict(asgi_response({"headers": [], "scheme": "https"}))[b"set-cookie"]
+    assert secure.endswith(b"; SameSite=Strict; Secure")
+    kept = [(b"cookie", f"_streamlit_xsrf=x; {COOKIE}={token}".encode())]
+    assert b"set-cookie" not in dict(asgi_response({"headers": kept}))
+    for malformed in ("short", token + "x", token[:-1] + "!"):
+        replaced = [(b"cookie", f"{COOKIE}={malformed}".encode())]
+        assert b"set-cookie" in dict(asgi_response({"headers": replaced})), malformed
+
+
+def test_the_dashboard_is_served_behind_the_binding_cookie() -> None:
+    from streamlit.web.server.app_discovery import discover_asgi_app
+
+    command = dashboard_command(8501)
+    served = Path(command[command.index("run") + 1])
+    assert served == ROOT / "dashboard" / "serve.py"
+    assert discover_asgi_app(served).import_string == "serve:app"  # what streamlit run finds
+
+
+def test_a_fragment_checks_the_login_before_each_of_its_runs(
+    settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The fourth audit's G4: the Queue's live runs (a fragment) rerun without the page and
+    # its gate; a client with only the session id got them, and past the login's expiry
+    # an open tab kept refreshing them. The page is rendered here without the gate.
+    from dashboard import auth
+
+    passwords(monkeypatch, "s3cret")
+    seed_study(get_settings())
+    seen = {"browser": None}
+    monkeypatch.setattr(auth, "browser", lambda: seen["browser"])
+
+    def script() -> None:
+        from dashboard import queue_page
+
+        queue_page.render()
+
+    def queue(**state: object) -> AppTest:
+        app = AppTest.from_function(script, default_timeout=60)
+        for key, value in state.items():
+            app.session_state[key] = value
+        app.run()
+        assert not app.exception, app.exception
+        assert "Queue" in [t.value for t in app.title]  # the page around the fragment
+        return app
+
+    def runs(app: AppTest) -> list:
+        return [f.value for f in app.dataframe if "ETA" in f.value.columns]
+
+    login = {
+        "posbench_role": OPERATOR,
+        "posbench_logged_in_at": time.time(),
+        "posbench_browser": None,
+    }
+    fresh = queue(**login)
+    assert len(runs(fresh)) == 1 and auth.SESSION_ENDED not in [i.value for i in fresh.info]
+    expired = queue(**{**login, "posbench_logged_in_at": time.time() - 12 * 3600 - 1})
+    assert runs(expired) == [] and auth.SESSION_ENDED in [i.value for i in expired.info]
+    assert "posbench_role" not in expired.session_state  # the login is over
+    seen["browser"] = "another browser's cookie"
+    elsewhere = queue(**login)
+    assert runs(elsewhere) == [] and auth.SESSION_ENDED in [i.value for i in elsewhere.info]
+    assert runs(queue()) == []  # and a session that never logged in
+
+
+PLANTED_FRAGMENTS = """\
+import streamlit
+import streamlit as st
+from streamlit import fragment
+
+
+@st.fragment(run_every=2)
+def live() -> None: ...
+
+
+@st.fragment
+def plain() -> None: ...
+
+
+refresh = streamlit.fragment(plain)
+"""
+
+
+def test_the_lint_refuses_a_fragment_without_the_login_check(tmp_path: Path) -> None:
+    from lint import fragments
+
+    planted = tmp_path / "planted.py"
+    planted.write_text(PLANTED_FRAGMENTS)
+    found = [line.split(": ", 1)[1] for line in fragments.findings(planted)]
+    assert found == [
+        "streamlit's fragment imported: use dashboard.auth.fragment",
+        "st.fragment without the login's check: use dashboard.auth.fragment",
+        "st.fragment without the login's check: use dashboard.auth.fragment",
+        "streamlit.fragment without the login's check: use dashboard.auth.fragment",
+    ]
+    assert fragments.main([str(planted)]) == 1
+    assert fragments.main([]) == 0  # the dashboard's own code: its one fragment is guarded
+    assert list(fragments.findings(ROOT / "dashboard" / "auth.py")) == []  # the guard itself
 
 
 def test_logout_returns_to_the_login(settings, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -597,7 +842,9 @@ def test_the_queue_shows_operator_actions_only_to_operators(
 
     for role, expected in ((VIEWER, set()), (OPERATOR, {"cancel", "retry", "cancel-run"})):
         app = AppTest.from_function(script, default_timeout=60)
-        app.session_state["posbench_role"] = role
+        app.session_state["posbench_role"] = role  # as a password login leaves it
+        app.session_state["posbench_logged_in_at"] = time.time()
+        app.session_state["posbench_browser"] = None
         app.run()
         assert not app.exception
         keys = {b.key for b in app.button}

@@ -3,8 +3,9 @@ and the result cache never passes them off as trained runs unless a submitter as
 
 from __future__ import annotations
 
-import getpass
 import json
+import os
+import pwd
 from pathlib import Path
 
 import pytest
@@ -58,7 +59,8 @@ def test_imported_numbers_are_not_reused_as_trained_unless_asked(
     assert "marked imported" in imported.stdout and "--reuse-imported" in imported.stdout
     # The audit trail: who imported it (the OS user running the CLI), and from where.
     (event,) = queries.events(settings.database).to_dict("records")
-    assert (event["actor"], event["action"]) == (f"{getpass.getuser()} (cli)", "import")
+    me = pwd.getpwuid(os.getuid()).pw_name
+    assert (event["actor"], event["action"]) == (f"{me} (cli)", "import")
     assert event["detail"].startswith(f"{parse_spec(SPEC).name}: 2 runs, ")
     assert event["detail"].endswith(f" evaluations from {results}")
 

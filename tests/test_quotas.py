@@ -5,14 +5,26 @@ run's wall-clock deadline and the spacing of its checkpoints."""
 from __future__ import annotations
 
 import datetime as dt
+import os
+import pwd
+import re
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from conftest import FOUR_RUNS, isolated_env, posbench_cli, service_settings, worker_environment
+from conftest import (
+    FOUR_RUNS,
+    ROOT,
+    dashboard_settings,
+    isolated_env,
+    posbench_cli,
+    service_settings,
+    worker_environment,
+)
 from pydantic import ValidationError
 from sqlalchemy import func, select, update
+from streamlit.testing.v1 import AppTest
 
 from core.settings import Settings
 from core.spec import TrainSpec, parse_spec
@@ -27,6 +39,8 @@ from worker.model import build_model
 from worker.training import Checkpointer, Trainer
 
 SPEC = FOUR_RUNS
+APP = str(ROOT / "dashboard" / "app.py")
+ME = f"{pwd.getpwuid(os.getuid()).pw_name} (cli)"  # who runs these tests, as the CLI names them
 
 
 class Recorder:
@@ -142,6 +156,10 @@ def test_active_runs_count_across_the_service_and_the_cache_is_not_counted(
         submit(parse_spec(SPEC), force=True, settings=small, send=Recorder(), actor="tester")
 
 
+def unescaped(markdown: str) -> str:
+    return re.sub(r"\\(.)", r"\1", markdown)
+
+
 def write_spec(tmp_path: Path, spec: dict) -> Path:
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec))
@@ -153,8 +171,8 @@ def write_spec(tmp_path: Path, spec: dict) -> Path:
     [
         ("POSBENCH_MAX_STUDY_FLOPS", "1e6", "quota POSBENCH_MAX_STUDY_FLOPS exceeded"),
         ("POSBENCH_MAX_ACTIVE_RUNS", "3", "over the limit of 3 by 1"),
-        # Per submitter: the OS user, as the audit trail names them.
-        ("POSBENCH_MAX_ACTIVE_RUNS_PER_SUBMITTER", "3", "alice (cli) has 0 runs queued or running"),
+        # Per submitter: the OS account, as the audit trail names them.
+        ("POSBENCH_MAX_ACTIVE_RUNS_PER_SUBMITTER", "3", f"{ME} has 0 runs queued or running"),
     ],
 )
 def test_posbench_submit_over_a_quota_exits_2_with_one_line(
@@ -168,6 +186,61 @@ def test_posbench_submit_over_a_quota_exits_2_with_one_line(
     assert variable in done.stderr
     listed = posbench_cli("status", "--json", env=env)
     assert listed.returncode == 0 and listed.stdout.strip() == "[]"  # nothing written
+
+
+def test_a_submitter_renamed_in_the_environment_keeps_one_quota(tmp_path: Path) -> None:
+    # The fourth audit's G5: the CLI named its submitter from $LOGNAME, and a second
+    # name passed the per-submitter quota a second time.
+    env = isolated_env(
+        tmp_path,
+        POSBENCH_MAX_ACTIVE_RUNS_PER_SUBMITTER="4",
+        POSBENCH_BROKER_URL="redis://127.0.0.1:1/0",  # refuses at once: the runs stay queued
+    )
+    assert posbench_cli("db", "upgrade", env=env).returncode == 0
+    spec = write_spec(tmp_path, SPEC)
+    alice, bob = ({**env, "LOGNAME": name, "USER": name} for name in ("alice", "bob"))
+    first = posbench_cli("submit", str(spec), env=alice)
+    assert first.returncode == 0, first.stderr
+    again = posbench_cli("submit", str(spec), "--force", env=bob)
+    assert again.returncode == 2, again.stdout
+    assert (
+        f"POSBENCH_MAX_ACTIVE_RUNS_PER_SUBMITTER exceeded: {ME} has 4 runs queued or running"
+        in again.stderr
+    )
+
+
+@pytest.fixture
+def dashboard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    yield from dashboard_settings(tmp_path, monkeypatch)
+
+
+def test_password_logins_from_different_addresses_share_one_quota(
+    dashboard, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The fourth audit's G5: a password login was named by its client address, which a
+    # visitor can choose (audit G2), and each address had a quota of its own.
+    from core.settings import get_settings
+    from dashboard import auth
+
+    monkeypatch.setenv("POSBENCH_DASHBOARD_PASSWORD", "s3cret")
+    monkeypatch.setenv("POSBENCH_BROKER_URL", "redis://127.0.0.1:1/0")
+    monkeypatch.setenv("POSBENCH_MAX_ACTIVE_RUNS_PER_SUBMITTER", "3")  # the form's 2 runs fit
+    get_settings.cache_clear()
+    shown = []
+    for address in ("192.0.2.7", "198.51.100.8"):
+        monkeypatch.setattr(auth, "client_address", lambda address=address: address)
+        page = AppTest.from_file(APP, default_timeout=60).run()
+        page.text_input[0].set_value("s3cret")
+        page.button[0].click().run()
+        page.button(key="submit").click().run()
+        assert not page.exception, page.exception
+        shown += [unescaped(m.value) for m in (*page.success, *page.error)]
+    assert shown == [
+        "Study 1 submitted: 2 runs queued.",
+        "quota POSBENCH_MAX_ACTIVE_RUNS_PER_SUBMITTER exceeded: dashboard operator has 2 runs "
+        "queued or running and this study adds 2, 4 in all, over the limit of 3 by 1; wait "
+        "for your runs to finish or cancel some",
+    ]
 
 
 # The finding as reported: one spec of 64 runs, about 1.9e22 FLOPs, each run checkpointing

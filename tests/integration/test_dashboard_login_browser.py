@@ -7,6 +7,7 @@ showing nothing but why it is closed."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -53,6 +54,7 @@ class Dashboard:
     base: str
     log: Path
     process: subprocess.Popen[bytes]
+    database: str
 
     def said(self, text: str) -> int:
         """How many times the server's log says ``text``."""
@@ -80,11 +82,12 @@ def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Da
         home = tmp_path_factory.mktemp(name)
         port = free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith(("POSBENCH_", "STREAMLIT_"))}
+        database = _seeded(home)
         env.update(
             {
                 "HOME": str(home),
                 "POSBENCH_HOME": str(home),
-                "POSBENCH_DATABASE_URL": _seeded(home),
+                "POSBENCH_DATABASE_URL": database,
                 "PYTHONPATH": str(ROOT),  # the dashboard of this checkout
                 "PYTHONUNBUFFERED": "1",
                 **settings,
@@ -99,7 +102,7 @@ def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Da
         log = home / "dashboard.log"
         with log.open("wb") as out:
             process = subprocess.Popen(command, cwd=home, env=env, stdout=out, stderr=out)
-        dashboard = Dashboard(f"http://127.0.0.1:{port}", log, process)
+        dashboard = Dashboard(f"http://127.0.0.1:{port}", log, process, database)
         started.append(dashboard)
         try:
             wait_http(f"{dashboard.base}/_stcore/health", timeout=60)
@@ -157,13 +160,14 @@ def browser() -> Iterator[Browser]:
 
 @pytest.fixture
 def new_page(browser: Browser, request: pytest.FixtureRequest) -> Iterator[Callable[[], Page]]:
-    """A fresh browser context (a new session, the same client address) per call; their
-    screenshots go to .posbench/screenshots when the test fails."""
+    """A fresh browser context (a new session, the same client address) per call, with
+    Playwright's context ``options`` (headers sent with every request, the WebSocket's
+    included); their screenshots go to .posbench/screenshots when the test fails."""
     contexts = []
     failed_before = request.session.testsfailed
 
-    def make() -> Page:
-        context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    def make(**options) -> Page:
+        context = browser.new_context(viewport={"width": 1400, "height": 1000}, **options)
         contexts.append(context)
         page = context.new_page()
         page.set_default_timeout(30_000)
@@ -212,6 +216,16 @@ def _log_in(page: Page, password: str) -> None:
 
 def _navigation(page: Page):
     return page.get_by_test_id("stSidebarNav").get_by_role("link")
+
+
+def _to_the_queue(page: Page) -> None:
+    """From an operator's landing page (Submit, once it has rendered) to the Queue."""
+    from playwright.sync_api import expect
+
+    expect(page.get_by_role("heading", name="Submit a study")).to_be_visible()
+    _settled(page)
+    _navigation(page).get_by_text("Queue").click()
+    expect(page.get_by_role("main")).to_contain_text(f"{STUDY} · task lm")
 
 
 def _attempt(page: Page, dashboard: Dashboard, password: str) -> str:
@@ -296,6 +310,91 @@ def test_wrong_passwords_are_slowed_down_per_session_and_per_address(
     assert outcome == "in"
     expect(other.get_by_role("heading", name="Submit a study")).to_be_visible()
     print(f"burst of {BURST}: {outcomes} in {elapsed:.1f} s after the third wrong password")
+
+
+# --- the fourth audit's G2: a client address named in X-Forwarded-For ---
+
+FORGED = "203.0.113."  # the documentation range the claimed addresses come from
+CEILING = 3  # wrong passwords per minute, all clients together, behind the trusted proxy
+
+
+@pytest.fixture(scope="module")
+def forged(serve: Callable[..., Dashboard]) -> Dashboard:
+    return serve("forged", **_with_passwords())
+
+
+@pytest.fixture(scope="module")
+def proxied(serve: Callable[..., Dashboard]) -> Dashboard:
+    # Behind a proxy on this machine that it trusts: X-Forwarded-For names the client.
+    return serve(
+        "proxied",
+        **_with_passwords(
+            POSBENCH_DASHBOARD_TRUSTED_PROXIES="127.0.0.1",
+            POSBENCH_DASHBOARD_WRONG_PASSWORDS_PER_MINUTE=str(CEILING),
+        ),
+    )
+
+
+def _claiming(new_page, dashboard: Dashboard, address: str) -> Page:
+    """A fresh session whose every request (the WebSocket's too) says it forwards for
+    ``address``, at the login."""
+    page = new_page(extra_http_headers={"X-Forwarded-For": address})
+    page.goto(dashboard.base)
+    _login_only(page)
+    return page
+
+
+def _newest_event(dashboard: Dashboard) -> tuple[str, str]:
+    from db import queries
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        newest = queries.events(dashboard.database, None, 1).to_dict("records")
+        if newest and newest[0]["action"] != "submit":  # the seeded study's
+            return newest[0]["actor"], newest[0]["action"]
+        time.sleep(0.2)
+    raise TimeoutError("no event recorded")
+
+
+def test_a_client_address_claimed_in_a_header_is_not_believed(forged: Dashboard, new_page) -> None:
+    # The audit: uvicorn believed X-Forwarded-For from any loopback peer; 30 wrong
+    # passwords, each under an address of its own, were all checked, and the right one
+    # logged in as "dashboard operator from 203.0.113.99".
+    from playwright.sync_api import expect
+
+    pages = [_claiming(new_page, forged, f"{FORGED}{n}") for n in range(FREE_ATTEMPTS + 1)]
+    outcomes = [_attempt(page, forged, "wrong") for page in pages]
+    # One client (this machine), whatever each session claims: its address backs off.
+    assert outcomes == ["failed"] * FREE_ATTEMPTS + ["refused"], outcomes
+    page = pages[-1]
+    time.sleep(_wait_shown(page) + 0.2)
+    assert _attempt(page, forged, OPERATOR_PASSWORD) == "in"
+    expect(page.get_by_text("signed in as operator")).to_be_visible()
+    _to_the_queue(page)
+    page.get_by_role("button", name="Cancel study").click()
+    assert _newest_event(forged) == ("dashboard operator", "cancel")  # the role, no address
+    assert forged.said(f"{FAILED} local (") == FREE_ATTEMPTS
+    assert FORGED not in forged.log.read_text()
+
+
+def test_behind_a_trusted_proxy_clients_are_named_and_share_a_ceiling(
+    proxied: Dashboard, new_page
+) -> None:
+    from playwright.sync_api import expect
+
+    pages = [_claiming(new_page, proxied, f"{FORGED}{n}") for n in range(CEILING + 1)]
+    outcomes = [_attempt(page, proxied, "wrong") for page in pages]
+    # Every session and every address had its free attempts left: the ceiling refused.
+    assert outcomes == ["failed"] * CEILING + ["refused"], outcomes
+    everyone = re.compile(
+        r"Too many wrong passwords on this dashboard in the last minute, from everyone: "
+        r"try again in \d+ s\."
+    )
+    expect(pages[-1].get_by_text(everyone)).to_be_visible()
+    for n in range(CEILING):
+        assert proxied.said(f"{FAILED} {FORGED}{n} (1 wrong in a row)") == 1
+    refused = f"{REFUSED} {FORGED}{CEILING}: {CEILING} wrong passwords in the last minute"
+    assert proxied.said(refused) == 1
 
 
 # --- roles: a viewer reads, an operator acts ---
@@ -383,6 +482,111 @@ def test_an_expired_session_asks_for_the_password_again(expiring: Dashboard, new
     _navigation(page).get_by_text("Queue").click()  # the next interaction, same session
     expect(page.get_by_text("Your session expired: log in again.")).to_be_visible()
     _login_only(page, fresh=False)
+
+
+# --- the fourth audit's G4: the Queue's live runs rerun without the page's gate ---
+
+
+@pytest.fixture(scope="module")
+def ending(serve: Callable[..., Dashboard]) -> Dashboard:
+    # Long enough to see the live runs first on a loaded machine, short enough to wait.
+    return serve("ending", **_with_passwords(POSBENCH_DASHBOARD_SESSION_HOURS="0.004"))
+
+
+def test_the_live_runs_end_with_the_login(ending: Dashboard, new_page) -> None:
+    from playwright.sync_api import expect
+
+    from dashboard.auth import SESSION_ENDED
+
+    page = new_page()
+    page.goto(ending.base)
+    _log_in(page, OPERATOR_PASSWORD)
+    _to_the_queue(page)
+    live = page.get_by_text(re.compile(r"refreshed every 2s"))  # the fragment's caption
+    expect(live).to_be_visible()
+    logged_in = time.monotonic()
+    # Nothing more is done on the page: only the fragment's own reruns reach the server.
+    expect(page.get_by_text(SESSION_ENDED)).to_be_visible()
+    assert time.monotonic() - logged_in < 0.004 * 3600 + 2 * 5  # its first rerun past it
+    expect(live).to_have_count(0)
+    expect(page.get_by_text("Provenance")).to_have_count(0)
+    expect(page.get_by_role("heading", name="Queue", level=1)).to_be_visible()  # the page's
+
+
+# --- audit F10: a login bound to a cookie that no script and no replayed header holds ---
+
+BINDING = "posbench_browser"
+# Streamlit's WebSocket opened as a reconnect opens it, but with the session id given:
+# its subprotocols are "streamlit", the XSRF cookie's value and the session id.
+REPLAY = """
+(() => {
+  const Native = window.WebSocket;
+  window.WebSocket = class extends Native {
+    constructor(url, protocols) { super(url, [...protocols.slice(0, 2), %s]); }
+  };
+})();
+"""
+
+
+def _session_ids(page: Page) -> list[str]:
+    """The Streamlit session ids the server gives ``page`` (in its NewSession
+    messages), filled in as they come."""
+    from streamlit.proto.ForwardMsg_pb2 import ForwardMsg
+
+    ids: list[str] = []
+
+    def watch(socket) -> None:
+        def received(payload: bytes | str) -> None:
+            if isinstance(payload, bytes):
+                message = ForwardMsg.FromString(payload)
+                if message.HasField("new_session"):
+                    ids.append(message.new_session.initialize.session_id)
+
+        socket.on("framereceived", received)
+
+    page.on("websocket", watch)
+    return ids
+
+
+def _replaying(new_page, dashboard: Dashboard, session: str, agent: str, cookies) -> Page:
+    """Another browser with the User-Agent ``agent`` and ``cookies`` (Playwright's
+    cookie records) that opens the dashboard with Streamlit session ``session``."""
+    page = new_page(user_agent=agent)
+    page.context.add_cookies(cookies)
+    page.context.add_init_script(REPLAY % json.dumps(session))
+    page.goto(dashboard.base)
+    return page
+
+
+def test_a_session_replayed_without_the_binding_cookie_is_logged_out(
+    roles: Dashboard, new_page
+) -> None:
+    # The audit: the XSRF cookie (readable by the page's scripts, and sent in the
+    # WebSocket's header beside the session id) and the User-Agent were the binding;
+    # replaying them with the session id gave "signed in as operator".
+    from playwright.sync_api import expect
+
+    victim = new_page()
+    sessions = _session_ids(victim)
+    victim.goto(roles.base)
+    _log_in(victim, OPERATOR_PASSWORD)
+    expect(victim.get_by_text("signed in as operator")).to_be_visible()
+    held = {cookie["name"]: cookie for cookie in victim.context.cookies()}
+    assert held[BINDING]["httpOnly"] and held[BINDING]["sameSite"] == "Strict"
+    scripts_see = victim.evaluate("document.cookie")
+    assert "_streamlit_xsrf=" in scripts_see and BINDING not in scripts_see
+    agent = victim.evaluate("navigator.userAgent")
+    (session,) = set(sessions)
+    # With every cookie the victim's browser holds, the replay resumes the login: what
+    # remains (docs/security.md), and the proof that the replay itself works.
+    thief = _replaying(new_page, roles, session, agent, list(held.values()))
+    expect(thief.get_by_text("signed in as operator")).to_be_visible()
+    # With what the page's scripts and the WebSocket's header give away, it does not.
+    replay = _replaying(new_page, roles, session, agent, [held["_streamlit_xsrf"]])
+    _login_only(replay, fresh=False)
+    assert roles.said("dashboard session used from another browser than its login") >= 1
+    thief.reload()
+    _login_only(thief, fresh=False)  # the login it rode on is over
 
 
 # --- finding 1: `streamlit run` by hand, no login ---
