@@ -18,7 +18,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from lint.project import ROOT
+from lint.project import ROOT, python_files, report
 
 THE_GUARD = ROOT / "dashboard" / "auth.py"
 FRAGMENTS = {"fragment", "experimental_fragment"}
@@ -48,18 +48,11 @@ def findings(path: Path) -> Iterator[str]:
 
 
 def sources(arguments: list[str]) -> list[Path]:
-    roots = [Path(a) for a in arguments] or [ROOT / "dashboard"]
-    files: list[Path] = []
-    for root in roots:
-        files += [root] if root.is_file() else sorted(root.rglob("*.py"))
-    return files
+    return python_files(arguments, [ROOT / "dashboard"])
 
 
 def main(arguments: list[str]) -> int:
-    found = [finding for path in sources(arguments) for finding in findings(path)]
-    for finding in found:
-        print(finding)
-    return 1 if found else 0
+    return report(findings, sources(arguments))
 
 
 if __name__ == "__main__":
