@@ -51,7 +51,9 @@ def test_every_part_runs_tiny_on_the_cpu_and_reports(tmp_path: Path) -> None:
     report = json.loads((tmp_path / "report.json").read_text())
     assert [p["part"] for p in report["parts"]] == [p.name for p in PARTS]
     assert all(p["status"] == FINISHED for p in report["parts"]), report["parts"]
-    assert report["facts"]["torch"] and report["seconds"] < 120
+    # The suite keeps to the budget its plan line states (the tiny run's speed is not a
+    # figure: a busy machine may take minutes).
+    assert report["facts"]["torch"] and 0 < report["seconds"] <= 450
     figures = {p["part"]: p["figures"] for p in report["parts"]}
     # The GPU-only checks' logic, on the CPU: every row held.
     checked = figures["checks"]["rows"]
