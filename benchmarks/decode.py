@@ -10,8 +10,8 @@ For each encoding (every registered one by default) a model of ``--preset`` is b
 ``--train-length``; at each length L = factor x the training length, one greedy decode
 reads a prompt of ``--prompt-fraction`` x L bytes of this repository's Python source
 (``worker/``, from a place drawn per length) in one pass (prefill), then generates the
-rest, L - prompt new tokens, one at a time with the KV cache (``worker.decode``:
-``new_cache``, ``greedy``). ``--threads 1`` suits a shared CPU: a decoding step is small
+rest, L - prompt new tokens, one at a time with the KV cache (``worker.kv_cache.new_cache``,
+``worker.decode.greedy``). ``--threads 1`` suits a shared CPU: a decoding step is small
 work, and torch's threads waiting on each other under load cost more than they give.
 
 The reference is transformers' own loop: the encodings with an HF form (``posbench
@@ -155,7 +155,8 @@ class Outcome:
 
 
 def posbench_work(model: Any, plan: Plan, length: int, outcome: Outcome) -> Callable[[], int]:
-    from worker.decode import greedy, new_cache
+    from worker.decode import greedy
+    from worker.kv_cache import new_cache
 
     prompt = plan.prompt(length)
     new = length - prompt.shape[1]

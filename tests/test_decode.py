@@ -1,4 +1,5 @@
-"""KV-cache decoding (worker/decode.py) against the one-pass forward it must reproduce."""
+"""KV-cache decoding (worker/kv_cache.py, driven by worker/decode.py) against the one-pass
+forward it must reproduce."""
 
 from __future__ import annotations
 
@@ -8,15 +9,8 @@ import torch.nn.functional as F
 
 from core.catalog.encodings import REGISTRY, SCALINGS
 from worker.data.synthetic import Passkey
-from worker.decode import (
-    decode_logits,
-    forward_cached,
-    greedy,
-    kv_cache_bytes,
-    new_cache,
-    prefill,
-    step,
-)
+from worker.decode import decode_logits, greedy
+from worker.kv_cache import forward_cached, kv_cache_bytes, new_cache, prefill, step
 from worker.model import ModelConfig, Transformer, build_model
 
 TINY = ModelConfig(d_model=32, n_layers=2, n_heads=2)

@@ -7,7 +7,7 @@ import torch
 
 from core.spec import SpecError, parse_spec
 from tests.test_evaluate import run_here
-from worker.decode import kv_cache_bytes
+from worker.kv_cache import kv_cache_bytes
 from worker.model import ModelConfig, build_model
 
 TRAIN = {"length": 16, "steps": 4, "batch_size": 4}
