@@ -17,7 +17,8 @@ from worker.decode import (
     prefill,
     step,
 )
-from worker.model import ModelConfig, Transformer, build_model
+from worker.layers import ModelConfig
+from worker.model import Transformer, build_model
 
 TINY = ModelConfig(d_model=32, n_layers=2, n_heads=2)
 ONE_LAYER = ModelConfig(d_model=32, n_layers=1, n_heads=2)
