@@ -27,7 +27,8 @@ from core.settings import get_settings
 from core.spec import EvalSpec, VariantSpec, parse_spec
 from core.tables import markdown_rows
 from worker.evaluate import evaluate_length
-from worker.model import ModelConfig, build_model
+from worker.layers import ModelConfig
+from worker.model import build_model
 from worker.run import prepared_task
 
 TRAIN_LENGTH = 256

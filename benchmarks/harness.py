@@ -64,7 +64,7 @@ XT_CONFIGS: dict[str, tuple[dict, dict, bool]] = {
 
 
 def posbench_model(encoding: str, max_length: int) -> nn.Module:
-    from worker.model import ModelConfig
+    from worker.layers import ModelConfig
 
     config = ModelConfig(d_model=DIM, n_layers=DEPTH, n_heads=HEADS, vocab_size=VOCAB)
     params = {"max_position": 4 * max_length} if encoding == "randomized" else {}

@@ -17,7 +17,8 @@ from worker import attention
 from worker.attention import AttentionBias, Kernel, causal_mask_mod, choose, flex, score_mod
 from worker.encodings import build
 from worker.encodings.base import PositionEncoding
-from worker.model import CausalSelfAttention, ModelConfig, build_model
+from worker.layers import CausalSelfAttention, ModelConfig
+from worker.model import build_model
 
 BIASED = ["alibi", "t5", "kerple_log", "kerple_power", "fire"]
 TRAIN = 24  # not a multiple of the kernel's 128-row tiles; nor are 2x, 4x, 8x

@@ -11,7 +11,8 @@ from core.catalog.encodings import REGISTRY, SCALINGS
 from worker.data.synthetic import Passkey
 from worker.decode import decode_logits, greedy
 from worker.kv_cache import forward_cached, kv_cache_bytes, new_cache, prefill, step
-from worker.model import ModelConfig, Transformer, build_model
+from worker.layers import ModelConfig
+from worker.model import Transformer, build_model
 
 TINY = ModelConfig(d_model=32, n_layers=2, n_heads=2)
 ONE_LAYER = ModelConfig(d_model=32, n_layers=1, n_heads=2)

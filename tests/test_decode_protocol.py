@@ -8,7 +8,8 @@ import torch
 from core.spec import SpecError, parse_spec
 from tests.test_evaluate import run_here
 from worker.kv_cache import kv_cache_bytes
-from worker.model import ModelConfig, build_model
+from worker.layers import ModelConfig
+from worker.model import build_model
 
 TRAIN = {"length": 16, "steps": 4, "batch_size": 4}
 SPEC = {"model": "tiny", "train": TRAIN, "encodings": ["rope"]}

@@ -18,7 +18,8 @@ from worker.encodings import EncodingConfigError, build
 from worker.encodings.rope import yarn_attention_factor
 from worker.encodings.rotary import rotate_pairs
 from worker.encodings.xpos import xpos_zeta
-from worker.model import ModelConfig, build_model
+from worker.layers import ModelConfig
+from worker.model import build_model
 
 
 def to_interleaved(x: torch.Tensor, rotary_dim: int) -> torch.Tensor:

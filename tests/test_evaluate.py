@@ -11,7 +11,8 @@ from core.settings import get_settings
 from core.spec import parse_spec
 from worker.encodings import REGISTRY
 from worker.evaluate import evaluate
-from worker.model import ModelConfig, build_model
+from worker.layers import ModelConfig
+from worker.model import build_model
 from worker.run import prepared_task, resolve_device, run_one
 from worker.training import BaseHooks
 

@@ -10,6 +10,7 @@ import torch
 from core.settings import get_settings
 from core.spec import parse_spec
 from worker import evaluate
+from worker.layers import ModelConfig
 from worker.memory import (
     LONG_SEQUENCE,
     available_bytes,
@@ -17,7 +18,6 @@ from worker.memory import (
     eval_batch_size,
     halving_on_oom,
 )
-from worker.model import ModelConfig
 from worker.run import prepared_task, resolve_device, run_one
 
 

@@ -20,13 +20,8 @@ from worker.attention import (
 from worker.encodings import REGISTRY, build
 from worker.encodings.base import PositionOutOfRange, causal_toeplitz
 from worker.encodings.rotary import RotaryTables, rotate_pairs
-from worker.model import (
-    PRESETS,
-    CausalSelfAttention,
-    ModelConfig,
-    build_model,
-    split_heads,
-)
+from worker.layers import CausalSelfAttention, ModelConfig, split_heads
+from worker.model import PRESETS, build_model
 from worker.probes import equivariance_error
 
 ALL = sorted(REGISTRY)

@@ -105,7 +105,7 @@ def choose(
             return Choice("flex_attention")
         if device.type == "cpu" and has_bias and learned and backward:
             # PyTorch's fused CPU kernel writes every score out with a learned bias and is
-            # slower than doing it ourselves (worker.model.written_out).
+            # slower than doing it ourselves (``written_out``, below).
             return Choice("eager")
         return Choice("sdpa")
     if requested != "flex_attention":

@@ -1,8 +1,8 @@
 """A trained posbench model as a Hugging Face transformers folder: a GPT-NeoX model that
 ``AutoModelForCausalLM.from_pretrained`` loads, with a byte tokenizer.
 
-GPT-NeoX's block is posbench's block (``worker/model.py``) once a few things are stated
-its way:
+GPT-NeoX's block is posbench's block (``worker/layers.py``, stacked in ``worker/model.py``)
+once a few things are stated its way:
 
 - pre-norm LayerNorm (eps 1e-5) in sequence: ``use_parallel_residual`` false;
 - posbench's LayerNorms and linear layers have no bias: GPT-NeoX's attention takes

@@ -24,7 +24,7 @@ from typing import TypeVar
 
 import torch
 
-from worker.model import ModelConfig
+from worker.layers import ModelConfig
 
 T = TypeVar("T")
 

@@ -21,8 +21,9 @@ from worker.attention import AttentionBias
 from worker.data.base import Task
 from worker.encodings import build
 from worker.encodings.base import PositionEncoding
+from worker.layers import CausalSelfAttention, ModelConfig
 from worker.memory import halving_on_oom
-from worker.model import CausalSelfAttention, ModelConfig, Transformer
+from worker.model import Transformer
 
 
 def attention_layer(

@@ -26,7 +26,8 @@ from core.spec import RunSpec, StudySpec
 from worker.data import build_task
 from worker.data.base import NO_SOURCES, Task
 from worker.evaluate import evaluate, validation_loss
-from worker.model import ModelConfig, Transformer, build_model
+from worker.layers import ModelConfig
+from worker.model import Transformer, build_model
 from worker.outcome import RunResult, probe_order, provenance
 from worker.training import (
     NO_HOOKS,

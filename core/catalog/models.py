@@ -1,7 +1,8 @@
 """Model presets: the sizes a study names instead of spelling out its dimensions.
 
 Everything but the position encoding stays fixed across a study (pre-norm blocks, GELU
-MLP, tied embeddings; worker/model.py), so a preset is only its three dimensions."""
+MLP, tied embeddings; worker/layers.py and worker/model.py), so a preset is only its
+three dimensions."""
 
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ from core.catalog.params import is_positive_int
 from core.catalog.scalings import SCALINGS, Rotary
 from worker.diagnostics import AttentionProbe, logn_factors
 from worker.hf.attention import attending, attention_modules
-from worker.model import ModelConfig
+from worker.layers import ModelConfig
 
 
 @dataclass(frozen=True)
