@@ -341,7 +341,7 @@ def _rate(value: float) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    """The markdown table docs/performance.md shows."""
+    """The markdown table docs/performance-history.md shows (docs/performance.md: its ratios)."""
     memory = any("peak_MiB" in row for row in rows)
     columns = ["encoding", "length", "new", "tok/s", "transformers tok/s", "ratio [IQR]"]
     columns += ["KV MiB", "transformers KV MiB"]

@@ -1,12 +1,12 @@
 """Which FlexAttention kernel options compile and run on this GPU for each kind of bias.
 
-The first H200 run (docs/performance.md) found that T5, KERPLE and FIRE's score_mods, which
-read a table per (query, key) pair, need more shared memory than the default H100 tiles
-leave (bf16, head size 64: 128 x 128, 3 stages) and fail to compile; ALiBi's, which reads
-one slope per head, fits. This probe compiles each bias form under a ladder of kernel
-options, forward alone and forward + backward, and prints a JSON line per try: whether it
-built and its time per call. Pure torch, no posbench import: it runs before the suite's
-wheels are installed.
+The second H200 run (docs/performance-history.md) found that T5, KERPLE and FIRE's
+score_mods, which read a table per (query, key) pair, need more shared memory than the
+default H100 tiles leave (bf16, head size 64: 128 x 128, 3 stages) and fail to compile;
+ALiBi's, which reads one slope per head, fits. This probe compiles each bias form under
+a ladder of kernel options, forward alone and forward + backward, and prints a JSON line
+per try: whether it built and its time per call. Pure torch, no posbench import: it runs
+before the suite's wheels are installed.
 
     python3 -m benchmarks.flex_probe [--budget-s 150] [--length 2048] [--head-dim 64]
 """

@@ -45,7 +45,7 @@ def test_both_sides_evaluate_the_same_windows_to_the_same_loss(
             assert row[column] > 0
         assert row["ratio_q1"] == row["ratio"] == row["ratio_q3"]  # one round
         # A MiB or two of logits at this size: within the resident set's resolution, so
-        # only bounded here (docs/performance.md's CPU run reads tens of MiB).
+        # only bounded here (docs/performance-history.md's CPU run reads tens of MiB).
         assert 0 <= row["peak_MiB"] < 1024 and 0 <= row["transformers_peak_MiB"] < 1024
         if row["transformers_peak_MiB"] > 0:
             assert row["memory_ratio"] == pytest.approx(

@@ -88,7 +88,7 @@ class ModelSpec(_Strict):
         description="how attention runs: eager (scores written out), sdpa, flex_attention "
         "(the bias as a fused score_mod), or auto (flex on CUDA for an encoding with a bias, "
         "sdpa otherwise); changes no number beyond rounding and no hash, and results.json "
-        "records what trained and evaluated each run (docs/performance.md)",
+        "records what trained and evaluated each run (docs/attention.md)",
     )
 
     @model_validator(mode="before")
