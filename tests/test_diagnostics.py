@@ -16,6 +16,8 @@ from core.settings import get_settings
 from core.spec import EvalSpec, VariantSpec, parse_spec
 from worker.decode import decode_logits
 from worker.diagnostics import (
+    QUERY_BUDGET,
+    QUERY_SAMPLE,
     STATS,
     AttentionProbe,
     logn_factors,
@@ -49,6 +51,23 @@ def test_uniform_attention_has_entropy_log_n_and_normalised_entropy_1() -> None:
         assert float(stats[STAT["max_logit"]]) == 0.0
     probe.record(0, logits, rows)
     assert probe.result().queries == 2 * 3
+
+
+@pytest.mark.parametrize("length", [64, 100, 256, 257, 1024])
+def test_a_point_records_whole_windows_until_the_budget_is_reached(length: int) -> None:
+    """docs/diagnostics.md: whole windows, from the first, until 2,048 queries are in; a
+    window of fewer than 256 sampled queries can take the count past 2,048 by less than
+    one window (2,079 at length 64)."""
+    rows = sampled_queries(length)
+    probe = AttentionProbe(train_length=16)
+    while taken := probe.windows(0, batch=4, per_window=len(rows)):
+        logits = torch.zeros(taken, 1, len(rows), length)
+        probe.record(0, logits, rows)
+    queries = probe.result().queries
+    assert queries % len(rows) == 0
+    assert QUERY_BUDGET <= queries < QUERY_BUDGET + len(rows)
+    if len(rows) == QUERY_SAMPLE:
+        assert queries == QUERY_BUDGET == 8 * QUERY_SAMPLE
 
 
 def test_a_query_that_sees_only_the_first_token_has_sink_mass_1() -> None:

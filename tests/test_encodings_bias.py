@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from conftest import dims
-from x_transformers.x_transformers import AlibiPositionalBias, RelativePositionBias
+from x_transformers.x_transformers import AlibiPositionalBias, Decoder, RelativePositionBias
 
 from worker.encodings import REGISTRY, build
 from worker.encodings.alibi import alibi_slopes
@@ -59,20 +59,47 @@ def test_t5_buckets_match_x_transformers() -> None:
         assert torch.equal(t5_bucket(distance, num_buckets, max_distance), theirs)
 
 
-def test_t5_bias_matches_x_transformers_with_the_same_table() -> None:
-    ours = build("t5", **dims(n_heads=4))
-    reference = RelativePositionBias(scale=1.0, causal=True, heads=4)
+@pytest.mark.parametrize("head_dim", [8, 16, 64])
+def test_t5_bias_matches_x_transformers_at_its_default_scale(head_dim: int) -> None:
+    """x-transformers' decoder makes its T5 bias with scale = sqrt(dim_head); ours defaults
+    to the same, so the same table gives the same bias (and the same gradient to it)."""
+    ours = build("t5", n_heads=4, head_dim=head_dim, d_model=4 * head_dim, train_length=16)
+    layers = Decoder(dim=4 * head_dim, depth=1, heads=4, attn_dim_head=head_dim, rel_pos_bias=True)
+    reference = layers.rel_pos
+    assert isinstance(reference, RelativePositionBias)
+    assert ours.scale == reference.scale == pytest.approx(math.sqrt(head_dim))
     with torch.no_grad():
         reference.relative_attention_bias.weight.copy_(ours.table)
     for q_len, k_len in [(300, 300), (10, 300)]:
         torch.testing.assert_close(ours.bias(q_len, k_len), reference(q_len, k_len))
+    ours.bias(20, 20).square().sum().backward()
+    reference(20, 20).square().sum().backward()
+    assert reference.relative_attention_bias.weight.grad is not None
+    # Summed over many pairs in another order: float32 rounding, far below any update.
+    torch.testing.assert_close(
+        ours.table.grad, reference.relative_attention_bias.weight.grad, rtol=1e-5, atol=1e-6
+    )
+
+
+def test_t5_scale_is_a_parameter_and_leaves_the_initial_bias_as_t5_sets_it() -> None:
+    torch.manual_seed(0)
+    plain = build("t5", num_buckets=256, max_distance=1024, scale=1.0, **dims(n_heads=16))
+    torch.manual_seed(0)
+    scaled = build("t5", num_buckets=256, max_distance=1024, scale=8.0, **dims(n_heads=16))
+    assert (plain.scale, scaled.scale) == (1.0, 8.0)
+    # Same draws: the table is the bias over the scale, the bias is the same.
+    torch.testing.assert_close(scaled.table * 8.0, plain.table)
+    torch.testing.assert_close(scaled.bias(50, 50), plain.bias(50, 50))
+    torch.testing.assert_close(scaled.distance_bias(50), plain.distance_bias(50))
+    d_model = dims(n_heads=16)["d_model"]
+    assert float(plain.table.detach().std()) == pytest.approx(d_model**-0.5, rel=0.1)
 
 
 def test_t5_far_distances_share_the_last_bucket() -> None:
     ours = build("t5", **dims(n_heads=4))
     bias = ours.bias(1, 2000)[:, 0]  # one query at position 1999
-    torch.testing.assert_close(bias[:, 0], ours.table[31])
-    torch.testing.assert_close(bias[:, 1999 - 500], ours.table[31])
+    torch.testing.assert_close(bias[:, 0], ours.table[31] * ours.scale)
+    torch.testing.assert_close(bias[:, 1999 - 500], ours.table[31] * ours.scale)
 
 
 def test_kerple_log_formula() -> None:

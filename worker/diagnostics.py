@@ -39,8 +39,9 @@ from torch import Tensor
 
 from worker.encodings.rotary import scale_pairs
 
-# Query positions sampled per window, the sampled queries a point records at most (its
-# first windows'), and the first tokens whose mass is the sink's.
+# Query positions sampled per window; the sampled queries after which a point records no
+# further window (whole windows from its first: past it by less than one window where a
+# window holds fewer than QUERY_SAMPLE); the first tokens whose mass is the sink's.
 QUERY_SAMPLE = 256
 QUERY_BUDGET = 2048
 SINK_TOKENS = 4

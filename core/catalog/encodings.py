@@ -267,6 +267,17 @@ REGISTRY: dict[str, EncodingInfo] = {
                     low=8,
                     high=1 << 20,
                 ),
+                Param(
+                    "scale",
+                    float,
+                    None,
+                    "the learned table is multiplied by this before it is added to the "
+                    "logits; it sets how fast the bias learns under Adam (default: "
+                    "sqrt(head_dim), as in x-transformers)",
+                    low=0.01,
+                    high=1000.0,
+                    derived="sqrt(head_dim)",
+                ),
             ),
             check=_t5_buckets,
         ),

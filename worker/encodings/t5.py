@@ -7,6 +7,14 @@ the index is clamped to the last bucket, which with the defaults (32, 128) is
 reached at n = 113 (HF transformers' formula, pinned in the tests). Every distance
 past it shares that bucket, which is why T5 extrapolates: far-away tokens all look
 alike.
+
+The bias added to the logits is ``scale * table[bucket]``, ``scale`` = sqrt(head_dim) by
+default, as in x-transformers (its ``RelativePositionBias(scale=dim_head ** 0.5)``). The
+factor matters for learning, not for what the table can express: under Adam an entry moves
+about one learning rate per step whatever its gradient's size, so the bias moves ``scale``
+times faster than the raw table would. Without it a short run barely learns locality
+(posbench before 2026-12 added the raw table: see docs/encodings.md). The table starts at
+std d_model^-0.5 / scale, so the initial bias is T5's std d_model^-0.5 either way.
 """
 
 from __future__ import annotations
@@ -41,22 +49,35 @@ class T5Bias(PositionEncoding):
     has_bias = True
     flex_tiles = ONE_READ_TILES
 
-    def __init__(self, *, num_buckets: int = 32, max_distance: int = 128, **dims: int) -> None:
+    def __init__(
+        self,
+        *,
+        num_buckets: int = 32,
+        max_distance: int = 128,
+        scale: float | None = None,
+        **dims: int,
+    ) -> None:
         super().__init__(**dims)
         self.num_buckets = num_buckets
         self.max_distance = max_distance
-        # T5 initialises this table with std d_model^-0.5.
-        self.table = nn.Parameter(torch.randn(num_buckets, self.n_heads) * self.d_model**-0.5)
+        self.scale = math.sqrt(self.head_dim) if scale is None else float(scale)
+        # T5 initialises the bias with std d_model^-0.5; the table holds it over ``scale``.
+        initial = torch.randn(num_buckets, self.n_heads) * self.d_model**-0.5 / self.scale
+        self.table = nn.Parameter(initial)
 
     def bias(self, q_len: int, k_len: int) -> Tensor:
         distance = relative_distance(q_len, k_len, self.table.device).to(torch.long)
         bucket = t5_bucket(distance, self.num_buckets, self.max_distance)
-        return self.table[bucket].permute(2, 0, 1)
+        return (self.table * self.scale)[bucket].permute(2, 0, 1)
 
     def distance_bias(self, length: int) -> Tensor:
         """``[heads, length]``: the bias at distance 0..length-1 (a Toeplitz encoding)."""
         distance = torch.arange(length, device=self.table.device)
-        return self.table[t5_bucket(distance, self.num_buckets, self.max_distance)].T
+        bucket = t5_bucket(distance, self.num_buckets, self.max_distance)
+        return (self.table * self.scale)[bucket].T
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, scale={self.scale:g}"
 
     def bias_mod(self, length: int, causal: bool = True) -> BiasMod:
         """The table read per distance (``distance_bias``); two ways, future keys fall in
