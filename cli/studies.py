@@ -47,6 +47,7 @@ def encodings(
         encoding_rows,
         scalable_names,
         scaling_rows,
+        shared_params_line,
     )
     from core.catalog.encodings import REGISTRY, SCALINGS
 
@@ -66,6 +67,7 @@ def encodings(
     for row in encoding_rows():
         table.add_row(*row)
     console.print(table)
+    echo(shared_params_line().replace("`", ""))
     scalings = Table(title=f"RoPE inference-time scalings ({scalable_names()})")
     for column in SCALING_COLUMNS:
         scalings.add_column(column)

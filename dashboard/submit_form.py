@@ -303,9 +303,6 @@ def _encoding_inputs(base: dict[str, Any], key: Keys) -> list[Any]:
     encodings: list[Any] = []
     for name in chosen:
         entry = REGISTRY[name]
-        if not entry.params:
-            encodings.append(name)
-            continue
         with st.expander(f"{name} parameters"):
             st.caption(entry.reference)
             given = next(
@@ -313,7 +310,7 @@ def _encoding_inputs(base: dict[str, Any], key: Keys) -> list[Any]:
             )
             params = {
                 p.name: _param_input(p, key(f"{name}.{p.name}"), given.get(p.name))
-                for p in entry.params
+                for p in entry.all_params
             }
         changed = {k: v for k, v in params.items() if v is not None and v != entry.param(k).default}
         encodings.append({"name": name, **changed} if changed else name)

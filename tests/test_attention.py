@@ -144,7 +144,7 @@ def test_the_tiles_reach_the_kernel_on_a_gpu_only(monkeypatch) -> None:
         pass_kernel = model.attention_kernel(1, TRAIN, CPU, torch.float32)
         assert pass_kernel.tiles == t5.flex_tiles
         q = torch.randn(1, 2, TRAIN, 8)
-        flex(q, q, q, pass_kernel.score_mod, mask=pass_kernel.block_mask, tiles=pass_kernel.tiles)
+        flex(q, q, q, pass_kernel.score_mod, mask=pass_kernel.block_mask(), tiles=pass_kernel.tiles)
     assert calls == [None]
 
 

@@ -136,12 +136,16 @@ def test_presets_fill_the_form(settings, monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_encoding_parameters_come_from_the_registry(settings) -> None:
     app = AppTest.from_file(APP, default_timeout=60).run()
-    app.multiselect(key="custom:encodings").set_value(["rope", "t5"]).run()
+    app.multiselect(key="custom:encodings").set_value(["rope", "t5", "alibi"]).run()
     assert app.selectbox(key="custom:rope.rotary_fraction").options == ["0.25", "0.5", "1.0"]
+    assert "window" not in app.code[0].value  # every encoding's window, unset until given
     app.selectbox(key="custom:rope.rotary_fraction").set_value(0.5).run()
     app.number_input(key="custom:t5.num_buckets").set_value(64).run()
+    # ALiBi has no parameters of its own; its picker offers the window every encoding takes.
+    app.number_input(key="custom:alibi.window").set_value(16).run()
     yaml_view = app.code[0].value
     assert "rotary_fraction: 0.5" in yaml_view and "num_buckets: 64" in yaml_view
+    assert "name: alibi" in yaml_view and "window: 16" in yaml_view
     assert not app.error
 
 

@@ -115,9 +115,9 @@ def _capture(model, monkeypatch):
     seen: dict[int, dict] = {}
     record = AttentionProbe.record
 
-    def keep(self, layer, logits, rows):
+    def keep(self, layer, logits, rows, window=None):
         seen.setdefault(layer, {"parts": []})["parts"].append((logits.clone(), rows.clone()))
-        record(self, layer, logits, rows)
+        record(self, layer, logits, rows, window)
 
     monkeypatch.setattr(AttentionProbe, "record", keep)
     hooks = []
@@ -137,16 +137,17 @@ def _capture(model, monkeypatch):
     return seen, hooks
 
 
-@pytest.mark.parametrize("logn", [False, True])
+@pytest.mark.parametrize(("logn", "window"), [(False, None), (True, None), (False, 20)])
 @pytest.mark.parametrize("encoding", sorted(REGISTRY))
 def test_the_written_out_attention_is_what_the_model_attended(
-    encoding: str, logn: bool, monkeypatch
+    encoding: str, logn: bool, window: int | None, monkeypatch
 ) -> None:
     """softmax(the probe's logits) @ v equals each layer's attention output at the sampled
     queries: the probe sees what the fast path (fused kernels, query blocks, xPos's block
-    decay) computed, biases, scalings and log-n factors included."""
+    decay) computed, biases, scalings, log-n factors and a sliding window included."""
     length = 16 if encoding == "learned" else 96
-    model = build_model("tiny", encoding, train_length=16, seed=3).eval()
+    window = min(window, length // 2) if window is not None else None
+    model = build_model("tiny", encoding, train_length=16, seed=3, window=window).eval()
     model.attention_score_budget = 2 * 4 * 96 * 24  # query blocks of 24 rows
     if encoding == "xpos":
         model.encoding.table_span = 32  # past it: the per-block decay path

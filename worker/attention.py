@@ -9,9 +9,12 @@ Four implementations, named as HF transformers names them (``attn_implementation
 - ``flex_attention``: PyTorch's compiled fused kernel (``torch.nn.attention.flex_attention``)
   with the encoding's bias as a ``score_mod`` and the causal mask (and a sliding window)
   as a block mask: no bias matrix, fully masked tiles skipped;
-- ``auto``: flex on CUDA for an encoding with a bias, sdpa otherwise (on the CPU a learned
-  bias in training is written out, where SDPA's CPU kernel would materialise every score
-  anyway).
+- ``auto``: flex on CUDA for an encoding with a bias or a sliding window, sdpa otherwise
+  (on the CPU a learned bias in training is written out, where SDPA's CPU kernel would
+  materialise every score anyway).
+
+A sliding window (every encoding's ``window`` parameter) is part of the causal mask on
+every path: a block of queries reads only the keys its window reaches (``first_key``).
 
 The choice changes no number beyond rounding (tests hold them to 1e-5 in float32) and no
 hash: like the device it is how a run executes, recorded in its provenance. What cannot
@@ -86,11 +89,14 @@ def choose(
     backward: bool,
     learned: bool = False,
     decay: bool = False,
+    windowed: bool = False,
 ) -> Choice:
     """The implementation a pass runs with: ``requested`` (auto, eager, sdpa,
     flex_attention) for an encoding with an additive bias (``has_bias``; ``learned``: with
     parameters of its own) that has a fused form (``fusable``), on ``device``, with or
-    without a ``backward`` to follow; ``decay``: xPos's per-block decay is in use."""
+    without a ``backward`` to follow; ``decay``: xPos's per-block decay is in use;
+    ``windowed``: a layer attends through a sliding window (flex skips the tiles outside
+    it where SDPA masks them)."""
     check_implementation(requested)
     if decay:
         note = None
@@ -101,7 +107,8 @@ def choose(
             )
         return Choice("sdpa", note)
     if requested == "auto":
-        if device.type == "cuda" and has_bias and fusable and FLEX_AVAILABLE:
+        fits_flex = fusable or not has_bias  # a bias, if any, has a score_mod
+        if device.type == "cuda" and (has_bias or windowed) and fits_flex and FLEX_AVAILABLE:
             return Choice("flex_attention")
         if device.type == "cpu" and has_bias and learned and backward:
             # PyTorch's fused CPU kernel writes every score out with a learned bias and is
@@ -246,38 +253,91 @@ def biased_attention(
     return fused_biased_attention(q, k, v, bias)
 
 
-def written_out_causal_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
-    """Attention without a bias, the scores written out (``eager``): causal in blocks of
-    query rows (block [s, e) needs keys [0, e) only), or both ways at once."""
+# -- the causal mask and a sliding window ---------------------------------------------------
+
+
+def first_key(start: int, window: int | None) -> int:
+    """The first key that queries from ``start`` on can see: 0, or under a sliding
+    ``window`` of keys (each query sees itself and the ``window - 1`` before it) the key
+    ``window - 1`` before ``start``. A block of queries [s, e) reads keys
+    [first_key(s), e) only."""
+    return 0 if window is None else max(0, start - window + 1)
+
+
+def visible(start: int, end: int, window: int | None, device: torch.device) -> Tensor:
+    """``[end - start, end - first_key(start)]`` booleans: key j is visible from query i
+    when j <= i and, under a ``window``, i - j < window (Longformer's and Mistral's
+    sliding window, Gemma's local layers)."""
+    lo = first_key(start, window)
+    queries = torch.arange(start, end, device=device)[:, None]
+    keys = torch.arange(lo, end, device=device)[None, :]
+    seen = keys <= queries
+    if window is not None:
+        seen &= queries - keys < window
+    return seen
+
+
+def causal_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, written: bool, window: int | None = None
+) -> Tensor:
+    """Causal attention without a bias: SDPA's causal kernel (flash on a GPU) when every
+    earlier key is visible and the scores need not be written out; otherwise in blocks of
+    query rows, block [s, e) over keys [first_key(s), e) under its mask, written out
+    (``eager``) or through SDPA."""
+    if window is None and not written:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     length = q.shape[-2]
-    if not causal:
-        return written_out_biased_attention(q, k, v, q.new_zeros(1, length, length))
+    rows = WRITTEN_OUT_BLOCK_ROWS if written else MAX_BLOCK_ROWS
     blocks = []
-    for start in range(0, length, WRITTEN_OUT_BLOCK_ROWS):
-        end = min(length, start + WRITTEN_OUT_BLOCK_ROWS)
-        future = torch.ones(end - start, end, dtype=torch.bool, device=q.device).triu(start + 1)
-        mask = q.new_zeros(end - start, end).masked_fill(future, float("-inf"))
-        blocks.append(
-            written_out_biased_attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end], mask)
-        )
+    for start in range(0, length, rows):
+        end = min(length, start + rows)
+        lo = first_key(start, window)
+        seen = visible(start, end, window, q.device)
+        q_block, k_block, v_block = q[:, :, start:end], k[:, :, lo:end], v[:, :, lo:end]
+        if written:
+            mask = q.new_zeros(seen.shape).masked_fill(~seen, float("-inf"))
+            blocks.append(written_out_biased_attention(q_block, k_block, v_block, mask))
+        else:
+            blocks.append(F.scaled_dot_product_attention(q_block, k_block, v_block, attn_mask=seen))
     return torch.cat(blocks, dim=2)
 
 
-def decayed_attention(q: Tensor, k: Tensor, v: Tensor, decay: BlockDecay) -> Tensor:
+def written_out_causal_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
+    """Attention without a bias, the scores written out (``eager``): causal in blocks of
+    query rows (block [s, e) needs keys [0, e) only), or both ways at once."""
+    if causal:
+        return causal_attention(q, k, v, written=True)
+    length = q.shape[-2]
+    return written_out_biased_attention(q, k, v, q.new_zeros(1, length, length))
+
+
+def windowed_bias(bias: Tensor, start: int, end: int, window: int | None) -> Tensor:
+    """Causal bias rows of queries [start, end) over keys [0, end) (``AttentionBias.rows``)
+    cut to the keys the block reads under ``window``, the keys past it masked."""
+    if window is None:
+        return bias
+    lo = first_key(start, window)
+    return bias[..., lo:].masked_fill(~visible(start, end, window, bias.device), float("-inf"))
+
+
+def decayed_attention(
+    q: Tensor, k: Tensor, v: Tensor, decay: BlockDecay, window: int | None = None
+) -> Tensor:
     """Causal attention of rotated q, k with xPos's decay applied per block of queries
-    (``BlockDecay``): block [s, e) attends keys [0, e) under a causal mask."""
+    (``BlockDecay``): block [s, e) attends keys [first_key(s), e) under a causal
+    (windowed) mask."""
     length = q.shape[-2]
     blocks = []
     for start in range(0, length, decay.max_rows):
         end = min(length, start + decay.max_rows)
+        lo = first_key(start, window)
         query_scale, key_scale = decay.scales(start, end)
-        visible = torch.ones(end - start, end, dtype=torch.bool, device=q.device).tril(start)
         blocks.append(
             F.scaled_dot_product_attention(
                 scale_pairs(q[:, :, start:end], query_scale),
-                scale_pairs(k[:, :, :end], key_scale),
-                v[:, :, :end],
-                attn_mask=visible,
+                scale_pairs(k[:, :, lo:end], key_scale[..., lo:, :]),
+                v[:, :, lo:end],
+                attn_mask=visible(start, end, window, q.device),
             )
         )
     return torch.cat(blocks, dim=2)
@@ -413,5 +473,11 @@ class Kernel:
 
     implementation: str
     score_mod: ScoreMod | None = None
-    block_mask: Any = None  # flex's, looked up once per pass (outside a compiled graph)
+    # flex's block masks, one per sliding window the layers use (None: plain causal),
+    # looked up once per pass (outside a compiled graph).
+    block_masks: dict[int | None, Any] | None = None
     tiles: dict[str, int] | None = None  # the bias's kernel options (``flex_tiles``)
+
+    def block_mask(self, window: int | None = None) -> Any:
+        """The pass's block mask for a layer with this ``window`` (None: built on demand)."""
+        return (self.block_masks or {}).get(window)

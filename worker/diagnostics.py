@@ -159,7 +159,7 @@ class AttentionProbe:
             self._queries[key] = sampled_queries(length, self.sample).to(device)
         return self._queries[key]
 
-    def record(self, layer: int, logits: Tensor, rows: Tensor) -> None:
+    def record(self, layer: int, logits: Tensor, rows: Tensor, window: int | None = None) -> None:
         """Add the attention of queries at positions ``rows [Q]`` whose pre-softmax
         logits over keys 0..K-1 are ``logits [B, H, Q, K]`` (-inf, or MASKED, where
         masked). A few passes over the logits: the softmax by hand, its entropy as
@@ -182,6 +182,8 @@ class AttentionProbe:
             far = (rows[:, None] - keys[None, :].long()) >= self.train_length  # [Q, K]
             beyond = torch.linalg.vecdot(p, far.to(z.dtype))
         seen = (rows + 1).to(z.dtype)  # keys each query sees
+        if window is not None:
+            seen = seen.clamp(max=window)
         stats = torch.stack(
             (
                 entropy,
@@ -227,12 +229,14 @@ class AttentionProbe:
         factors: Tensor | None = None,
         scale: float | None = None,
         source: object = None,
+        window: int | None = None,
     ) -> None:
         """Write out and record the logits of the sampled queries of ``q``, ``k``
         ``[B, H, T, d]`` (q already scaled by ``factors``), block by block of
         ``block_rows`` queries: with ``bias_rows(start, end)`` (the causal bias of
         queries [start, end) over keys [0, end)), scaled by ``factors`` as attention
-        scales it, or with xPos's block ``decay``; causal in any case. The bias and
+        scales it, or with xPos's block ``decay``; causal in any case, and under a sliding
+        ``window`` the keys past it masked too. The bias and
         the decay are built once per ``source`` (what every layer of a forward pass
         shares: its AttentionBias, its tables), not once per layer."""
         length = q.shape[-2]
@@ -263,8 +267,11 @@ class AttentionProbe:
                     partial(_sampled_bias, bias_rows, start, end, picked, windows, factors),
                 )
                 logits = logits + bias
-            future = torch.arange(end, device=q.device)[None, :] > picked[:, None]
-            self.record(layer, logits.masked_fill(future, MASKED), picked)
+            keys = torch.arange(end, device=q.device)[None, :]
+            hidden = keys > picked[:, None]
+            if window is not None:
+                hidden |= picked[:, None] - keys >= window
+            self.record(layer, logits.masked_fill(hidden, MASKED), picked, window)
 
 
 def _decay_scales(decay: Any, start: int, end: int, windows: int) -> tuple[Tensor, Tensor]:

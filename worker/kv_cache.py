@@ -36,7 +36,10 @@ ones, so that every query attends to at most W keys: the S first tokens and the 
 recent W - S (itself included). Kept keys keep the positions they were written at (a
 rotary key its rotation, a bias its true distance): positions are never renumbered, so
 past the training length the distances seen are those of the full sequence, and a
-window tests locality rather than bringing distances back in range.
+window tests locality rather than bringing distances back in range. This window is the
+evaluation's (how much the cache keeps); a model trained with a sliding window (every
+encoding's ``window`` parameter) masks the keys past its layers' own windows by their
+true distance here too, as its one-pass forward does.
 
 The cache reads whatever tokens it is given; which ones, and what becomes of the logits
 (teacher forcing, greedy generation, the ``decode`` protocol's scores and timing), is
@@ -190,9 +193,10 @@ class _Step:
     query_tables: RotaryTables | None
     key_tables: RotaryTables | None  # rerotate: tables for every live key
     decay: BlockDecay | None  # xPos: over the live keys' positions
-    # Bias and mask of each block of queries, built by the first layer, read by the rest;
+    # Bias and mask of each block of queries (and sliding window), built by the first
+    # layer with it, read by the rest;
     # so are xPos's decay scales of each block (a power per key and rotated pair).
-    masks: dict[tuple[int, int], Tensor | None] = field(default_factory=dict)
+    masks: dict[tuple[int, int, int | None], Tensor | None] = field(default_factory=dict)
     scales: dict[tuple[int, int], tuple[Tensor, Tensor]] = field(default_factory=dict)
 
 
@@ -243,9 +247,11 @@ def _attend(
     v: Tensor,
     step: _Step,
     factors: Tensor | None = None,
+    reach: int | None = None,
 ) -> Tensor:
     """Write the new k, v into the cache and attend the new queries over every live key
-    (each query's logits multiplied by its log-n ``factors``, when given)."""
+    (each query's logits multiplied by its log-n ``factors``, when given), within the
+    layer's trained sliding window ``reach`` where it has one."""
     end = step.start + step.count
     if step.query_tables is not None:
         t = step.query_tables
@@ -271,9 +277,9 @@ def _attend(
                 step.scales[first, last] = step.decay.scales(step.start + first, visible)
             q_scale, k_scale = step.scales[first, last]
             q_block, k_block = scale_pairs(q_block, q_scale), scale_pairs(k_block, k_scale)
-        if (first, last) not in step.masks:
-            step.masks[first, last] = _mask(enc, step, first, last, visible, q.dtype)
-        mask = step.masks[first, last]
+        if (first, last, reach) not in step.masks:
+            step.masks[first, last, reach] = _mask(enc, step, first, last, visible, q.dtype, reach)
+        mask = step.masks[first, last, reach]
         if factors is not None and mask is not None and mask.dtype != torch.bool:
             mask = scale_rows(mask, factors[first:last])
         blocks.append(
@@ -283,13 +289,22 @@ def _attend(
 
 
 def _mask(
-    enc: PositionEncoding, step: _Step, first: int, last: int, visible: int, dtype: torch.dtype
+    enc: PositionEncoding,
+    step: _Step,
+    first: int,
+    last: int,
+    visible: int,
+    dtype: torch.dtype,
+    reach: int | None = None,
 ) -> Tensor | None:
     """The additive bias and causal mask of queries [first, last) of this call over the
-    first ``visible`` live keys (None when every key is visible and there is no bias)."""
+    first ``visible`` live keys, the keys beyond a sliding window ``reach`` masked too
+    (None when every key is visible and there is no bias)."""
     queries = step.query_index[first:last]
     keys = step.key_index[:visible]
     future = keys[None, :] > queries[:, None]
+    if reach is not None:  # token indices: true distances, whatever was evicted
+        future |= queries[:, None] - keys[None, :] >= reach
     if not enc.has_bias:
         return None if not bool(future.any()) else ~future
     k_len = int(queries[-1]) + 1
@@ -344,7 +359,7 @@ def _forward(model: Transformer, tokens: Tensor, cache: KVCache) -> Tensor:
         attn = block.attn
         qkv = attn.qkv(block.attn_norm(x))
         q, k, v = qkv.view(batch, count, 3, heads, -1).permute(2, 0, 3, 1, 4)
-        y = _attend(cache, layer, q, k, v, step, factors)
+        y = _attend(cache, layer, q, k, v, step, factors, attn.window)
         x = x + attn.proj(y.transpose(1, 2).reshape(batch, count, -1))
         x = x + block.mlp(block.mlp_norm(x))
     cache.length = step.start + count

@@ -26,8 +26,11 @@ from worker.attention import (
     AttentionBias,
     Kernel,
     biased_attention,
+    causal_attention,
     decayed_attention,
+    first_key,
     flex,
+    windowed_bias,
     written_out_causal_attention,
 )
 from worker.diagnostics import LayerProbe, scale_rows
@@ -125,6 +128,9 @@ class CausalSelfAttention(nn.Module):
         # One fused projection for q, k and v: a single matmul instead of three.
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
         self.proj = nn.Linear(config.d_model, config.d_model, bias=False)
+        # A sliding window: each query attends to itself and the window - 1 keys before
+        # it (None: every earlier key). Set by the model from its encoding's ``window``.
+        self.window: int | None = None
 
     def forward(
         self,
@@ -157,34 +163,48 @@ class CausalSelfAttention(nn.Module):
                 decay=decay,
                 factors=factors,
                 source=attn_bias if attn_bias is not None else tables,
+                window=self.window,
             )
         written = attn_bias.written if attn_bias is not None else None
+        window = self.window if causal else None  # the two-way probes see every key
+        eager = kernel is not None and kernel.implementation == "eager"
         if decay is not None:
             if not causal:
                 raise ValueError("xPos's decay beyond one table's span is causal only")
-            y = decayed_attention(q, k, v, decay)
+            y = decayed_attention(q, k, v, decay, window)
         elif kernel is not None and kernel.implementation == "flex_attention":
+            mask = kernel.block_mask(window) if causal else None
             y = flex(
-                q, k, v, kernel.score_mod, mask=kernel.block_mask, causal=causal, tiles=kernel.tiles
+                q,
+                k,
+                v,
+                kernel.score_mod,
+                mask=mask,
+                causal=causal,
+                window=window,
+                tiles=kernel.tiles,
             )
         elif attn_bias is None:
-            if kernel is not None and kernel.implementation == "eager":
+            if causal:  # no bias: the fused causal kernel (flash) serves, windowless
+                y = causal_attention(q, k, v, written=eager, window=window)
+            elif eager:
                 y = written_out_causal_attention(q, k, v, causal)
-            else:  # no bias: the fused causal kernel (flash) serves
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            else:
+                y = F.scaled_dot_product_attention(q, k, v)
         elif not causal:
             y = biased_attention(q, k, v, attn_bias.full, written)
         else:
-            # Queries in blocks; block [s, e) only needs keys up to e.
+            # Queries in blocks; block [s, e) only needs keys [first_key(s), e).
             blocks = []
             for start in range(0, length, attn_bias.block_rows):
                 end = min(length, start + attn_bias.block_rows)
-                bias = attn_bias.rows(start, end)
+                lo = first_key(start, window)
+                bias = windowed_bias(attn_bias.rows(start, end), start, end, window)
                 if factors is not None:
                     bias = scale_rows(bias, factors[start:end])
                 blocks.append(
                     biased_attention(
-                        q[:, :, start:end], k[:, :, :end], v[:, :, :end], bias, written
+                        q[:, :, start:end], k[:, :, lo:end], v[:, :, lo:end], bias, written
                     )
                 )
             y = torch.cat(blocks, dim=2)

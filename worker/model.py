@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from core.catalog.encodings import WINDOW
 from core.catalog.models import MODEL_PRESETS
 from core.catalog.params import is_positive_int
 from worker.attention import (
@@ -51,7 +52,13 @@ PRESETS: dict[str, ModelConfig] = {
 class Transformer(nn.Module):
     """``forward(tokens [B, T]) -> logits [B, T, vocab]``."""
 
-    def __init__(self, config: ModelConfig, encoding: PositionEncoding, seed: int = 0) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        encoding: PositionEncoding,
+        seed: int = 0,
+        window: int | None = None,
+    ) -> None:
         super().__init__()
         if (encoding.n_heads, encoding.head_dim, encoding.d_model) != (
             config.n_heads,
@@ -62,6 +69,11 @@ class Transformer(nn.Module):
         self.config = config
         self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        if window is not None:
+            if not is_positive_int(window):
+                raise ValueError(f"window must be a positive integer (keys), got {window!r}")
+            for block in self.blocks:
+                block.attn.window = window
         self.final_norm = nn.LayerNorm(config.d_model, bias=False)
         self.encoding = encoding
         # Tests lower this to exercise the query-block path on short sequences.
@@ -157,6 +169,7 @@ class Transformer(nn.Module):
             self.attn_implementation,
             device=device,
             has_bias=encoding.has_bias,
+            windowed=any(window is not None for window in self.windows),
             fusable=encoding.fusable,
             backward=torch.is_grad_enabled() if backward is None else backward,
             learned=any(p.requires_grad for p in encoding.parameters()),
@@ -187,11 +200,16 @@ class Transformer(nn.Module):
             self.note_attention(choice, backward=torch.is_grad_enabled())
         if choice.implementation != "flex_attention":
             return Kernel(choice.implementation)
+        masks = {window: block_mask(length, str(device), window) for window in self.windows}
         if not encoding.has_bias:
-            return Kernel(choice.implementation, None, block_mask(length, str(device)))
+            return Kernel(choice.implementation, None, masks)
         mod = score_mod(encoding.bias_mod(length), factors)
-        mask = block_mask(length, str(device))
-        return Kernel(choice.implementation, mod, mask, encoding.flex_tiles)
+        return Kernel(choice.implementation, mod, masks, encoding.flex_tiles)
+
+    @property
+    def windows(self) -> list[int | None]:
+        """Each layer's sliding window (None: every earlier key), in layer order."""
+        return [block.attn.window for block in self.blocks]
 
     def note_attention(self, choice: Choice, backward: bool) -> None:
         """Record what ran (training: a pass with a backward) and tell its note once."""
@@ -264,7 +282,9 @@ def build_model(
     **encoding_params: object,
 ) -> Transformer:
     """A model with ``encoding``; weights the encoding does not own depend on ``seed`` only;
-    ``attn_implementation`` (worker.attention) says how its attention runs."""
+    ``attn_implementation`` (worker.attention) says how its attention runs. The
+    encoding's ``window`` parameter (every encoding has one) is the model's: a sliding
+    window on every layer's attention, not something the encoding computes."""
     check_implementation(attn_implementation)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise ValueError(f"seed must be an integer in [0, 2^63), got {seed!r}")
@@ -275,6 +295,9 @@ def build_model(
             raise ValueError(
                 f"unknown model preset {config!r} (available: {', '.join(PRESETS)})"
             ) from None
+    window = encoding_params.pop(WINDOW.name, None)
+    if window is not None:
+        window = WINDOW.check(encoding, window)
     with torch.random.fork_rng(devices=[]):
         # The encoding's own parameters get a stream of their own, derived from the seed.
         torch.manual_seed(seed + 0x5EED)
@@ -286,6 +309,6 @@ def build_model(
             train_length=train_length,
             **encoding_params,
         )
-    model = Transformer(config, position_encoding, seed=seed)
+    model = Transformer(config, position_encoding, seed=seed, window=window)
     model.attn_implementation = attn_implementation
     return model

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from core.catalog.encodings import REGISTRY, SCALINGS, TEMPERATURES, EncodingInfo
+from core.catalog.encodings import REGISTRY, SCALINGS, SHARED_PARAMS, TEMPERATURES, EncodingInfo
 
 ENCODING_COLUMNS = ("name", "family", "parameters", "summary", "attention")
 SCALING_COLUMNS = ("name", "summary")
@@ -18,6 +18,12 @@ def _parameters(entry: EncodingInfo) -> str:
         f"{p.name}={p.derived if p.default is None else p.default}" for p in entry.params
     )
     return params or "-"
+
+
+def shared_params_line() -> str:
+    """What every encoding takes besides its own parameters."""
+    shared = "; ".join(f"`{p.name}` ({p.help}; default: {p.derived})" for p in SHARED_PARAMS)
+    return f"Every encoding also takes {shared}."
 
 
 def encoding_rows() -> list[tuple[str, str, str, str, str]]:
@@ -50,6 +56,8 @@ def catalog_markdown() -> str:
     """Both tables as markdown (the block between the markers of docs/encodings.md)."""
     return (
         markdown_table(ENCODING_COLUMNS, encoding_rows())
+        + "\n\n"
+        + shared_params_line()
         + f"\n\nRoPE inference-time scalings (apply to {scalable_names()}):\n\n"
         + markdown_table(SCALING_COLUMNS, scaling_rows())
         + "\n\nInference-time attention scalings (apply to every encoding, alone or after a "

@@ -25,7 +25,9 @@ __all__ = [
     "NO_SCALING",
     "REGISTRY",
     "SCALINGS",
+    "SHARED_PARAMS",
     "TEMPERATURES",
+    "WINDOW",
     "EncodingInfo",
     "Fit",
     "Param",
@@ -85,15 +87,21 @@ class EncodingInfo:
             return "flex score_mod on CUDA; elsewhere sdpa blocks (CPU training: written out)"
         return "sdpa (flash on CUDA)"
 
+    @property
+    def all_params(self) -> tuple[Param, ...]:
+        """Its own parameters, then those every encoding takes (``SHARED_PARAMS``)."""
+        return self.params + SHARED_PARAMS
+
     def param(self, name: str) -> Param:
-        for p in self.params:
+        for p in self.all_params:
             if p.name == name:
                 return p
         raise KeyError(name)
 
     def resolve(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        """Validate user parameters and fill in defaults (derived defaults stay None)."""
-        known = {p.name for p in self.params}
+        """Validate user parameters and fill in defaults (derived defaults stay None; an
+        optional parameter not given stays out)."""
+        known = {p.name for p in self.all_params}
         unknown = sorted(set(params) - known)
         if unknown:
             allowed = ", ".join(sorted(known)) or "none"
@@ -102,10 +110,10 @@ class EncodingInfo:
                 f"{short_repr(unknown[0])} (allowed: {allowed})"
             )
         out: dict[str, Any] = {}
-        for p in self.params:
+        for p in self.all_params:
             if p.name in params and params[p.name] is not None:
                 out[p.name] = p.check(self.name, params[p.name])
-            else:
+            elif not p.optional:
                 out[p.name] = p.default
         return out
 
@@ -124,6 +132,11 @@ class EncodingInfo:
             raise EncodingConfigError(
                 f"encoding {short_repr(self.name)} has no HF transformers form (those with "
                 f"one: {', '.join(hf_exportable())})"
+            )
+        if params.get(WINDOW.name) is not None:
+            raise EncodingConfigError(
+                f"window={params[WINDOW.name]}: GPT-NeoX attends to every earlier key; a "
+                "sliding window has no form there yet"
             )
         base = float(params.get("base", _ROPE_BASE.default))
         return Rotary(base, self.rotary_width(head_dim, params), train_length)
@@ -145,7 +158,7 @@ class EncodingInfo:
             "family": self.family,
             "summary": self.summary,
             "reference": self.reference,
-            "params": [p.to_json() for p in self.params],
+            "params": [p.to_json() for p in self.all_params],
             "scalable": self.scalable,
             "max_length": "train_length" if self.bounded_by_train_length else None,
         }
@@ -169,6 +182,21 @@ def _randomized_range(params: Mapping[str, Any], fit: Fit) -> list[str]:
         f"and the longest evaluation length {fit.longest}"
     ]
 
+
+# Every encoding takes these: how its attention is masked, which the model applies
+# (worker.model.build_model), not the encoding.
+WINDOW = Param(
+    "window",
+    int,
+    None,
+    "sliding-window attention on every layer: each query attends to itself and the "
+    "window - 1 keys before it, as in Longformer, Mistral and Gemma's local layers",
+    low=1,
+    high=1 << 22,
+    derived="none, every earlier key",
+    optional=True,
+)
+SHARED_PARAMS: tuple[Param, ...] = (WINDOW,)
 
 _ROPE_BASE = Param("base", float, 10000.0, "base of the geometric frequency ladder", low=2.0)
 _ROTARY_FRACTION = Param(

@@ -43,17 +43,24 @@ class Param:
     choices: tuple[Any, ...] | None = None
     # A default of None means "derived from the model" (e.g. the training length).
     derived: str | None = None
+    # An optional parameter stays out of the resolved parameters until it is given, so one
+    # added after results existed changes no stored parameter and no hash while unset.
+    optional: bool = False
 
     def allowed(self) -> str:
         if self.choices is not None:
             return "one of " + ", ".join(repr(c) for c in self.choices)
         kind = "list of numbers, each" if self.type is list else self.type.__name__
+
+        def shown(bound: float) -> str:  # an integer's bound in digits, not 4.1943e+06
+            return f"{int(bound)}" if self.type is int else f"{bound:g}"
+
         if self.low is not None and self.high is not None:
-            return f"{kind} in [{self.low:g}, {self.high:g}]"
+            return f"{kind} in [{shown(self.low)}, {shown(self.high)}]"
         if self.low is not None:
-            return f"{kind} >= {self.low:g}"
+            return f"{kind} >= {shown(self.low)}"
         if self.high is not None:
-            return f"{kind} <= {self.high:g}"
+            return f"{kind} <= {shown(self.high)}"
         return kind
 
     def check(self, owner: str, value: Any) -> Any:

@@ -274,7 +274,7 @@ class EncodingSpec(_Strict):
         entry = REGISTRY[self.name]
         changed = [
             f"{p.name}={_format_param(self.params[p.name])}"
-            for p in entry.params
+            for p in entry.all_params
             if p.name in self.params and self.params[p.name] != p.default
         ]
         return f"{self.name}({', '.join(changed)})" if changed else self.name

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from core.catalog.encodings import (
     REGISTRY,
     SCALINGS,
+    SHARED_PARAMS,
     EncodingInfo,
     Fit,
     ScalingInfo,
@@ -79,6 +80,12 @@ def build(
     entry = info(name)
     _check_dims(n_heads, head_dim, d_model, train_length)
     resolved = entry.resolve(params)
+    shared = [p.name for p in SHARED_PARAMS if p.name in resolved]
+    if shared:
+        raise EncodingConfigError(
+            f"{', '.join(shared)}: the model's attention, not the encoding's "
+            "(worker.model.build_model applies it)"
+        )
     problems = entry.problems(resolved, Fit(head_dim, train_length, train_length))
     if problems:
         raise EncodingConfigError(f"encoding {name!r}: {'; '.join(problems)}")
