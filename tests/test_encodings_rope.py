@@ -323,3 +323,69 @@ def test_dynamic_ntk_takes_no_factor() -> None:
     with pytest.raises(EncodingConfigError, match="'dynamic_ntk' takes no factor"):
         rope.with_scaling("dynamic_ntk", 4.0)
     assert rope.with_scaling("dynamic_ntk").scaling.factor == 1.0
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5, 1.0])
+def test_proportional_rope_equals_transformers(fraction: float) -> None:
+    """``proportional: true`` is transformers' ``rope_type: proportional`` (Gemma 4's
+    global layers): its frequencies (the ladder over the whole head, the slow pairs
+    standing still) and q, k rotated by its ``apply_rotary_pos_emb`` at the same
+    positions."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_apply
+
+    head_dim, base = 32, 1e6
+    config = LlamaConfig(
+        hidden_size=2 * head_dim,
+        num_attention_heads=2,
+        head_dim=head_dim,
+        rope_parameters={
+            "rope_type": "proportional",
+            "rope_theta": base,
+            "partial_rotary_factor": fraction,
+        },
+    )
+    hf_freq, hf_factor = ROPE_INIT_FUNCTIONS["proportional"](config, "cpu")
+    ours = build(
+        "rope",
+        **dims(n_heads=2, head_dim=head_dim),
+        base=base,
+        rotary_fraction=fraction,
+        proportional=True,
+    )
+    assert hf_factor == 1.0 and ours.rotary_dim == head_dim
+    torch.testing.assert_close(ours.inv_freq, hf_freq, rtol=1e-6, atol=0)
+    assert int((ours.inv_freq > 0).sum()) == int(fraction * head_dim) // 2
+    positions = torch.arange(300)
+    q, k = torch.randn(2, 1, 2, 300, head_dim).unbind(0)
+    angles = positions[:, None].float() * hf_freq
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    expected = hf_apply(q, k, cos[None], sin[None])
+    got = ours.rotary_tables(positions).rotate(q, k)
+    for mine, theirs in zip(got, expected, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_proportional_rope_differs_from_partial_rope_and_refuses_scalings() -> None:
+    """GPT-NeoX's partial RoPE squeezes its own ladder into the rotated dimensions; the
+    proportional form keeps the full ladder's fast end: the same pairs turn at other
+    speeds. A RoPE scaling of it is refused, here and in a spec."""
+    from core.spec import SpecError, parse_spec
+
+    shape = dims(n_heads=2, head_dim=32)
+    partial = build("rope", **shape, rotary_fraction=0.25)
+    proportional = build("rope", **shape, rotary_fraction=0.25, proportional=True)
+    assert partial.rotary_dim == 8 and proportional.rotary_dim == 32
+    assert not torch.allclose(partial.inv_freq[:4], proportional.inv_freq[:4])
+    with pytest.raises(EncodingConfigError, match="proportional RoPE takes no scaling"):
+        proportional.with_scaling("yarn", 4.0)
+    spec = {
+        "model": "tiny",
+        "train": {"length": 32},
+        "encodings": [{"name": "rope", "proportional": True, "rotary_fraction": 0.25}],
+        "eval": {"lengths": [32, 64], "variants": ["none", "yarn:2"]},
+    }
+    with pytest.raises(SpecError, match="proportional RoPE takes no scaling yet") as refused:
+        parse_spec(spec)
+    assert "rope(rotary_fraction=0.25, proportional=true)" in str(refused.value)

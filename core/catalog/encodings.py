@@ -119,10 +119,17 @@ class EncodingInfo:
 
     def rotary_width(self, head_dim: int, params: Mapping[str, Any]) -> int:
         """How many of a head's dimensions this encoding rotates (an even number; 0 for
-        encodings that rotate nothing)."""
+        encodings that rotate nothing; proportional RoPE: the turning pairs' dimensions)."""
         if self.family != "rotary":
             return 0
         return int(head_dim * params.get("rotary_fraction", 1.0)) // 2 * 2
+
+    def scaling_problem(self, params: Mapping[str, Any]) -> str | None:
+        """Why the RoPE scalings do not apply to this encoding with ``params`` (None: they
+        do, or it is not scalable at all)."""
+        if self.scalable and params.get("proportional"):
+            return "proportional RoPE takes no scaling yet (its still pairs have no frequency)"
+        return None
 
     def hf_rotary(self, params: Mapping[str, Any], head_dim: int, train_length: int) -> Rotary:
         """The rotary part a GPT-NeoX export of this encoding with resolved ``params`` states:
@@ -132,6 +139,11 @@ class EncodingInfo:
             raise EncodingConfigError(
                 f"encoding {short_repr(self.name)} has no HF transformers form (those with "
                 f"one: {', '.join(hf_exportable())})"
+            )
+        if params.get("proportional"):
+            raise EncodingConfigError(
+                "proportional RoPE: GPT-NeoX's partial RoPE spreads its ladder over the "
+                "rotated dimensions only, so it computes another model"
             )
         if params.get(WINDOW.name) is not None:
             raise EncodingConfigError(
@@ -243,7 +255,19 @@ REGISTRY: dict[str, EncodingInfo] = {
             reference="Su et al. 2021, RoFormer: Enhanced Transformer with Rotary Position "
             "Embedding (arXiv:2104.09864)",
             implementation="worker.encodings.rope:Rope",
-            params=(_ROPE_BASE, _ROTARY_FRACTION),
+            params=(
+                _ROPE_BASE,
+                _ROTARY_FRACTION,
+                Param(
+                    "proportional",
+                    bool,
+                    False,
+                    "transformers' proportional RoPE (Gemma 4's global layers): the ladder "
+                    "spans the whole head, base^(-2j/head_dim), and only the fastest "
+                    "rotary_fraction of the pairs turns; the others stand still",
+                    optional=True,
+                ),
+            ),
             scalable=True,
             hf_export=True,
         ),

@@ -305,6 +305,8 @@ class HfEncoding(_Strict):
 
 
 def _format_param(value: Any) -> str:
+    if isinstance(value, bool):  # as a spec writes it
+        return "true" if value else "false"
     if isinstance(value, float):
         return str(int(value)) if value.is_integer() and abs(value) < 1e15 else repr(value)
     return str(value)

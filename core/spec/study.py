@@ -291,6 +291,13 @@ class StudySpec(StudyCost, _Strict):
                 for problem in entry.problems(encoding.resolved_params, fit)
             ]
             width = entry.rotary_width(self.model.head_dim, encoding.resolved_params)
+            refused = entry.scaling_problem(encoding.resolved_params)
+            if scalings and refused:
+                problems.append(
+                    f"eval.variants: {short_repr(scalings[0].label)} with {encoding.label}: "
+                    f"{refused}"
+                )
+                continue
             for variant in scalings if entry.scalable else []:
                 scaling = SCALINGS[variant.method]
                 resolved = scaling.resolve(variant.params, variant.label)

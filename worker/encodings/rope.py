@@ -5,6 +5,13 @@ paired with dimension j + r/2, where r is the rotated width, and the pair is
 rotated by the angle ``position * base^(-2j/r)``. With ``rotary_fraction < 1``
 only the first r = fraction x head_dim dimensions rotate (GPT-NeoX, GPT-J).
 
+``proportional`` RoPE (transformers' ``rope_type: proportional``, Gemma 4's global
+layers) keeps the whole head in the layout (pairs j and j + d/2) and the ladder over
+the whole head dimension, base^(-2j/d), but only the fastest fraction of the pairs
+turns: pairs j >= int(fraction x d) / 2 get frequency 0. The fraction that rotates is
+the high-frequency end of the full ladder, not a ladder of its own squeezed into
+fewer dimensions as GPT-NeoX's partial RoPE is.
+
 Phases and the rotation itself run in float32 whatever the autocast dtype:
 bf16 has 8 mantissa bits, so ``position * inv_freq`` would be wrong by whole
 radians at positions in the thousands.
@@ -47,7 +54,14 @@ __all__ = [
 class Rope(PositionEncoding):
     name = "rope"
 
-    def __init__(self, *, base: float = 10000.0, rotary_fraction: float = 1.0, **dims: int) -> None:
+    def __init__(
+        self,
+        *,
+        base: float = 10000.0,
+        rotary_fraction: float = 1.0,
+        proportional: bool = False,
+        **dims: int,
+    ) -> None:
         super().__init__(**dims)
         rotary_dim = int(self.head_dim * rotary_fraction) // 2 * 2
         if rotary_dim < 2:
@@ -58,9 +72,18 @@ class Rope(PositionEncoding):
         check_even(self.name, "head_dim", self.head_dim)
         self.base = base
         self.rotary_fraction = rotary_fraction
-        self.rotary_dim = rotary_dim
+        self.proportional = proportional
         self.scaling: RopeScaling | None = None
-        self.register_buffer("inv_freq", rope_inv_freq(base, rotary_dim), persistent=False)
+        if proportional:
+            # The whole head is laid out in pairs; the slow end of the ladder stands still.
+            turning = int(rotary_fraction * self.head_dim // 2)
+            inv_freq = rope_inv_freq(base, self.head_dim)
+            inv_freq[turning:] = 0.0
+            rotary_dim = self.head_dim
+        else:
+            inv_freq = rope_inv_freq(base, rotary_dim)
+        self.rotary_dim = rotary_dim
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     # -- scalings ---------------------------------------------------------------------------
 
@@ -75,6 +98,11 @@ class Rope(PositionEncoding):
         ``original_length`` defaults to the training length; a scaling's own
         ``original_max_position_embeddings`` overrides it."""
         spec = scaling_info(method)
+        if self.proportional:
+            raise EncodingConfigError(
+                f"RoPE scaling {method!r}: proportional RoPE takes no scaling yet (its "
+                "still pairs have no frequency to scale)"
+            )
         if spec.needs_factor:
             if factor is None:
                 raise EncodingConfigError(f"RoPE scaling {method!r} needs a factor (e.g. 4.0)")
@@ -151,6 +179,8 @@ class Rope(PositionEncoding):
 
     def extra_repr(self) -> str:
         text = f"{super().extra_repr()}, base={self.base:g}, rotary_dim={self.rotary_dim}"
+        if self.proportional:
+            text += f", proportional (fraction {self.rotary_fraction:g} turns)"
         if self.scaling is not None:
             text += f", scaling={self.scaling}"
         return text
