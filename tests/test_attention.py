@@ -14,7 +14,7 @@ import torch
 from conftest import dims
 
 from worker import attention
-from worker.attention import AttentionBias, Kernel, causal_mask_mod, choose, flex, score_mod
+from worker.attention import AttentionBias, Kernel, Reach, choose, flex, score_mod
 from worker.encodings import build
 from worker.encodings.base import PositionEncoding
 from worker.layers import CausalSelfAttention, ModelConfig
@@ -254,12 +254,12 @@ def test_a_sliding_window_masks_exactly_the_keys_out_of_reach() -> None:
     q, k, v = (torch.randn(1, 2, 150, 16, generator=generator) for _ in range(3))
     window = 33
     i, j = torch.arange(150)[:, None], torch.arange(150)[None, :]
-    visible = causal_mask_mod(window)(None, None, i, j)
+    visible = Reach(window=window).mask_mod()(None, None, i, j)
     assert visible.sum(1).max() == window and bool(visible.diagonal().all())
     scores = (q @ k.transpose(-1, -2)) / 4.0
     expected = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1) @ v
     with torch.no_grad():
-        fused = flex(q, k, v, None, window=window)
+        fused = flex(q, k, v, None, reach=Reach(window=window))
     torch.testing.assert_close(fused, expected, rtol=0, atol=1e-5)
 
 

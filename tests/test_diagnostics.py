@@ -115,9 +115,9 @@ def _capture(model, monkeypatch):
     seen: dict[int, dict] = {}
     record = AttentionProbe.record
 
-    def keep(self, layer, logits, rows, window=None):
+    def keep(self, layer, logits, rows, reach=None):
         seen.setdefault(layer, {"parts": []})["parts"].append((logits.clone(), rows.clone()))
-        record(self, layer, logits, rows, window)
+        record(self, layer, logits, rows, reach)
 
     monkeypatch.setattr(AttentionProbe, "record", keep)
     hooks = []

@@ -19,7 +19,7 @@ from core.catalog.encodings import REGISTRY, WINDOW
 from core.catalog.params import EncodingConfigError
 from core.spec import SpecError, parse_spec
 from tests.test_evaluate import run_here
-from worker.attention import first_key, visible
+from worker.attention import Reach
 from worker.decode import decode_logits
 from worker.encodings import build
 from worker.encodings.rope import Rope
@@ -55,8 +55,10 @@ def reference_logits(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
         if bias is not None:
             scores = scores + bias
         hidden = key > query
-        if attn.window is not None:
-            hidden |= query - key >= attn.window
+        if attn.reach.window is not None:
+            hidden |= query - key >= attn.reach.window
+        if attn.reach.chunk is not None:
+            hidden |= query // attn.reach.chunk != key // attn.reach.chunk
         y = torch.softmax(scores.masked_fill(hidden, float("-inf")), -1) @ v
         x = x + attn.proj(y.transpose(1, 2).reshape(batch, length, -1))
         x = x + block.mlp(block.mlp_norm(x))
@@ -81,11 +83,12 @@ def _tokens(length: int, batch: int = 2) -> torch.Tensor:
 
 
 def test_visible_keys_are_the_window_before_each_query() -> None:
-    seen = visible(5, 9, 3, torch.device("cpu"))  # queries 5..8 over keys 3..8
-    assert first_key(5, 3) == 3 and seen.shape == (4, 6)
+    seen = Reach(window=3).visible(5, 9, torch.device("cpu"))  # queries 5..8 over keys 3..8
+    assert Reach(window=3).first_key(5) == 3 and seen.shape == (4, 6)
     expected = [[q - 3 < j + 3 <= q for j in range(6)] for q in range(5, 9)]
     assert seen.tolist() == [[bool(x) for x in row] for row in expected]
-    assert first_key(2, 8) == 0 and first_key(7, None) == 0
+    assert Reach(window=8).first_key(2) == 0 and Reach().first_key(7) == 0
+    assert Reach(window=3).keys_seen(torch.arange(5)).tolist() == [1, 2, 3, 3, 3]
 
 
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])

@@ -13,8 +13,9 @@ Four implementations, named as HF transformers names them (``attn_implementation
   (on the CPU a learned bias in training is written out, where SDPA's CPU kernel would
   materialise every score anyway).
 
-A sliding window (every encoding's ``window`` parameter) is part of the causal mask on
-every path: a block of queries reads only the keys its window reaches (``first_key``).
+A sliding window (every encoding's ``window`` parameter) and Llama 4's chunks are part of
+the causal mask on every path (``Reach``): a block of queries reads only the keys it can
+reach (``Reach.first_key``).
 
 The choice changes no number beyond rounding (tests hold them to 1e-5 in float32) and no
 hash: like the device it is how a run executes, recorded in its provenance. What cannot
@@ -95,8 +96,8 @@ def choose(
     flex_attention) for an encoding with an additive bias (``has_bias``; ``learned``: with
     parameters of its own) that has a fused form (``fusable``), on ``device``, with or
     without a ``backward`` to follow; ``decay``: xPos's per-block decay is in use;
-    ``windowed``: a layer attends through a sliding window (flex skips the tiles outside
-    it where SDPA masks them)."""
+    ``windowed``: a layer attends through a sliding window or chunks (flex skips the
+    tiles outside them where SDPA masks them)."""
     check_implementation(requested)
     if decay:
         note = None
@@ -253,46 +254,103 @@ def biased_attention(
     return fused_biased_attention(q, k, v, bias)
 
 
-# -- the causal mask and a sliding window ---------------------------------------------------
+# -- the causal mask, a sliding window and chunks ------------------------------------------
 
 
-def first_key(start: int, window: int | None) -> int:
-    """The first key that queries from ``start`` on can see: 0, or under a sliding
-    ``window`` of keys (each query sees itself and the ``window - 1`` before it) the key
-    ``window - 1`` before ``start``. A block of queries [s, e) reads keys
-    [first_key(s), e) only."""
-    return 0 if window is None else max(0, start - window + 1)
+@dataclass(frozen=True)
+class Reach:
+    """Which earlier keys a layer's queries see. Causal always; then, where set, only the
+    last ``window`` keys (itself included: Longformer's and Mistral's sliding window,
+    Gemma's local layers), and only the keys in the query's own ``chunk`` of positions
+    (Llama 4's chunked attention: positions [c x chunk, (c + 1) x chunk) attend among
+    themselves). ``Reach()`` is plain causal attention."""
+
+    window: int | None = None
+    chunk: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("window", "chunk"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name} must be a positive integer (keys), got {value!r}")
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be a positive integer (keys), got {value!r}")
+
+    @property
+    def limited(self) -> bool:
+        """Whether it hides more than the future."""
+        return self.window is not None or self.chunk is not None
+
+    def first_key(self, start: int) -> int:
+        """The first key that queries from ``start`` on can see; a block of queries
+        [s, e) reads keys [first_key(s), e) only."""
+        first = 0
+        if self.window is not None:
+            first = max(first, start - self.window + 1)
+        if self.chunk is not None:
+            first = max(first, start // self.chunk * self.chunk)
+        return first
+
+    def hidden(self, queries: Tensor, keys: Tensor) -> Tensor:
+        """True where key positions ``keys`` are hidden from query positions ``queries``
+        (broadcast against each other: the future, and what the window or chunk cut)."""
+        out = keys > queries
+        if self.window is not None:
+            out = out | (queries - keys >= self.window)
+        if self.chunk is not None:
+            out = out | (queries // self.chunk != keys // self.chunk)
+        return out
+
+    def visible(self, start: int, end: int, device: torch.device) -> Tensor:
+        """``[end - start, end - first_key(start)]``: True where key j is visible from
+        query i, for the queries [start, end) over the keys their block reads."""
+        queries = torch.arange(start, end, device=device)[:, None]
+        keys = torch.arange(self.first_key(start), end, device=device)[None, :]
+        return ~self.hidden(queries, keys)
+
+    def keys_seen(self, positions: Tensor) -> Tensor:
+        """How many keys a query at each of ``positions`` sees."""
+        seen = positions + 1
+        if self.window is not None:
+            seen = seen.clamp(max=self.window)
+        if self.chunk is not None:
+            seen = torch.minimum(seen, positions % self.chunk + 1)
+        return seen
+
+    def mask_mod(self) -> Callable[..., Tensor]:
+        """The same rule as FlexAttention's ``mask_mod`` (True: attend)."""
+        window, chunk = self.window, self.chunk
+
+        def causal(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+            seen = q >= kv
+            if window is not None:
+                seen = seen & (q - kv < window)
+            if chunk is not None:
+                seen = seen & (q // chunk == kv // chunk)
+            return seen
+
+        return causal
 
 
-def visible(start: int, end: int, window: int | None, device: torch.device) -> Tensor:
-    """``[end - start, end - first_key(start)]`` booleans: key j is visible from query i
-    when j <= i and, under a ``window``, i - j < window (Longformer's and Mistral's
-    sliding window, Gemma's local layers)."""
-    lo = first_key(start, window)
-    queries = torch.arange(start, end, device=device)[:, None]
-    keys = torch.arange(lo, end, device=device)[None, :]
-    seen = keys <= queries
-    if window is not None:
-        seen &= queries - keys < window
-    return seen
+CAUSAL = Reach()
 
 
 def causal_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, written: bool, window: int | None = None
+    q: Tensor, k: Tensor, v: Tensor, *, written: bool, reach: Reach = CAUSAL
 ) -> Tensor:
     """Causal attention without a bias: SDPA's causal kernel (flash on a GPU) when every
     earlier key is visible and the scores need not be written out; otherwise in blocks of
-    query rows, block [s, e) over keys [first_key(s), e) under its mask, written out
-    (``eager``) or through SDPA."""
-    if window is None and not written:
+    query rows, block [s, e) over keys [reach.first_key(s), e) under its mask, written
+    out (``eager``) or through SDPA."""
+    if not reach.limited and not written:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     length = q.shape[-2]
     rows = WRITTEN_OUT_BLOCK_ROWS if written else MAX_BLOCK_ROWS
     blocks = []
     for start in range(0, length, rows):
         end = min(length, start + rows)
-        lo = first_key(start, window)
-        seen = visible(start, end, window, q.device)
+        lo = reach.first_key(start)
+        seen = reach.visible(start, end, q.device)
         q_block, k_block, v_block = q[:, :, start:end], k[:, :, lo:end], v[:, :, lo:end]
         if written:
             mask = q.new_zeros(seen.shape).masked_fill(~seen, float("-inf"))
@@ -311,33 +369,32 @@ def written_out_causal_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool) 
     return written_out_biased_attention(q, k, v, q.new_zeros(1, length, length))
 
 
-def windowed_bias(bias: Tensor, start: int, end: int, window: int | None) -> Tensor:
+def reached_bias(bias: Tensor, start: int, end: int, reach: Reach) -> Tensor:
     """Causal bias rows of queries [start, end) over keys [0, end) (``AttentionBias.rows``)
-    cut to the keys the block reads under ``window``, the keys past it masked."""
-    if window is None:
+    cut to the keys the block reads under ``reach``, the keys it hides masked."""
+    if not reach.limited:
         return bias
-    lo = first_key(start, window)
-    return bias[..., lo:].masked_fill(~visible(start, end, window, bias.device), float("-inf"))
+    seen = reach.visible(start, end, bias.device)
+    return bias[..., reach.first_key(start) :].masked_fill(~seen, float("-inf"))
 
 
 def decayed_attention(
-    q: Tensor, k: Tensor, v: Tensor, decay: BlockDecay, window: int | None = None
+    q: Tensor, k: Tensor, v: Tensor, decay: BlockDecay, reach: Reach = CAUSAL
 ) -> Tensor:
     """Causal attention of rotated q, k with xPos's decay applied per block of queries
-    (``BlockDecay``): block [s, e) attends keys [first_key(s), e) under a causal
-    (windowed) mask."""
+    (``BlockDecay``): block [s, e) attends keys [reach.first_key(s), e) under its mask."""
     length = q.shape[-2]
     blocks = []
     for start in range(0, length, decay.max_rows):
         end = min(length, start + decay.max_rows)
-        lo = first_key(start, window)
+        lo = reach.first_key(start)
         query_scale, key_scale = decay.scales(start, end)
         blocks.append(
             F.scaled_dot_product_attention(
                 scale_pairs(q[:, :, start:end], query_scale),
                 scale_pairs(k[:, :, lo:end], key_scale[..., lo:, :]),
                 v[:, :, lo:end],
-                attn_mask=visible(start, end, window, q.device),
+                attn_mask=reach.visible(start, end, q.device),
             )
         )
     return torch.cat(blocks, dim=2)
@@ -346,36 +403,20 @@ def decayed_attention(
 # -- the fused kernel -----------------------------------------------------------------------
 
 
-def causal_mask_mod(window: int | None = None) -> Callable[..., Tensor]:
-    """Key j visible from query i: j <= i, and i - j < ``window`` when one is given
-    (sliding-window layers)."""
-
-    def causal(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
-        return q >= kv
-
-    if window is None:
-        return causal
-
-    def windowed(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
-        return (q >= kv) & (q - kv < window)
-
-    return windowed
-
-
 @torch.compiler.disable
-def block_mask(length: int, device: str, window: int | None = None, causal: bool = True):
-    """The causal (or windowed) block mask of ``length`` x ``length``, built once per
+def block_mask(length: int, device: str, reach: Reach = CAUSAL, causal: bool = True):
+    """The causal block mask of ``length`` x ``length`` under ``reach``, built once per
     length and device and shared by every layer, head and batch; None when nothing is
     masked (two-way probes). Outside any compiled graph: a lookup in a cache."""
-    return _block_mask(length, device, window) if causal else None
+    return _block_mask(length, device, reach) if causal else None
 
 
 @lru_cache(maxsize=64)
-def _block_mask(length: int, device: str, window: int | None):
+def _block_mask(length: int, device: str, reach: Reach):
     from torch.nn.attention.flex_attention import create_block_mask
 
     return create_block_mask(
-        causal_mask_mod(window), None, None, length, length, device=device, _compile=False
+        reach.mask_mod(), None, None, length, length, device=device, _compile=False
     )
 
 
@@ -449,15 +490,15 @@ def flex(
     *,
     mask: Any = None,
     causal: bool = True,
-    window: int | None = None,
+    reach: Reach = CAUSAL,
     tiles: dict[str, int] | None = None,
 ) -> Tensor:
     """softmax(q k^T / sqrt(d) + bias) v in one fused kernel, ``q, k, v [B, H, T, d]``,
-    under ``mask`` (a pass's block mask) or the causal (windowed) one of this length.
+    under ``mask`` (a pass's block mask) or the causal one of this length and ``reach``.
     ``tiles``: the kernel options the bias needs on a GPU (``flex_tiles``); the CPU's
     kernel has no tiles of this kind and takes none."""
     if mask is None:
-        mask = block_mask(q.shape[-2], str(q.device), window, causal)
+        mask = block_mask(q.shape[-2], str(q.device), reach, causal)
     options = kernel_options(tiles, q.device)
     if torch.compiler.is_compiling():  # the model is compiled: the outer compile fuses it
         from torch.nn.attention.flex_attention import flex_attention
@@ -473,11 +514,11 @@ class Kernel:
 
     implementation: str
     score_mod: ScoreMod | None = None
-    # flex's block masks, one per sliding window the layers use (None: plain causal),
+    # flex's block masks, one per reach the layers use (a sliding window, chunks),
     # looked up once per pass (outside a compiled graph).
-    block_masks: dict[int | None, Any] | None = None
+    block_masks: dict[Reach, Any] | None = None
     tiles: dict[str, int] | None = None  # the bias's kernel options (``flex_tiles``)
 
-    def block_mask(self, window: int | None = None) -> Any:
-        """The pass's block mask for a layer with this ``window`` (None: built on demand)."""
-        return (self.block_masks or {}).get(window)
+    def block_mask(self, reach: Reach = CAUSAL) -> Any:
+        """The pass's block mask for a layer with this ``reach`` (None: built on demand)."""
+        return (self.block_masks or {}).get(reach)

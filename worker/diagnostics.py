@@ -159,7 +159,7 @@ class AttentionProbe:
             self._queries[key] = sampled_queries(length, self.sample).to(device)
         return self._queries[key]
 
-    def record(self, layer: int, logits: Tensor, rows: Tensor, window: int | None = None) -> None:
+    def record(self, layer: int, logits: Tensor, rows: Tensor, reach: Any = None) -> None:
         """Add the attention of queries at positions ``rows [Q]`` whose pre-softmax
         logits over keys 0..K-1 are ``logits [B, H, Q, K]`` (-inf, or MASKED, where
         masked). A few passes over the logits: the softmax by hand, its entropy as
@@ -181,9 +181,8 @@ class AttentionProbe:
         if int(rows.max()) >= self.train_length:
             far = (rows[:, None] - keys[None, :].long()) >= self.train_length  # [Q, K]
             beyond = torch.linalg.vecdot(p, far.to(z.dtype))
-        seen = (rows + 1).to(z.dtype)  # keys each query sees
-        if window is not None:
-            seen = seen.clamp(max=window)
+        # keys each query sees (``reach``: a layer's window or chunks, worker.attention)
+        seen = (rows + 1 if reach is None else reach.keys_seen(rows)).to(z.dtype)
         stats = torch.stack(
             (
                 entropy,
@@ -229,14 +228,14 @@ class AttentionProbe:
         factors: Tensor | None = None,
         scale: float | None = None,
         source: object = None,
-        window: int | None = None,
+        reach: Any = None,
     ) -> None:
         """Write out and record the logits of the sampled queries of ``q``, ``k``
         ``[B, H, T, d]`` (q already scaled by ``factors``), block by block of
         ``block_rows`` queries: with ``bias_rows(start, end)`` (the causal bias of
         queries [start, end) over keys [0, end)), scaled by ``factors`` as attention
-        scales it, or with xPos's block ``decay``; causal in any case, and under a sliding
-        ``window`` the keys past it masked too. The bias and
+        scales it, or with xPos's block ``decay``; causal in any case, and the keys a layer's
+        ``reach`` hides (a sliding window, chunks) masked too. The bias and
         the decay are built once per ``source`` (what every layer of a forward pass
         shares: its AttentionBias, its tables), not once per layer."""
         length = q.shape[-2]
@@ -268,10 +267,11 @@ class AttentionProbe:
                 )
                 logits = logits + bias
             keys = torch.arange(end, device=q.device)[None, :]
-            hidden = keys > picked[:, None]
-            if window is not None:
-                hidden |= picked[:, None] - keys >= window
-            self.record(layer, logits.masked_fill(hidden, MASKED), picked, window)
+            if reach is None:
+                hidden = keys > picked[:, None]
+            else:
+                hidden = reach.hidden(picked[:, None], keys)
+            self.record(layer, logits.masked_fill(hidden, MASKED), picked, reach)
 
 
 def _decay_scales(decay: Any, start: int, end: int, windows: int) -> tuple[Tensor, Tensor]:

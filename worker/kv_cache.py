@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from worker.attention import CAUSAL, Reach
 from worker.diagnostics import logn_factors, scale_rows
 from worker.encodings.base import PositionEncoding
 from worker.encodings.rope import Rope
@@ -193,10 +194,10 @@ class _Step:
     query_tables: RotaryTables | None
     key_tables: RotaryTables | None  # rerotate: tables for every live key
     decay: BlockDecay | None  # xPos: over the live keys' positions
-    # Bias and mask of each block of queries (and sliding window), built by the first
+    # Bias and mask of each block of queries (and reach), built by the first
     # layer with it, read by the rest;
     # so are xPos's decay scales of each block (a power per key and rotated pair).
-    masks: dict[tuple[int, int, int | None], Tensor | None] = field(default_factory=dict)
+    masks: dict[tuple[int, int, Reach], Tensor | None] = field(default_factory=dict)
     scales: dict[tuple[int, int], tuple[Tensor, Tensor]] = field(default_factory=dict)
 
 
@@ -247,11 +248,11 @@ def _attend(
     v: Tensor,
     step: _Step,
     factors: Tensor | None = None,
-    reach: int | None = None,
+    reach: Reach = CAUSAL,
 ) -> Tensor:
     """Write the new k, v into the cache and attend the new queries over every live key
-    (each query's logits multiplied by its log-n ``factors``, when given), within the
-    layer's trained sliding window ``reach`` where it has one."""
+    (each query's logits multiplied by its log-n ``factors``, when given) that the
+    layer's ``reach`` (its trained sliding window, its chunks) shows them."""
     end = step.start + step.count
     if step.query_tables is not None:
         t = step.query_tables
@@ -295,16 +296,15 @@ def _mask(
     last: int,
     visible: int,
     dtype: torch.dtype,
-    reach: int | None = None,
+    reach: Reach = CAUSAL,
 ) -> Tensor | None:
     """The additive bias and causal mask of queries [first, last) of this call over the
-    first ``visible`` live keys, the keys beyond a sliding window ``reach`` masked too
-    (None when every key is visible and there is no bias)."""
+    first ``visible`` live keys, the keys the layer's ``reach`` hides masked too (None
+    when every key is visible and there is no bias)."""
     queries = step.query_index[first:last]
     keys = step.key_index[:visible]
-    future = keys[None, :] > queries[:, None]
-    if reach is not None:  # token indices: true distances, whatever was evicted
-        future |= queries[:, None] - keys[None, :] >= reach
+    # Token indices: true distances and chunks, whatever the cache evicted.
+    future = reach.hidden(queries[:, None], keys[None, :])
     if not enc.has_bias:
         return None if not bool(future.any()) else ~future
     k_len = int(queries[-1]) + 1
@@ -359,7 +359,7 @@ def _forward(model: Transformer, tokens: Tensor, cache: KVCache) -> Tensor:
         attn = block.attn
         qkv = attn.qkv(block.attn_norm(x))
         q, k, v = qkv.view(batch, count, 3, heads, -1).permute(2, 0, 3, 1, 4)
-        y = _attend(cache, layer, q, k, v, step, factors, attn.window)
+        y = _attend(cache, layer, q, k, v, step, factors, attn.reach)
         x = x + attn.proj(y.transpose(1, 2).reshape(batch, count, -1))
         x = x + block.mlp(block.mlp_norm(x))
     cache.length = step.start + count

@@ -22,15 +22,16 @@ from torch import Tensor, nn
 
 from core.catalog.params import is_positive_int
 from worker.attention import (
+    CAUSAL,
     MAX_BLOCK_ROWS,
     AttentionBias,
     Kernel,
+    Reach,
     biased_attention,
     causal_attention,
     decayed_attention,
-    first_key,
     flex,
-    windowed_bias,
+    reached_bias,
     written_out_causal_attention,
 )
 from worker.diagnostics import LayerProbe, scale_rows
@@ -128,9 +129,9 @@ class CausalSelfAttention(nn.Module):
         # One fused projection for q, k and v: a single matmul instead of three.
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
         self.proj = nn.Linear(config.d_model, config.d_model, bias=False)
-        # A sliding window: each query attends to itself and the window - 1 keys before
-        # it (None: every earlier key). Set by the model from its encoding's ``window``.
-        self.window: int | None = None
+        # Which earlier keys its queries see (worker.attention.Reach: a sliding window,
+        # chunks; plain causal by default). Set by the model from its encoding.
+        self.reach: Reach = CAUSAL
 
     def forward(
         self,
@@ -163,17 +164,17 @@ class CausalSelfAttention(nn.Module):
                 decay=decay,
                 factors=factors,
                 source=attn_bias if attn_bias is not None else tables,
-                window=self.window,
+                reach=self.reach,
             )
         written = attn_bias.written if attn_bias is not None else None
-        window = self.window if causal else None  # the two-way probes see every key
+        reach = self.reach if causal else CAUSAL  # the two-way probes see every key
         eager = kernel is not None and kernel.implementation == "eager"
         if decay is not None:
             if not causal:
                 raise ValueError("xPos's decay beyond one table's span is causal only")
-            y = decayed_attention(q, k, v, decay, window)
+            y = decayed_attention(q, k, v, decay, reach)
         elif kernel is not None and kernel.implementation == "flex_attention":
-            mask = kernel.block_mask(window) if causal else None
+            mask = kernel.block_mask(reach) if causal else None
             y = flex(
                 q,
                 k,
@@ -181,12 +182,12 @@ class CausalSelfAttention(nn.Module):
                 kernel.score_mod,
                 mask=mask,
                 causal=causal,
-                window=window,
+                reach=reach,
                 tiles=kernel.tiles,
             )
         elif attn_bias is None:
-            if causal:  # no bias: the fused causal kernel (flash) serves, windowless
-                y = causal_attention(q, k, v, written=eager, window=window)
+            if causal:  # no bias: the fused causal kernel (flash) serves, unlimited
+                y = causal_attention(q, k, v, written=eager, reach=reach)
             elif eager:
                 y = written_out_causal_attention(q, k, v, causal)
             else:
@@ -194,12 +195,12 @@ class CausalSelfAttention(nn.Module):
         elif not causal:
             y = biased_attention(q, k, v, attn_bias.full, written)
         else:
-            # Queries in blocks; block [s, e) only needs keys [first_key(s), e).
+            # Queries in blocks; block [s, e) only needs keys [reach.first_key(s), e).
             blocks = []
             for start in range(0, length, attn_bias.block_rows):
                 end = min(length, start + attn_bias.block_rows)
-                lo = first_key(start, window)
-                bias = windowed_bias(attn_bias.rows(start, end), start, end, window)
+                lo = reach.first_key(start)
+                bias = reached_bias(attn_bias.rows(start, end), start, end, reach)
                 if factors is not None:
                     bias = scale_rows(bias, factors[start:end])
                 blocks.append(

@@ -32,6 +32,7 @@ from worker.attention import (
     Choice,
     Kernel,
     Notes,
+    Reach,
     block_mask,
     check_implementation,
     choose,
@@ -70,10 +71,8 @@ class Transformer(nn.Module):
         self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         if window is not None:
-            if not is_positive_int(window):
-                raise ValueError(f"window must be a positive integer (keys), got {window!r}")
             for block in self.blocks:
-                block.attn.window = window
+                block.attn.reach = Reach(window=window)
         self.final_norm = nn.LayerNorm(config.d_model, bias=False)
         self.encoding = encoding
         # Tests lower this to exercise the query-block path on short sequences.
@@ -169,7 +168,7 @@ class Transformer(nn.Module):
             self.attn_implementation,
             device=device,
             has_bias=encoding.has_bias,
-            windowed=any(window is not None for window in self.windows),
+            windowed=any(reach.limited for reach in self.reaches),
             fusable=encoding.fusable,
             backward=torch.is_grad_enabled() if backward is None else backward,
             learned=any(p.requires_grad for p in encoding.parameters()),
@@ -200,16 +199,16 @@ class Transformer(nn.Module):
             self.note_attention(choice, backward=torch.is_grad_enabled())
         if choice.implementation != "flex_attention":
             return Kernel(choice.implementation)
-        masks = {window: block_mask(length, str(device), window) for window in self.windows}
+        masks = {reach: block_mask(length, str(device), reach) for reach in self.reaches}
         if not encoding.has_bias:
             return Kernel(choice.implementation, None, masks)
         mod = score_mod(encoding.bias_mod(length), factors)
         return Kernel(choice.implementation, mod, masks, encoding.flex_tiles)
 
     @property
-    def windows(self) -> list[int | None]:
-        """Each layer's sliding window (None: every earlier key), in layer order."""
-        return [block.attn.window for block in self.blocks]
+    def reaches(self) -> list[Reach]:
+        """Which keys each layer's queries see (a sliding window, chunks), in layer order."""
+        return [block.attn.reach for block in self.blocks]
 
     def note_attention(self, choice: Choice, backward: bool) -> None:
         """Record what ran (training: a pass with a backward) and tell its note once."""
