@@ -14,11 +14,12 @@ import torch
 from conftest import dims
 
 from worker import attention
-from worker.attention import AttentionBias, Kernel, Reach, choose, flex, score_mod
+from worker.attention import AttentionBias, Kernel, choose, flex, score_mod
 from worker.encodings import build
 from worker.encodings.base import PositionEncoding
 from worker.layers import CausalSelfAttention, ModelConfig
 from worker.model import build_model
+from worker.reach import Reach
 
 BIASED = ["alibi", "t5", "kerple_log", "kerple_power", "fire"]
 TRAIN = 24  # not a multiple of the kernel's 128-row tiles; nor are 2x, 4x, 8x

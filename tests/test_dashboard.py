@@ -74,7 +74,10 @@ def test_submit_form_validates_inline_and_enqueues_nothing_while_invalid(setting
     assert app.button(key="submit").disabled is True
     app.multiselect(key="custom:encodings").set_value(["alibi"]).run()
     app.multiselect(key="custom:variants").set_value(["yarn:auto"]).run()
-    assert any("scales RoPE and applies to rope, xpos" in plain(e.value) for e in app.error)
+    assert any(
+        "scales RoPE and applies to rope, xpos, local_global, irope" in plain(e.value)
+        for e in app.error
+    )
     app.multiselect(key="custom:variants").set_value([]).run()
     app.multiselect(key="custom:encodings").set_value(["rope"]).run()
     app.text_input(key="custom:finetuned").set_value("yarn+ft10").run()

@@ -354,7 +354,11 @@ def test_spec_notes_name_variants_that_give_the_same_numbers() -> None:
 @pytest.mark.parametrize(
     ("variants", "encodings", "message"),
     [
-        (["llama3:4"], ["alibi"], "'llama3:4' scales RoPE and applies to rope, xpos"),
+        (
+            ["llama3:4"],
+            ["alibi"],
+            "'llama3:4' scales RoPE and applies to rope, xpos, local_global, irope",
+        ),
         (
             [{"method": "longrope", "short_factor": [1.0] * 8}],
             [{"name": "rope", "rotary_fraction": 0.25}],

@@ -133,7 +133,8 @@ def test_cross_field_limits() -> None:
         ),
         (
             {**BASE, "encodings": ["alibi"], "eval": {"variants": ["yarn:4"]}},
-            "'yarn:4' scales RoPE and applies to rope, xpos; this study trains none of them",
+            "'yarn:4' scales RoPE and applies to rope, xpos, local_global, irope; "
+            "this study trains none of them",
         ),
         (with_value("eval.variants", ["pi:0.5"]), "factor must be in [1, 1024] or 'auto', got 0.5"),
         (with_value("eval.variants", ["pi:big"]), "factor must be a number >= 1 or 'auto'"),
@@ -608,7 +609,7 @@ def test_messages_never_echo_a_huge_input() -> None:
         parse_spec(spec)
     message = str(caught.value)
     assert len(message) < 2000 and "(500,002 characters)" in message
-    assert "allowed: base, rotary_fraction" in message  # what is allowed is still said
+    assert "allowed: base, proportional, rotary_fraction, window" in message  # still said
 
 
 def test_labels_keep_every_digit_so_two_settings_never_share_one() -> None:

@@ -56,13 +56,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from worker.attention import CAUSAL, Reach
 from worker.diagnostics import logn_factors, scale_rows
 from worker.encodings.base import PositionEncoding
+from worker.encodings.layered import Layered
 from worker.encodings.rope import Rope
 from worker.encodings.rotary import BlockDecay, RotaryTables, rotated, scale_pairs
 from worker.encodings.xpos import XPos
 from worker.model import Transformer
+from worker.reach import CAUSAL, Reach
 
 CachePolicy = Literal["keep", "rerotate"]
 CACHE_POLICIES: tuple[str, ...] = ("keep", "rerotate")
@@ -191,8 +192,10 @@ class _Step:
     count: int  # new tokens
     query_index: Tensor  # [n] token indices of the new tokens
     key_index: Tensor  # [K] token indices of every live key, new ones included
-    query_tables: RotaryTables | None
-    key_tables: RotaryTables | None  # rerotate: tables for every live key
+    # Per kind of layer (one, or a recipe's): the new tokens' rotations, and under
+    # rerotate the rotations of every live key.
+    query_tables: list[RotaryTables | None]
+    key_tables: list[RotaryTables | None]
     decay: BlockDecay | None  # xPos: over the live keys' positions
     # Bias and mask of each block of queries (and reach), built by the first
     # layer with it, read by the rest;
@@ -208,6 +211,11 @@ def _plain_tables(encoding: PositionEncoding, positions: Tensor) -> RotaryTables
     return encoding.rotary_tables(positions)
 
 
+def _kinds(encoding: PositionEncoding) -> list[PositionEncoding]:
+    """The encoding of each kind of layer: a recipe's kinds, or the one encoding."""
+    return list(encoding.kinds) if isinstance(encoding, Layered) else [encoding]
+
+
 def _prepare(cache: KVCache, count: int) -> _Step:
     if cache.written + count > cache.total:
         raise ValueError(
@@ -220,13 +228,17 @@ def _prepare(cache: KVCache, count: int) -> _Step:
     cache.index[start : start + count] = new
     key_index = cache.index[: start + count]
     enc, positions = cache.encoding, cache.positions
-    query_tables = key_tables = None
-    if cache.policy == "rerotate":
-        key_tables = _plain_tables(enc, positions[..., key_index])
-        if key_tables is not None:
-            query_tables = _slice_tables(key_tables, start, start + count)
-    else:
-        query_tables = _plain_tables(enc, positions[..., new])
+    query_tables: list[RotaryTables | None] = []
+    key_tables: list[RotaryTables | None] = []
+    for kind in _kinds(enc):
+        if cache.policy == "rerotate":
+            every_key = _plain_tables(kind, positions[..., key_index])
+            key_tables.append(every_key)
+            sliced = None if every_key is None else _slice_tables(every_key, start, start + count)
+            query_tables.append(sliced)
+        else:
+            key_tables.append(None)
+            query_tables.append(_plain_tables(kind, positions[..., new]))
     decay = None
     if isinstance(enc, XPos):
         decay = BlockDecay(enc.zeta, enc.scale_base, positions[..., key_index], enc.table_span // 2)
@@ -249,21 +261,24 @@ def _attend(
     step: _Step,
     factors: Tensor | None = None,
     reach: Reach = CAUSAL,
+    kind: int = 0,
 ) -> Tensor:
     """Write the new k, v into the cache and attend the new queries over every live key
     (each query's logits multiplied by its log-n ``factors``, when given) that the
-    layer's ``reach`` (its trained sliding window, its chunks) shows them."""
+    layer's ``reach`` (its trained sliding window, its chunks) shows them; ``kind``: the
+    layer's kind (a recipe's), whose rotations apply."""
     end = step.start + step.count
-    if step.query_tables is not None:
-        t = step.query_tables
+    query_tables, key_tables = step.query_tables[kind], step.key_tables[kind]
+    if query_tables is not None:
+        t = query_tables
         q = rotated(q, t.cos_q, t.sin_q)
-        if step.key_tables is None:
+        if key_tables is None:
             k = rotated(k, t.cos_k, t.sin_k)
     cache.keys[layer][:, :, step.start : end] = k
     cache.values[layer][:, :, step.start : end] = v
     keys, values = cache.keys[layer][:, :, :end], cache.values[layer][:, :, :end]
-    if step.key_tables is not None:
-        keys = rotated(keys, step.key_tables.cos_k, step.key_tables.sin_k)
+    if key_tables is not None:
+        keys = rotated(keys, key_tables.cos_k, key_tables.sin_k)
     # Attention runs in the cache's dtype (a bf16 cache: bf16 scores, as in serving).
     q, enc = scale_rows(q, factors).to(keys.dtype), cache.encoding
     blocks = []
@@ -318,14 +333,18 @@ def _mask(
 def _frequencies_change(cache: KVCache, count: int) -> bool:
     """Whether ``count`` new tokens change the rotary frequencies of the cached ones (a
     scaling that follows the length, past its original length)."""
-    enc = cache.encoding
-    scaling = getattr(enc, "scaling", None)
-    if not cache.written or scaling is None or not scaling.follows_length:
+    if not cache.written:
         return False
     positions = cache.positions
     before = int(positions[..., : cache.written].max()) + 1
     after = int(positions[..., : cache.written + count].max()) + 1
-    return not torch.equal(enc.frequencies(before), enc.frequencies(after))
+    for enc in _kinds(cache.encoding):
+        scaling = getattr(enc, "scaling", None)
+        if scaling is None or not scaling.follows_length:
+            continue
+        if not torch.equal(enc.frequencies(before), enc.frequencies(after)):
+            return True
+    return False
 
 
 @torch.no_grad()
@@ -355,11 +374,13 @@ def _forward(model: Transformer, tokens: Tensor, cache: KVCache) -> Tensor:
     if model.logn_length is not None:  # the new queries' positions: written..written+count-1
         end = cache.written + count
         factors = logn_factors(end, model.logn_length, tokens.device, start=cache.written)
-    for layer, block in enumerate(model.blocks):
+    kinds = len(step.query_tables)
+    every_factors = [model.kind_factors(kind, positions, factors) for kind in range(kinds)]
+    for layer, (block, kind) in enumerate(zip(model.blocks, model.layer_kinds, strict=True)):
         attn = block.attn
         qkv = attn.qkv(block.attn_norm(x))
         q, k, v = qkv.view(batch, count, 3, heads, -1).permute(2, 0, 3, 1, 4)
-        y = _attend(cache, layer, q, k, v, step, factors, attn.reach)
+        y = _attend(cache, layer, q, k, v, step, every_factors[kind], attn.reach, kind)
         x = x + attn.proj(y.transpose(1, 2).reshape(batch, count, -1))
         x = x + block.mlp(block.mlp_norm(x))
     cache.length = step.start + count

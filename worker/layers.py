@@ -22,11 +22,9 @@ from torch import Tensor, nn
 
 from core.catalog.params import is_positive_int
 from worker.attention import (
-    CAUSAL,
     MAX_BLOCK_ROWS,
     AttentionBias,
     Kernel,
-    Reach,
     biased_attention,
     causal_attention,
     decayed_attention,
@@ -36,6 +34,7 @@ from worker.attention import (
 )
 from worker.diagnostics import LayerProbe, scale_rows
 from worker.encodings.rotary import RotaryTables, rotate_pairs, rotate_pairs_into, rotated
+from worker.reach import CAUSAL, Reach
 
 
 @dataclass(frozen=True)

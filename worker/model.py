@@ -32,7 +32,6 @@ from worker.attention import (
     Choice,
     Kernel,
     Notes,
-    Reach,
     block_mask,
     check_implementation,
     choose,
@@ -40,9 +39,11 @@ from worker.attention import (
     score_mod,
 )
 from worker.diagnostics import AttentionProbe, LayerProbe, logn_factors
-from worker.encodings import build
+from worker.encodings import build, info
 from worker.encodings.base import PositionEncoding
+from worker.encodings.layered import Layered
 from worker.layers import Block, ModelConfig
+from worker.reach import Reach
 
 # tiny: tests (seconds); small: CPU (minutes); base and large: one GPU.
 PRESETS: dict[str, ModelConfig] = {
@@ -70,9 +71,18 @@ class Transformer(nn.Module):
         self.config = config
         self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
-        if window is not None:
-            for block in self.blocks:
-                block.attn.reach = Reach(window=window)
+        # Which kind of layer each one is (a recipe's kinds; one kind otherwise) and what
+        # its attention sees: the kind's reach, and the model's window where it has none.
+        self.layer_kinds = (
+            encoding.layer_kinds(config.n_layers)
+            if isinstance(encoding, Layered)
+            else [0] * config.n_layers
+        )
+        for block, kind in zip(self.blocks, self.layer_kinds, strict=True):
+            reach = encoding.reach(kind) if isinstance(encoding, Layered) else Reach()
+            if window is not None and reach.window is None:
+                reach = replace(reach, window=window)
+            block.attn.reach = reach
         self.final_norm = nn.LayerNorm(config.d_model, bias=False)
         self.encoding = encoding
         # Tests lower this to exercise the query-block path on short sequences.
@@ -112,27 +122,51 @@ class Transformer(nn.Module):
             values = torch.randn(weight.shape, generator=generator) * std
             weight.copy_(values.to(weight.device, weight.dtype))
 
+    @property
+    def kinds(self) -> list[PositionEncoding]:
+        """The encoding of each kind of layer (``layer_kinds`` indexes it): a recipe's
+        kinds, or the one encoding. Read at each pass: a scaling swaps the encoding."""
+        encoding = self.encoding
+        return list(encoding.kinds) if isinstance(encoding, Layered) else [encoding]
+
+    def kind_factors(self, kind: int, positions: Tensor, factors: Tensor | None) -> Tensor | None:
+        """What multiplies the queries of layers of ``kind`` at ``positions [T]``: the
+        log-n ``factors`` and a recipe's own (Llama 4's temperature), or None."""
+        encoding = self.encoding
+        own = encoding.query_factors(kind, positions) if isinstance(encoding, Layered) else None
+        if own is None:
+            return factors
+        return own if factors is None else own * factors
+
     def forward(self, tokens: Tensor) -> Tensor:
         batch, length = tokens.shape
         positions = self.encoding.positions(batch, length, tokens.device)
         x = self.token_embedding(tokens) * math.sqrt(self.config.d_model)
         x = self.encoding.embed(x, positions)
-        # Rotary tables, like the bias, are built once per pass and shared by the layers.
-        tables = self.encoding.rotary_tables(positions)
-        if tables is not None and tables.decay is not None:
-            # Blocks of xPos's decay hold batch x heads x rows x keys scores at most.
-            rows = max(1, self.attention_score_budget // (batch * self.config.n_heads * length))
-            decay = replace(tables.decay, max_rows=min(tables.decay.max_rows, rows))
-            tables = replace(tables, decay=decay)
+        # Rotary tables, like the bias, are built once per pass and shared by the layers
+        # (a recipe: once per kind of layer).
+        every_tables = []
+        for kind in self.kinds:
+            tables = kind.rotary_tables(positions)
+            if tables is not None and tables.decay is not None:
+                # Blocks of xPos's decay hold batch x heads x rows x keys scores at most.
+                budget = self.attention_score_budget
+                rows = max(1, budget // (batch * self.config.n_heads * length))
+                decay = replace(tables.decay, max_rows=min(tables.decay.max_rows, rows))
+                tables = replace(tables, decay=decay)
+            every_tables.append(tables)
         factors = None
         if self.logn_length is not None:
             factors = logn_factors(length, self.logn_length, tokens.device)
+        every_factors = [
+            self.kind_factors(kind, positions, factors) for kind in range(len(every_tables))
+        ]
         dtype = (
             torch.get_autocast_dtype(tokens.device.type)
             if torch.is_autocast_enabled(tokens.device.type)
             else x.dtype
         )
-        decaying = tables is not None and tables.decay is not None
+        decaying = any(t is not None and t.decay is not None for t in every_tables)
         kernel = self.attention_kernel(batch, length, tokens.device, dtype, factors, decaying)
         attn_bias = None
         # The probe reads bias rows beside the fused kernel too.
@@ -148,9 +182,9 @@ class Transformer(nn.Module):
                 self.attention_score_budget,
                 written=kernel.implementation == "eager",
             )
-        for i, block in enumerate(self.blocks):
+        for i, (block, kind) in enumerate(zip(self.blocks, self.layer_kinds, strict=True)):
             probe = LayerProbe(self.probe, i) if self.probe is not None else None
-            x = block(x, tables, attn_bias, factors, probe, kernel)
+            x = block(x, every_tables[kind], attn_bias, every_factors[kind], probe, kernel)
         x = self.final_norm(x)
         # Weight tying: the output layer is the token embedding (Press & Wolf 2017). In
         # float32 even under bf16 autocast: bf16 logits bias the loss (by up to 6e-4
@@ -294,7 +328,11 @@ def build_model(
             raise ValueError(
                 f"unknown model preset {config!r} (available: {', '.join(PRESETS)})"
             ) from None
-    window = encoding_params.pop(WINDOW.name, None)
+    # Every encoding's window is the model's, unless the encoding defines one of its own
+    # (a recipe's local layers).
+    window = None
+    if all(p.name != WINDOW.name for p in info(encoding).params):
+        window = encoding_params.pop(WINDOW.name, None)
     if window is not None:
         window = WINDOW.check(encoding, window)
     with torch.random.fork_rng(devices=[]):

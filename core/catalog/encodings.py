@@ -12,13 +12,19 @@ no other module names an encoding.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any
 
+from core.catalog.encoding_entry import (
+    ROPE_BASE,
+    SHARED_PARAMS,
+    WINDOW,
+    EncodingInfo,
+    Fit,
+)
 from core.catalog.params import EncodingConfigError, Param, short_repr
 from core.catalog.scaling_entry import LOGN, TEMPERATURES, TemperatureInfo
-from core.catalog.scalings import NO_SCALING, SCALINGS, Rotary, ScalingInfo, scaling_info
+from core.catalog.scalings import NO_SCALING, SCALINGS, ScalingInfo, scaling_info
 
 __all__ = [
     "LOGN",
@@ -38,143 +44,6 @@ __all__ = [
     "scaling_info",
 ]
 
-Family = Literal["none", "absolute", "rotary", "bias"]
-
-
-@dataclass(frozen=True)
-class Fit:
-    """The model an encoding is checked against: its head size, its training length and
-    the longest length it will be evaluated at."""
-
-    head_dim: int
-    train_length: int
-    longest: int
-
-
-# An entry's own rule: what keeps resolved parameters from fitting a model (torch-free).
-Check = Callable[[Mapping[str, Any], Fit], list[str]]
-
-
-@dataclass(frozen=True)
-class EncodingInfo:
-    """A registry entry: what an encoding is, where it comes from and what it takes."""
-
-    name: str
-    family: Family
-    summary: str
-    reference: str
-    implementation: str
-    params: tuple[Param, ...] = ()
-    # Whether RoPE inference-time scalings (PI, NTK, YaRN) apply to a trained model.
-    scalable: bool = False
-    # Whether the encoding's own length limit is the training length.
-    bounded_by_train_length: bool = False
-    check: Check | None = None
-    # Whether a GPT-NeoX model of HF transformers computes what this encoding computes
-    # (no position signal, or RoPE over the first rotary dimensions of each head), so
-    # `posbench export-hf` can write a trained model as one (``hf_rotary``).
-    hf_export: bool = False
-    # What its attention runs on where that is not its family's rule (``attention``).
-    attention_note: str | None = None
-
-    @property
-    def attention(self) -> str:
-        """The attention kernel this encoding runs on (worker.attention), for the docs and
-        `posbench encodings`."""
-        if self.attention_note is not None:
-            return self.attention_note
-        if self.family == "bias":
-            return "flex score_mod on CUDA; elsewhere sdpa blocks (CPU training: written out)"
-        return "sdpa (flash on CUDA)"
-
-    @property
-    def all_params(self) -> tuple[Param, ...]:
-        """Its own parameters, then those every encoding takes (``SHARED_PARAMS``)."""
-        return self.params + SHARED_PARAMS
-
-    def param(self, name: str) -> Param:
-        for p in self.all_params:
-            if p.name == name:
-                return p
-        raise KeyError(name)
-
-    def resolve(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        """Validate user parameters and fill in defaults (derived defaults stay None; an
-        optional parameter not given stays out)."""
-        known = {p.name for p in self.all_params}
-        unknown = sorted(set(params) - known)
-        if unknown:
-            allowed = ", ".join(sorted(known)) or "none"
-            raise EncodingConfigError(
-                f"encoding {short_repr(self.name)} has no parameter "
-                f"{short_repr(unknown[0])} (allowed: {allowed})"
-            )
-        out: dict[str, Any] = {}
-        for p in self.all_params:
-            if p.name in params and params[p.name] is not None:
-                out[p.name] = p.check(self.name, params[p.name])
-            elif not p.optional:
-                out[p.name] = p.default
-        return out
-
-    def rotary_width(self, head_dim: int, params: Mapping[str, Any]) -> int:
-        """How many of a head's dimensions this encoding rotates (an even number; 0 for
-        encodings that rotate nothing; proportional RoPE: the turning pairs' dimensions)."""
-        if self.family != "rotary":
-            return 0
-        return int(head_dim * params.get("rotary_fraction", 1.0)) // 2 * 2
-
-    def scaling_problem(self, params: Mapping[str, Any]) -> str | None:
-        """Why the RoPE scalings do not apply to this encoding with ``params`` (None: they
-        do, or it is not scalable at all)."""
-        if self.scalable and params.get("proportional"):
-            return "proportional RoPE takes no scaling yet (its still pairs have no frequency)"
-        return None
-
-    def hf_rotary(self, params: Mapping[str, Any], head_dim: int, train_length: int) -> Rotary:
-        """The rotary part a GPT-NeoX export of this encoding with resolved ``params`` states:
-        its base, how many dimensions it rotates (0: none, no position signal) and the
-        training length; refused for an encoding no HF architecture computes."""
-        if not self.hf_export:
-            raise EncodingConfigError(
-                f"encoding {short_repr(self.name)} has no HF transformers form (those with "
-                f"one: {', '.join(hf_exportable())})"
-            )
-        if params.get("proportional"):
-            raise EncodingConfigError(
-                "proportional RoPE: GPT-NeoX's partial RoPE spreads its ladder over the "
-                "rotated dimensions only, so it computes another model"
-            )
-        if params.get(WINDOW.name) is not None:
-            raise EncodingConfigError(
-                f"window={params[WINDOW.name]}: GPT-NeoX attends to every earlier key; a "
-                "sliding window has no form there yet"
-            )
-        base = float(params.get("base", _ROPE_BASE.default))
-        return Rotary(base, self.rotary_width(head_dim, params), train_length)
-
-    def problems(self, params: Mapping[str, Any], fit: Fit) -> list[str]:
-        """What keeps this encoding with resolved ``params`` from fitting the model
-        (for the spec; ``worker.encodings.build`` raises the same)."""
-        problems = []
-        if self.family == "rotary" and self.rotary_width(fit.head_dim, params) < 2:
-            problems.append(
-                f"rotary_fraction={params['rotary_fraction']} of head_dim={fit.head_dim} "
-                "leaves fewer than 2 dimensions to rotate"
-            )
-        return problems + (self.check(params, fit) if self.check else [])
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "family": self.family,
-            "summary": self.summary,
-            "reference": self.reference,
-            "params": [p.to_json() for p in self.all_params],
-            "scalable": self.scalable,
-            "max_length": "train_length" if self.bounded_by_train_length else None,
-        }
-
 
 def _t5_buckets(params: Mapping[str, Any], fit: Fit) -> list[str]:
     if params["max_distance"] > params["num_buckets"] // 2:
@@ -183,6 +52,38 @@ def _t5_buckets(params: Mapping[str, Any], fit: Fit) -> list[str]:
         f"max_distance={params['max_distance']} must exceed num_buckets / 2 = "
         f"{params['num_buckets'] // 2} (the exact buckets; log-spaced ones follow)"
     ]
+
+
+def _proportional_scaling(params: Mapping[str, Any]) -> str | None:
+    if params.get("proportional"):
+        return "proportional RoPE takes no scaling yet (its still pairs have no frequency)"
+    return None
+
+
+def _layers_for(name: str, cycle: int, what: str, fit: Fit) -> list[str]:
+    if fit.n_layers is None or fit.n_layers >= cycle:
+        return []
+    return [
+        f"{name}={cycle - 1 if name == 'pattern' else cycle} needs at least {cycle} layers "
+        f"({what}); this model has {fit.n_layers}"
+    ]
+
+
+def _local_global_fits(params: Mapping[str, Any], fit: Fit) -> list[str]:
+    return _layers_for("pattern", params["pattern"] + 1, "the local ones, then a global", fit)
+
+
+def _local_global_scaling(params: Mapping[str, Any]) -> str | None:
+    if params["global"] == "nope":
+        return (
+            "the scalings apply to the global layers, as Gemma 3's rope_scaling does, and "
+            "they are NoPE here (global: nope)"
+        )
+    return None
+
+
+def _irope_fits(params: Mapping[str, Any], fit: Fit) -> list[str]:
+    return _layers_for("every", params["every"], "the RoPE ones, then a NoPE layer", fit)
 
 
 def _randomized_range(params: Mapping[str, Any], fit: Fit) -> list[str]:
@@ -195,22 +96,7 @@ def _randomized_range(params: Mapping[str, Any], fit: Fit) -> list[str]:
     ]
 
 
-# Every encoding takes these: how its attention is masked, which the model applies
-# (worker.model.build_model), not the encoding.
-WINDOW = Param(
-    "window",
-    int,
-    None,
-    "sliding-window attention on every layer: each query attends to itself and the "
-    "window - 1 keys before it, as in Longformer, Mistral and Gemma's local layers",
-    low=1,
-    high=1 << 22,
-    derived="none, every earlier key",
-    optional=True,
-)
-SHARED_PARAMS: tuple[Param, ...] = (WINDOW,)
-
-_ROPE_BASE = Param("base", float, 10000.0, "base of the geometric frequency ladder", low=2.0)
+_ROPE_BASE = Param("base", float, ROPE_BASE, "base of the geometric frequency ladder", low=2.0)
 _ROTARY_FRACTION = Param(
     "rotary_fraction",
     float,
@@ -255,6 +141,7 @@ REGISTRY: dict[str, EncodingInfo] = {
             reference="Su et al. 2021, RoFormer: Enhanced Transformer with Rotary Position "
             "Embedding (arXiv:2104.09864)",
             implementation="worker.encodings.rope:Rope",
+            scaling_check=_proportional_scaling,
             params=(
                 _ROPE_BASE,
                 _ROTARY_FRACTION,
@@ -402,6 +289,105 @@ REGISTRY: dict[str, EncodingInfo] = {
                 ),
             ),
             check=_randomized_range,
+        ),
+        EncodingInfo(
+            name="local_global",
+            family="rotary",
+            summary="Local layers (RoPE, a sliding window) and global ones (RoPE of a larger "
+            "base, or NoPE), pattern local : 1 global, repeated over the depth.",
+            reference="Gemma Team 2024-25, Gemma 2 and Gemma 3 technical reports "
+            "(arXiv:2408.00118, arXiv:2503.19786); Cohere 2025, Command A (arXiv:2504.00698)",
+            implementation="worker.encodings.layered:LocalGlobal",
+            params=(
+                Param(
+                    "pattern",
+                    int,
+                    5,
+                    "local layers per global one, from the first layer (Gemma 3: 5, "
+                    "Cohere2: 3); layer i is global when (i + 1) % (pattern + 1) == 0",
+                    low=1,
+                    high=63,
+                ),
+                Param(
+                    "window",
+                    int,
+                    None,
+                    "the local layers' sliding window: each query sees itself and the "
+                    "window - 1 keys before it (the global layers see every key)",
+                    low=1,
+                    high=1 << 22,
+                    derived="train_length / 4",
+                ),
+                Param("local_base", float, 10000.0, "the local layers' RoPE base", low=2.0),
+                Param(
+                    "global_base",
+                    float,
+                    1000000.0,
+                    "the global layers' RoPE base (Gemma 3: 1,000,000)",
+                    low=2.0,
+                ),
+                Param(
+                    "global",
+                    str,
+                    "rope",
+                    "the global layers' encoding: rope (Gemma) or nope (Cohere2)",
+                    choices=("rope", "nope"),
+                ),
+            ),
+            scalable=True,
+            check=_local_global_fits,
+            scaling_check=_local_global_scaling,
+            recipe=True,
+            attention_note="sdpa blocks (flex block masks on CUDA); global layers: sdpa",
+        ),
+        EncodingInfo(
+            name="irope",
+            family="rotary",
+            summary="RoPE layers with a NoPE layer every few (iRoPE); optional chunked "
+            "attention on the RoPE layers and a query temperature on the NoPE ones.",
+            reference="Meta 2025, The Llama 4 herd (model card; transformers' Llama4 "
+            "no_rope_layers); Hugging Face 2025, SmolLM3 (blog, NoPE every 4th layer)",
+            implementation="worker.encodings.layered:IRope",
+            params=(
+                Param(
+                    "every",
+                    int,
+                    4,
+                    "every every-th layer is NoPE (layer i when (i + 1) % every == 0), "
+                    "the others RoPE (Llama 4, SmolLM3: 4)",
+                    low=2,
+                    high=64,
+                ),
+                _ROPE_BASE,
+                Param(
+                    "chunk",
+                    int,
+                    None,
+                    "chunked attention on the RoPE layers: positions attend only within "
+                    "their chunk of this many tokens (Llama 4: 8192); unset: none",
+                    low=1,
+                    high=1 << 22,
+                    derived="none",
+                    optional=True,
+                ),
+                Param(
+                    "temperature",
+                    int,
+                    None,
+                    "Llama 4's query temperature on the NoPE layers: q x (1 + 0.1 "
+                    "log(floor((p + 1) / temperature) + 1)) at position p (Llama 4: "
+                    "8192); unset: none",
+                    low=1,
+                    high=1 << 22,
+                    derived="none",
+                    optional=True,
+                ),
+            ),
+            scalable=True,
+            check=_irope_fits,
+            recipe=True,
+            attention_note="sdpa (flash on CUDA); chunked RoPE layers: sdpa blocks (flex "
+            "block masks on CUDA)",
         ),
     )
 }

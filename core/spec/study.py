@@ -283,7 +283,9 @@ class StudySpec(StudyCost, _Strict):
                 f"to {scalable}; "
                 "this study trains none of them"
             )
-        fit = Fit(self.model.head_dim, self.train.length, max(self.eval.lengths))
+        fit = Fit(
+            self.model.head_dim, self.train.length, max(self.eval.lengths), self.model.n_layers
+        )
         for encoding in self.encodings:
             entry = info(encoding.name)
             problems += [

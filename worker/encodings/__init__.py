@@ -80,7 +80,8 @@ def build(
     entry = info(name)
     _check_dims(n_heads, head_dim, d_model, train_length)
     resolved = entry.resolve(params)
-    shared = [p.name for p in SHARED_PARAMS if p.name in resolved]
+    own = {p.name for p in entry.params}
+    shared = [p.name for p in SHARED_PARAMS if p.name in resolved and p.name not in own]
     if shared:
         raise EncodingConfigError(
             f"{', '.join(shared)}: the model's attention, not the encoding's "
