@@ -19,6 +19,19 @@ TEXT = (
 )
 FAMILIES = ("gpt2", "gpt_neox", "llama")
 MORE_ROPE = ("mistral", "qwen2")  # the other RoPE families, HF's Llama code path
+# The 2025-26 families: 6 layers, so that each one's pattern of layers shows, and a
+# sliding window (or chunk) of 8 tokens, shorter than the lengths evaluated.
+NEW_FAMILIES = (
+    "qwen3",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "cohere2",
+    "olmo2",
+    "smollm3",
+    "llama4_text",
+)
+WINDOW = 8
 CONTEXT = 32  # n_positions / max_position_embeddings of every tiny model
 VOCAB = 320
 SEED = 1234
@@ -55,7 +68,46 @@ def model_config(family: str, vocab_size: int, eos: int, context: int = CONTEXT,
         return MistralConfig(num_key_value_heads=1, sliding_window=None, **sizes, **ids, **extra)
     if family == "qwen2":
         return Qwen2Config(num_key_value_heads=1, rope_theta=1e4, **sizes, **ids, **extra)
-    raise ValueError(family)
+    return new_family_config(family, sizes, ids, **extra)
+
+
+def new_family_config(family: str, sizes: dict[str, int], ids: dict[str, int], **extra: Any):
+    """A tiny config of one of NEW_FAMILIES (transformers' own classes, as its tests make
+    them): 6 layers, 2 heads of 16, one key-value head, a window of WINDOW tokens."""
+    import transformers
+
+    sizes = {**sizes, "num_hidden_layers": 6, "num_key_value_heads": 1}
+    ids = {**ids, "pad_token_id": ids["eos_token_id"]}
+    window = {"sliding_window": WINDOW}
+    rope = {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
+    made = {
+        "qwen3": ("Qwen3Config", {"head_dim": 16, **rope}),
+        "gemma2": ("Gemma2Config", {"head_dim": 16, "query_pre_attn_scalar": 16, **window}),
+        "gemma3_text": (
+            "Gemma3TextConfig",
+            {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window_pattern": 3, **window},
+        ),
+        "phi3": ("Phi3Config", rope),
+        "cohere2": ("Cohere2Config", {**window, **rope}),
+        "olmo2": ("Olmo2Config", rope),
+        "smollm3": ("SmolLM3Config", {"no_rope_layer_interval": 3, **rope}),
+        "llama4_text": (
+            "Llama4TextConfig",
+            {
+                "head_dim": 16,
+                "attention_chunk_size": WINDOW,
+                "floor_scale": WINDOW,
+                "intermediate_size_mlp": 64,
+                "num_local_experts": 1,
+                "no_rope_layer_interval": 3,
+                **rope,
+            },
+        ),
+    }
+    if family not in made:
+        raise ValueError(family)
+    name, own = made[family]
+    return getattr(transformers, name)(**sizes, **ids, **own, **extra)
 
 
 def save_model(folder: Path, family: str, seed: int = SEED, context: int = CONTEXT) -> Path:

@@ -9,7 +9,8 @@ run as without it, so every other number of the point is bit-identical. Per head
 layer, averaged over the sampled queries of every window:
 
 - ``entropy``: -sum_j p_j log p_j in nats; ``normalised_entropy`` divides it by log of
-  the number of keys the query sees (1: uniform attention, 0: one key);
+  the number of keys the query sees (1: uniform attention, 0: one key; a query that
+  sees a single key, the first of a chunk, counts 0);
 - ``distance``: the expected distance sum_j p_j (i - j);
 - ``sink_mass``: the attention on the first ``SINK_TOKENS`` tokens (attention sinks,
   Xiao et al. 2023);
@@ -183,10 +184,12 @@ class AttentionProbe:
             beyond = torch.linalg.vecdot(p, far.to(z.dtype))
         # keys each query sees (``reach``: a layer's window or chunks, worker.attention)
         seen = (rows + 1 if reach is None else reach.keys_seen(rows)).to(z.dtype)
+        # A query that sees one key (the first of a chunk) has no spread to normalise: 0.
+        normalised = torch.where(seen > 1, entropy / seen.clamp(min=2).log(), 0.0)
         stats = torch.stack(
             (
                 entropy,
-                entropy / seen.log(),
+                normalised,
                 distance,
                 p[..., :SINK_TOKENS].sum(-1),
                 beyond,

@@ -30,6 +30,8 @@ class HfFamily:
     rotary_fraction: float = 1.0
     gated_mlp: bool = True  # three matrices in each MLP (gate, up, down), not two
     ties_embeddings: bool = False  # tie_word_embeddings when the config does not say
+    # Its attention logits are soft-capped (attn_logit_softcapping): SDPA cannot run it.
+    softcaps: bool = False
 
 
 HF_FAMILIES: dict[str, HfFamily] = {
@@ -52,8 +54,66 @@ HF_FAMILIES: dict[str, HfFamily] = {
         HfFamily("llama", "rope", "Llama: RoPE, rope_parameters / rope_scaling"),
         HfFamily("mistral", "rope", "Mistral: RoPE"),
         HfFamily("qwen2", "rope", "Qwen2: RoPE"),
+        HfFamily("qwen3", "rope", "Qwen3: RoPE (1e6), YaRN for long contexts"),
+        HfFamily(
+            "gemma2",
+            "rope",
+            "Gemma 2: sliding-window and global layers in turn, soft-capped logits",
+            ties_embeddings=True,
+            softcaps=True,
+        ),
+        HfFamily(
+            "gemma3_text",
+            "rope",
+            "Gemma 3: 5 sliding-window layers (RoPE 10k) per global one (RoPE 1M)",
+            ties_embeddings=True,
+        ),
+        HfFamily("phi3", "rope", "Phi-3 / 3.5 / 4-mini: RoPE, longrope's short and long factors"),
+        HfFamily(
+            "cohere2",
+            "rope",
+            "Cohere2 (Command R7B, A): 3 sliding-window RoPE layers per global NoPE one",
+            ties_embeddings=True,
+        ),
+        HfFamily("olmo2", "rope", "OLMo 2: RoPE"),
+        HfFamily("smollm3", "rope", "SmolLM3: RoPE with NoPE every 4th layer"),
+        HfFamily(
+            "llama4_text",
+            "rope",
+            "Llama 4 (text): chunked RoPE layers, a NoPE layer every 4th with a query "
+            "temperature; mixture-of-experts MLPs",
+        ),
     )
 }
+
+# What posbench reads of a config's RoPE parameters (transformers' ``rope_parameters``,
+# or the older ``rope_scaling``) and of its ``layer_types``: anything else refuses the
+# model with a message naming it, never a silent wrong number.
+ROPE_KEYS = frozenset(
+    {
+        "rope_type",
+        "type",
+        "rope_theta",
+        "factor",
+        "original_max_position_embeddings",
+        "partial_rotary_factor",
+        "beta_fast",
+        "beta_slow",
+        "truncate",
+        "short_factor",
+        "long_factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "attention_factor",
+        "mscale",
+        "mscale_all_dim",
+    }
+)
+ROPE_TYPES = frozenset({"default", "linear", "dynamic", "yarn", "longrope", "llama3"})
+LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+# The layers a RoPE scaling changes in a config with RoPE parameters per layer type (Gemma
+# 3's rope_scaling applies to its global layers).
+GLOBAL_LAYERS = "full_attention"
 
 
 @dataclass(frozen=True)
@@ -67,6 +127,10 @@ class ModelFacts:
     max_positions: int | None  # the last position + 1 it can represent (None: no end)
     rotary: Rotary | None  # base, rotated dimensions, original length (RoPE models)
     partial_rotary_factor: float = 1.0
+    # Its layers' kinds (transformers' layer_types; empty: every layer alike), and whether
+    # its RoPE parameters are given per layer type (a scaling then changes the global ones).
+    layer_types: tuple[str, ...] = ()
+    rope_per_layer_type: bool = False
     parameters: int = 0  # what the config describes (config_parameters); 0: not counted
     layers: int = 0  # its transformer blocks
     width: int = 0  # its hidden size
@@ -90,14 +154,62 @@ def _positive_int(config: Mapping[str, Any], key: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def _rope_parameters(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The config's RoPE parameters: transformers 5's ``rope_parameters``, or the older
-    ``rope_scaling`` (a per-layer-type mapping is not one of the supported families')."""
+def _text(value: Any) -> str:
+    return repr(str(value)[:40])
+
+
+def _checked_rope(model_type: str, where: str, rope: Mapping[str, Any]) -> Mapping[str, Any]:
+    unknown = sorted(str(key) for key in rope if key not in ROPE_KEYS)
+    if unknown:
+        raise HfModelError(
+            f"the {model_type} config's {where} has {_text(unknown[0])}, which posbench does "
+            f"not read (it reads: {', '.join(sorted(ROPE_KEYS))})"
+        )
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise HfModelError(
+            f"the {model_type} config's {where}.rope_type is {_text(kind)}, which posbench "
+            f"does not read (it reads: {', '.join(sorted(ROPE_TYPES))})"
+        )
+    return rope
+
+
+def _rope_parameters(model_type: str, config: Mapping[str, Any]) -> tuple[Mapping[str, Any], bool]:
+    """The config's RoPE parameters - transformers 5's ``rope_parameters``, or the older
+    ``rope_scaling`` - and whether they are given per layer type (Gemma 3: the global
+    layers' are returned, those a scaling changes)."""
     for key in ("rope_parameters", "rope_scaling"):
         value = config.get(key)
-        if isinstance(value, Mapping):
-            return value
-    return {}
+        if not isinstance(value, Mapping):
+            continue
+        if value and all(isinstance(entry, Mapping) for entry in value.values()):
+            kinds = sorted(str(kind) for kind in value if kind not in LAYER_TYPES)
+            if kinds:
+                raise HfModelError(
+                    f"the {model_type} config's {key} names layer type {_text(kinds[0])}, "
+                    f"which posbench does not read (it reads: {', '.join(sorted(LAYER_TYPES))})"
+                )
+            for kind, entry in value.items():
+                _checked_rope(model_type, f"{key}.{kind}", entry)
+            chosen = value.get(GLOBAL_LAYERS) or next(iter(value.values()))
+            return chosen, True
+        return _checked_rope(model_type, key, value), False
+    return {}, False
+
+
+def _layer_types(model_type: str, config: Mapping[str, Any]) -> tuple[str, ...]:
+    value = config.get("layer_types")
+    if value is None:
+        return ()
+    if not isinstance(value, list | tuple):
+        raise HfModelError(f"the {model_type} config's layer_types is not a list")
+    for kind in value:
+        if kind not in LAYER_TYPES:
+            raise HfModelError(
+                f"the {model_type} config's layer_types has {_text(kind)}, which posbench "
+                f"does not read (it reads: {', '.join(sorted(LAYER_TYPES))})"
+            )
+    return tuple(value)
 
 
 def _number(*values: Any) -> float | None:
@@ -132,7 +244,8 @@ def model_facts(config: Mapping[str, Any]) -> ModelFacts:
             layers=layers,
             width=width,
         )
-    rope = _rope_parameters(config)
+    rope, per_layer_type = _rope_parameters(model_type, config)
+    layer_types = _layer_types(model_type, config)
     heads = _positive_int(config, "num_attention_heads")
     hidden = _positive_int(config, "hidden_size")
     head_dim = _positive_int(config, "head_dim") or (hidden // heads if hidden and heads else None)
@@ -165,6 +278,8 @@ def model_facts(config: Mapping[str, Any]) -> ModelFacts:
         parameters=parameters,
         layers=layers,
         width=width,
+        layer_types=layer_types,
+        rope_per_layer_type=per_layer_type,
     )
 
 
@@ -186,8 +301,11 @@ def config_parameters(config: Mapping[str, Any], family: HfFamily) -> tuple[int,
     kv_heads = _size(config, "num_key_value_heads") or heads
     head_dim = _size(config, "head_dim") or max(1, hidden // heads)
     inner = _size(config, "intermediate_size", "n_inner") or 4 * hidden
+    inner = max(inner, _size(config, "intermediate_size_mlp") or 0)
     attention = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, k, v and the output
-    mlp = (3 if family.gated_mlp else 2) * hidden * inner
+    # A mixture of experts: every expert and a shared one in every layer (an upper bound).
+    experts = (_size(config, "num_local_experts") or 0) + 1
+    mlp = (3 if family.gated_mlp else 2) * hidden * inner * experts
     tied = config.get("tie_word_embeddings", family.ties_embeddings)
     embeddings = vocab * hidden * (1 if tied is True else 2)
     positions = (_size(config, "n_positions") or 0) * hidden if family.encoding == "learned" else 0

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from worker.diagnostics import ROWS_AT_ONCE, AttentionProbe, scale_rows
+from worker.reach import Reach
 
 IMPLEMENTATION = "posbench_sdpa"
 _PASS = "_posbench_pass"  # the attribute an attention module reads its pass from
@@ -62,10 +63,23 @@ def _posbench_attention(
             block_rows=rows,
             bias_rows=None if mask is None else (lambda s, e: mask[..., s:e, :e]),
             scale=scaling,
+            reach=layer_reach(module),
         )
     return sdpa_attention_forward(
         module, query, key, value, attention_mask, scaling=scaling, **kwargs
     )
+
+
+def layer_reach(module: nn.Module) -> Reach:
+    """Which keys the layer of an HF attention ``module`` sees, from its config's
+    ``layer_types``: a sliding window (Gemma, Cohere2), chunks (Llama 4), or every earlier
+    key; what the probe normalises a query's entropy by (its mask already hides them)."""
+    config = module.config
+    kinds = getattr(config, "layer_types", None)
+    kind = kinds[module.layer_idx] if kinds else "full_attention"
+    window = getattr(config, "sliding_window", None) if kind == "sliding_attention" else None
+    chunk = getattr(config, "attention_chunk_size", None) if kind == "chunked_attention" else None
+    return Reach(window=window, chunk=chunk)
 
 
 def _register() -> None:

@@ -156,9 +156,12 @@ def load_model(name: str, policy: ModelPolicy) -> LoadedModel:
             size_problem(
                 model_facts(AutoConfig.from_pretrained(source, **common).to_dict()), policy, name
             )
+        config = AutoConfig.from_pretrained(source, **common)
+        # SDPA has no logit soft-cap: a model that soft-caps (Gemma 2) runs eager attention.
+        softcaps = getattr(config, "attn_logit_softcapping", None) is not None
         model, loading = AutoModelForCausalLM.from_pretrained(
             source,
-            attn_implementation="sdpa",
+            attn_implementation="eager" if softcaps else "sdpa",
             dtype=torch.float32,
             use_safetensors=True,
             output_loading_info=True,

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from core.catalog.hf_configs import GLOBAL_LAYERS
 from core.catalog.hf_models import HfModelError, ModelFacts
 from core.catalog.params import is_positive_int
 from core.catalog.scalings import SCALINGS, Rotary
@@ -44,6 +45,11 @@ class HfPositions:
 
     name: str
     max_length: int | None
+
+
+def _device(module: nn.Module) -> torch.device:
+    """Where a rotary embedding's tables are."""
+    return next(module.buffers()).device
 
 
 def _size(config) -> ModelConfig:
@@ -112,7 +118,7 @@ class HfCausalLM(nn.Module):
             module = self.hf.get_submodule(name)
             cached = getattr(module, "max_seq_len_cached", None)
             if cached is not None and bool(cached != module.original_max_seq_len):
-                fresh = type(module)(module.config).to(module.inv_freq.device)
+                fresh = type(module)(module.config).to(_device(module))
                 self.hf.set_submodule(name, fresh)
 
     def forward(self, tokens: Tensor) -> Tensor:
@@ -124,18 +130,55 @@ class HfCausalLM(nn.Module):
                 "fit (recorded as not applicable by the evaluation)"
             )
         self._fresh_rotary()
+        if (self.logn_length is not None or self.probe is not None) and self.softcap:
+            raise HfModelError(
+                f"{self.facts.model_type} soft-caps its attention logits "
+                f"(attn_logit_softcapping={self.softcap:g}) and runs eager attention; log-n "
+                "scaling and the attention diagnostics run through SDPA, which has no cap"
+            )
         factors = None
         if self.logn_length is not None:
             factors = logn_factors(tokens.shape[-1], self.logn_length, tokens.device)
         with attending(self.hf, self._attention, factors, self.probe):
-            outputs = self.hf.base_model(input_ids=tokens, use_cache=False)
-        return float32_logits(outputs.last_hidden_state, self.hf.get_output_embeddings())
+            outputs = self._decoder(input_ids=tokens, use_cache=False)
+        logits = float32_logits(outputs.last_hidden_state, self.hf.get_output_embeddings())
+        return self._finished(logits)
+
+    @property
+    def _decoder(self) -> nn.Module:
+        """The stack of blocks without the output layer (Llama 4's causal LM names its
+        base model after the multimodal one's and keeps the text one as ``model``)."""
+        base = self.hf.base_model
+        return self.hf.model if base is self.hf else base
+
+    def _finished(self, logits: Tensor) -> Tensor:
+        """What the family's causal LM does to its output layer's logits: Cohere's
+        ``logit_scale``, Gemma's ``final_logit_softcapping`` (cap x tanh(logits / cap))."""
+        config = self.hf.config
+        scale = getattr(config, "logit_scale", None)
+        if scale is not None:
+            logits = logits * scale
+        cap = getattr(config, "final_logit_softcapping", None)
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    @property
+    def softcap(self) -> float | None:
+        """The attention logits' soft cap the model's config sets (Gemma 2), or None."""
+        return getattr(self.hf.config, "attn_logit_softcapping", None)
 
     def _rotary_modules(self) -> list[tuple[str, nn.Module]]:
+        """The rotary embeddings: one table (``inv_freq``), or one per layer type (Gemma
+        3's ``full_attention_inv_freq`` and ``sliding_attention_inv_freq``)."""
         return [
             (name, module)
             for name, module in self.hf.named_modules()
-            if hasattr(module, "rope_type") and hasattr(module, "inv_freq")
+            if hasattr(module, "rope_type")
+            and any(
+                buffer == "inv_freq" or buffer.endswith("_inv_freq")
+                for buffer, _ in module.named_buffers(recurse=False)
+            )
         ]
 
     def scaled_config(self, method: str, factor: float | None, original_length: int, **params):
@@ -154,7 +197,13 @@ class HfCausalLM(nn.Module):
         )
         rope["partial_rotary_factor"] = self.facts.partial_rotary_factor
         config = copy.deepcopy(self.hf.config)
-        config.rope_parameters = rope
+        if self.facts.rope_per_layer_type:
+            # Per layer type (Gemma 3): the global layers take the scaling, as the model's
+            # own rope_scaling does; the sliding-window layers keep theirs.
+            rope = {"rope_theta": rotary.base, **rope}
+            config.rope_parameters = {**config.rope_parameters, GLOBAL_LAYERS: rope}
+        else:
+            config.rope_parameters = rope
         config.max_position_embeddings = scaling.original_length(params, original_length)
         return config
 
@@ -175,8 +224,7 @@ class HfCausalLM(nn.Module):
         if not modules:
             raise HfModelError(f"{self.facts.described}: no rotary embedding module found")
         for name, module in modules:
-            device = module.inv_freq.device
-            self.hf.set_submodule(name, type(module)(config).to(device))
+            self.hf.set_submodule(name, type(module)(config).to(_device(module)))
         try:
             yield self
         finally:
