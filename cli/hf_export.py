@@ -192,6 +192,11 @@ def export_run(
     except SpecError as err:
         raise ExportRefused(f"run {run.id}'s study spec no longer validates: {err}") from None
     run_spec = run_spec_of(spec, run)
+    if spec.model.attn_softcap is not None:
+        raise ExportRefused(
+            f"run {run.id} soft-caps its attention logits (model.attn_softcap="
+            f"{spec.model.attn_softcap:g}); GPT-NeoX has no cap, so it would compute another model"
+        )
     chosen = parse_variant(variant, run.encoding)
     params = run_spec.encoding.resolved_params
     head_dim = spec.model.d_model // spec.model.n_heads

@@ -92,14 +92,46 @@ def choose(
     learned: bool = False,
     decay: bool = False,
     windowed: bool = False,
+    softcap: bool = False,
 ) -> Choice:
     """The implementation a pass runs with: ``requested`` (auto, eager, sdpa,
     flex_attention) for an encoding with an additive bias (``has_bias``; ``learned``: with
     parameters of its own) that has a fused form (``fusable``), on ``device``, with or
     without a ``backward`` to follow; ``decay``: xPos's per-block decay is in use;
     ``windowed``: a layer attends through a sliding window or chunks (flex skips the
-    tiles outside them where SDPA masks them)."""
+    tiles outside them where SDPA masks them); ``softcap``: the logits are soft-capped,
+    which SDPA cannot do (written out, or flex's score_mod)."""
     check_implementation(requested)
+    choice = _choose(
+        requested,
+        device=device,
+        has_bias=has_bias,
+        fusable=fusable,
+        backward=backward,
+        learned=learned,
+        decay=decay,
+        windowed=windowed,
+        softcap=softcap,
+    )
+    if softcap and not decay and choice.implementation == "sdpa":
+        # xPos's block decay writes capped logits out itself; elsewhere SDPA has no cap.
+        why = choice.note or f"{requested} was asked"
+        return Choice("eager", f"soft-capped logits have no SDPA form: written out ({why})")
+    return choice
+
+
+def _choose(
+    requested: str,
+    *,
+    device: torch.device,
+    has_bias: bool,
+    fusable: bool,
+    backward: bool,
+    learned: bool,
+    decay: bool,
+    windowed: bool,
+    softcap: bool,
+) -> Choice:
     if decay:
         note = None
         if requested in ("eager", "flex_attention"):
@@ -110,8 +142,11 @@ def choose(
         return Choice("sdpa", note)
     if requested == "auto":
         fits_flex = fusable or not has_bias  # a bias, if any, has a score_mod
-        if device.type == "cuda" and (has_bias or windowed) and fits_flex and FLEX_AVAILABLE:
+        wanted = has_bias or windowed or softcap
+        if device.type == "cuda" and wanted and fits_flex and FLEX_AVAILABLE:
             return Choice("flex_attention")
+        if softcap:
+            return Choice("eager")
         if device.type == "cpu" and has_bias and learned and backward:
             # PyTorch's fused CPU kernel writes every score out with a learned bias and is
             # slower than doing it ourselves (``written_out``, below).
@@ -234,24 +269,42 @@ def fused_biased_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Ten
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.unsqueeze(0))
 
 
-def written_out_biased_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
+def softcapped(scores: Tensor, cap: float | None) -> Tensor:
+    """cap x tanh(scores / cap), Gemma 2's attention logit soft-capping, on the logits
+    with their bias; a hidden (-inf) score stays hidden. ``cap`` None: unchanged."""
+    if cap is None:
+        return scores
+    capped = torch.tanh(scores / cap) * cap
+    return capped.masked_fill(scores == float("-inf"), float("-inf"))
+
+
+def written_out_biased_attention(
+    q: Tensor, k: Tensor, v: Tensor, bias: Tensor, softcap: float | None = None
+) -> Tensor:
     """The same in three ops. q is scaled before the product (queries x head_dim
     multiplies instead of queries x keys) and the bias added in place into the
-    fresh score tensor, which saves a pass and an allocation per block."""
+    fresh score tensor, which saves a pass and an allocation per block; ``softcap``
+    caps the biased logits (``softcapped``)."""
     scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-1, -2))
     scores.add_(bias)
-    return torch.matmul(torch.softmax(scores, dim=-1), v)
+    return torch.matmul(torch.softmax(softcapped(scores, softcap), dim=-1), v)
 
 
 def biased_attention(
-    q: Tensor, k: Tensor, v: Tensor, bias: Tensor, written: bool | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: Tensor,
+    written: bool | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """softmax(q k^T / sqrt(d) + bias) v for ``bias`` of shape [heads, queries, keys],
-    written out or through SDPA (``written``; None: whichever ``written_out`` picks)."""
+    written out or through SDPA (``written``; None: whichever ``written_out`` picks);
+    soft-capped logits are always written out (SDPA has no cap)."""
     if written is None:
         written = written_out(q.device, bias.requires_grad)
-    if written:
-        return written_out_biased_attention(q, k, v, bias)
+    if written or softcap is not None:
+        return written_out_biased_attention(q, k, v, bias, softcap)
     return fused_biased_attention(q, k, v, bias)
 
 
@@ -259,12 +312,19 @@ def biased_attention(
 
 
 def causal_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, written: bool, reach: Reach = CAUSAL
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    written: bool,
+    reach: Reach = CAUSAL,
+    softcap: float | None = None,
 ) -> Tensor:
     """Causal attention without a bias: SDPA's causal kernel (flash on a GPU) when every
     earlier key is visible and the scores need not be written out; otherwise in blocks of
     query rows, block [s, e) over keys [reach.first_key(s), e) under its mask, written
-    out (``eager``) or through SDPA."""
+    out (``eager``; always with a ``softcap``) or through SDPA."""
+    written = written or softcap is not None
     if not reach.limited and not written:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     length = q.shape[-2]
@@ -277,19 +337,21 @@ def causal_attention(
         q_block, k_block, v_block = q[:, :, start:end], k[:, :, lo:end], v[:, :, lo:end]
         if written:
             mask = q.new_zeros(seen.shape).masked_fill(~seen, float("-inf"))
-            blocks.append(written_out_biased_attention(q_block, k_block, v_block, mask))
+            blocks.append(written_out_biased_attention(q_block, k_block, v_block, mask, softcap))
         else:
             blocks.append(F.scaled_dot_product_attention(q_block, k_block, v_block, attn_mask=seen))
     return torch.cat(blocks, dim=2)
 
 
-def written_out_causal_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
+def written_out_causal_attention(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, softcap: float | None = None
+) -> Tensor:
     """Attention without a bias, the scores written out (``eager``): causal in blocks of
     query rows (block [s, e) needs keys [0, e) only), or both ways at once."""
     if causal:
-        return causal_attention(q, k, v, written=True)
+        return causal_attention(q, k, v, written=True, softcap=softcap)
     length = q.shape[-2]
-    return written_out_biased_attention(q, k, v, q.new_zeros(1, length, length))
+    return written_out_biased_attention(q, k, v, q.new_zeros(1, length, length), softcap)
 
 
 def reached_bias(bias: Tensor, start: int, end: int, reach: Reach) -> Tensor:
@@ -302,7 +364,12 @@ def reached_bias(bias: Tensor, start: int, end: int, reach: Reach) -> Tensor:
 
 
 def decayed_attention(
-    q: Tensor, k: Tensor, v: Tensor, decay: BlockDecay, reach: Reach = CAUSAL
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    decay: BlockDecay,
+    reach: Reach = CAUSAL,
+    softcap: float | None = None,
 ) -> Tensor:
     """Causal attention of rotated q, k with xPos's decay applied per block of queries
     (``BlockDecay``): block [s, e) attends keys [reach.first_key(s), e) under its mask."""
@@ -312,13 +379,17 @@ def decayed_attention(
         end = min(length, start + decay.max_rows)
         lo = reach.first_key(start)
         query_scale, key_scale = decay.scales(start, end)
-        blocks.append(
-            F.scaled_dot_product_attention(
-                scale_pairs(q[:, :, start:end], query_scale),
-                scale_pairs(k[:, :, lo:end], key_scale[..., lo:, :]),
-                v[:, :, lo:end],
-                attn_mask=reach.visible(start, end, q.device),
+        q_block = scale_pairs(q[:, :, start:end], query_scale)
+        k_block = scale_pairs(k[:, :, lo:end], key_scale[..., lo:, :])
+        seen = reach.visible(start, end, q.device)
+        if softcap is not None:  # written out: SDPA has no cap
+            mask = q.new_zeros(seen.shape).masked_fill(~seen, float("-inf"))
+            blocks.append(
+                written_out_biased_attention(q_block, k_block, v[:, :, lo:end], mask, softcap)
             )
+            continue
+        blocks.append(
+            F.scaled_dot_product_attention(q_block, k_block, v[:, :, lo:end], attn_mask=seen)
         )
     return torch.cat(blocks, dim=2)
 
@@ -343,9 +414,20 @@ def _block_mask(length: int, device: str, reach: Reach):
     )
 
 
-def score_mod(bias: BiasMod | None, factors: Tensor | None) -> ScoreMod | None:
+def score_mod(
+    bias: BiasMod | None, factors: Tensor | None, softcap: float | None = None
+) -> ScoreMod | None:
     """``score + bias(h, q, kv)``, the bias multiplied by the query's log-n factor where
-    there is one (its q is scaled by the same factor before the kernel)."""
+    there is one (its q is scaled by the same factor before the kernel); with a
+    ``softcap``, that soft-capped (cap x tanh(. / cap)), as the written-out path does."""
+    if softcap is not None:
+        inner = score_mod(bias, factors)
+
+        def capped(score: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+            logit = score if inner is None else inner(score, b, h, q, kv)
+            return torch.tanh(logit / softcap) * softcap
+
+        return capped
     if bias is None:
         return None
     if factors is None:

@@ -60,6 +60,7 @@ class Transformer(nn.Module):
         encoding: PositionEncoding,
         seed: int = 0,
         window: int | None = None,
+        attn_softcap: float | None = None,
     ) -> None:
         super().__init__()
         if (encoding.n_heads, encoding.head_dim, encoding.d_model) != (
@@ -83,6 +84,8 @@ class Transformer(nn.Module):
             if window is not None and reach.window is None:
                 reach = replace(reach, window=window)
             block.attn.reach = reach
+            block.attn.softcap = attn_softcap
+        self.attn_softcap = attn_softcap
         self.final_norm = nn.LayerNorm(config.d_model, bias=False)
         self.encoding = encoding
         # Tests lower this to exercise the query-block path on short sequences.
@@ -203,6 +206,7 @@ class Transformer(nn.Module):
             device=device,
             has_bias=encoding.has_bias,
             windowed=any(reach.limited for reach in self.reaches),
+            softcap=self.attn_softcap is not None,
             fusable=encoding.fusable,
             backward=torch.is_grad_enabled() if backward is None else backward,
             learned=any(p.requires_grad for p in encoding.parameters()),
@@ -226,7 +230,8 @@ class Transformer(nn.Module):
         if choice.implementation == "flex_attention" and not compiling:
             bias_form = type(encoding).__name__ if encoding.has_bias else None
             shape = (batch, encoding.n_heads, length, encoding.head_dim, dtype, device.type)
-            if not fits_compiled((*shape, bias_form, factors is not None)):
+            key = (*shape, bias_form, factors is not None, self.attn_softcap)
+            if not fits_compiled(key):
                 note = f"over {MAX_FLEX_SHAPES} flex_attention shapes compiled: this one on sdpa"
                 choice = Choice("sdpa", note)
         if not compiling:
@@ -234,9 +239,10 @@ class Transformer(nn.Module):
         if choice.implementation != "flex_attention":
             return Kernel(choice.implementation)
         masks = {reach: block_mask(length, str(device), reach) for reach in self.reaches}
+        cap = self.attn_softcap
         if not encoding.has_bias:
-            return Kernel(choice.implementation, None, masks)
-        mod = score_mod(encoding.bias_mod(length), factors)
+            return Kernel(choice.implementation, score_mod(None, None, cap), masks)
+        mod = score_mod(encoding.bias_mod(length), factors, cap)
         return Kernel(choice.implementation, mod, masks, encoding.flex_tiles)
 
     @property
@@ -312,6 +318,7 @@ def build_model(
     train_length: int,
     seed: int = 0,
     attn_implementation: str = "auto",
+    attn_softcap: float | None = None,
     **encoding_params: object,
 ) -> Transformer:
     """A model with ``encoding``; weights the encoding does not own depend on ``seed`` only;
@@ -346,6 +353,14 @@ def build_model(
             train_length=train_length,
             **encoding_params,
         )
-    model = Transformer(config, position_encoding, seed=seed, window=window)
+    if attn_softcap is not None and (
+        isinstance(attn_softcap, bool)
+        or not isinstance(attn_softcap, int | float)
+        or not 0 < attn_softcap < float("inf")
+    ):
+        raise ValueError(f"attn_softcap must be a positive number, got {attn_softcap!r}")
+    model = Transformer(
+        config, position_encoding, seed=seed, window=window, attn_softcap=attn_softcap
+    )
     model.attn_implementation = attn_implementation
     return model

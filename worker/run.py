@@ -89,6 +89,7 @@ def build_run_model(spec: StudySpec, run: RunSpec) -> Transformer:
         train_length=spec.train.length,
         seed=run.seed,
         attn_implementation=spec.model.attn_implementation,
+        attn_softcap=spec.model.attn_softcap,
         **run.encoding.params,
     )
 

@@ -90,6 +90,14 @@ class ModelSpec(_Strict):
         "sdpa otherwise); changes no number beyond rounding and no hash, and results.json "
         "records what trained and evaluated each run (docs/attention.md)",
     )
+    attn_softcap: float | None = Field(
+        None,
+        gt=0,
+        le=10000,
+        description="attention logit soft-capping, cap x tanh(logit / cap) on every layer's "
+        "logits with their bias (Gemma 2: 50); unset: none. Part of what the model is (its "
+        "hashes) when set",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -172,8 +180,13 @@ class ModelSpec(_Strict):
         return {"d_model": self.d_model, "n_layers": self.n_layers, "n_heads": self.n_heads}
 
     def identity(self) -> dict[str, Any]:
-        """What a run's hashes know of the model: its dimensions, or its hf: name."""
-        return {"hf": self.hf} if self.hf is not None else self.dims()
+        """What a run's hashes know of the model: its dimensions (and its soft cap, when
+        set: unset, every earlier hash stands), or its hf: name."""
+        if self.hf is not None:
+            return {"hf": self.hf}
+        if self.attn_softcap is None:
+            return self.dims()
+        return {**self.dims(), "attn_softcap": self.attn_softcap}
 
 
 class TrainSpec(_Strict):
