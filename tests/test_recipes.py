@@ -279,6 +279,7 @@ def test_a_study_of_each_recipe_trains_and_evaluates_finite_curves() -> None:
                 {"name": "local_global", "pattern": 3, "window": 4, "global": "nope"},
                 {"name": "irope", "every": 2, "chunk": 8, "temperature": 4},
                 {"name": "rope", "rotary_fraction": 0.25, "proportional": True},
+                {"name": "ssmax", "window": 8},
             ],
             "eval": {"lengths": [16, 32, 64, 128], "tokens": 512, "diagnostics": True},
         }

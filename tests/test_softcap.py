@@ -35,12 +35,15 @@ def reference_logits(model: Transformer, tokens: torch.Tensor, cap: float) -> to
     tables = enc.rotary_tables(positions)
     bias = enc.bias(length, length)
     future = torch.ones(length, length, dtype=torch.bool).triu(1)
-    for block in model.blocks:
+    for layer, block in enumerate(model.blocks):
         attn = block.attn
         qkv = attn.qkv(block.attn_norm(x)).view(batch, length, 3, config.n_heads, -1)
         q, k, v = qkv.permute(2, 0, 3, 1, 4)
         if tables is not None:
             q, k = tables.rotate(q, k)
+        scale = model.layer_factors(layer, torch.arange(length), None)  # SSMax's s log n
+        if scale is not None:  # its formula: tests/test_ssmax.py
+            q = q * scale[..., None]
         scores = q @ k.transpose(-1, -2) / math.sqrt(config.head_dim)
         if bias is not None:
             scores = scores + bias.masked_fill(future, 0.0)

@@ -45,7 +45,7 @@ def reference_logits(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
     bias = enc.bias(length, length)
     query = torch.arange(length)[:, None]
     key = torch.arange(length)[None, :]
-    for block in model.blocks:
+    for layer, block in enumerate(model.blocks):
         attn = block.attn
         qkv = attn.qkv(block.attn_norm(x)).view(batch, length, 3, heads, head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4)
@@ -53,6 +53,9 @@ def reference_logits(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
             q, k = _xpos_in_float64(enc, positions, q, k)
         elif tables is not None:
             q, k = tables.rotate(q, k)
+        scale = model.layer_factors(layer, torch.arange(length), None)  # SSMax's s log n
+        if scale is not None:  # its formula: tests/test_ssmax.py
+            q = q * scale[..., None]
         scores = (q @ k.transpose(-1, -2) / math.sqrt(head_dim)).float()
         if bias is not None:
             scores = scores + bias

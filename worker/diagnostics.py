@@ -73,12 +73,13 @@ def logn_factors(
 
 
 def scale_rows(x: Tensor, factors: Tensor | None) -> Tensor:
-    """``x [..., T, d]`` with row t multiplied by ``factors[t]`` (in float32, rounded once
-    to x's dtype); x itself without factors. Queries, and the bias rows or masks of the
-    same queries ``[..., T, keys]``, are scaled by this one rule."""
+    """``x [..., T, d]`` with row t multiplied by ``factors[..., t]`` (``[T]``, or per head
+    ``[H, T]``; in float32, rounded once to x's dtype); x itself without factors.
+    Queries, and the bias rows or masks of the same queries ``[..., T, keys]``, are
+    scaled by this one rule."""
     if factors is None:
         return x
-    return (x.float() * factors[:, None]).to(x.dtype)
+    return (x.float() * factors[..., None]).to(x.dtype)
 
 
 def sampled_queries(length: int, count: int = QUERY_SAMPLE) -> Tensor:
@@ -296,7 +297,7 @@ def _sampled_bias(
     """The bias of the sampled queries ``picked`` of block [start, end): ``[H, Q, end]``,
     or ``[B, 1, Q, end]`` (an hf: model's mask), scaled by their log-n factors."""
     bias = _first(bias_rows(start, end), windows)[..., picked - start, :].float()
-    return bias if factors is None else scale_rows(bias, factors[picked])
+    return bias if factors is None else scale_rows(bias, factors[..., picked])
 
 
 def _first(x: Tensor, windows: int) -> Tensor:

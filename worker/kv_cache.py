@@ -299,7 +299,7 @@ def _attend(
             step.masks[first, last, reach] = _mask(enc, step, first, last, visible, q.dtype, reach)
         mask = step.masks[first, last, reach]
         if factors is not None and mask is not None and mask.dtype != torch.bool:
-            mask = scale_rows(mask, factors[first:last])
+            mask = scale_rows(mask, factors[..., first:last])
         if softcap is not None:  # written out: SDPA has no cap
             additive = q_block.new_zeros(q_block.shape[-2], visible) if mask is None else mask
             if additive.dtype == torch.bool:
@@ -392,9 +392,8 @@ def _forward(model: Transformer, tokens: Tensor, cache: KVCache) -> Tensor:
         attn = block.attn
         qkv = attn.qkv(block.attn_norm(x))
         q, k, v = qkv.view(batch, count, 3, heads, -1).permute(2, 0, 3, 1, 4)
-        y = _attend(
-            cache, layer, q, k, v, step, every_factors[kind], attn.reach, kind, attn.softcap
-        )
+        layer_factors = model.layer_factors(layer, positions, every_factors[kind])
+        y = _attend(cache, layer, q, k, v, step, layer_factors, attn.reach, kind, attn.softcap)
         x = x + attn.proj(y.transpose(1, 2).reshape(batch, count, -1))
         x = x + block.mlp(block.mlp_norm(x))
     cache.length = step.start + count

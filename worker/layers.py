@@ -205,7 +205,7 @@ class CausalSelfAttention(nn.Module):
                 lo = reach.first_key(start)
                 bias = reached_bias(attn_bias.rows(start, end), start, end, reach)
                 if factors is not None:
-                    bias = scale_rows(bias, factors[start:end])
+                    bias = scale_rows(bias, factors[..., start:end])
                 blocks.append(
                     biased_attention(
                         q[:, :, start:end], k[:, :, lo:end], v[:, :, lo:end], bias, written, cap

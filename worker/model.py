@@ -86,6 +86,9 @@ class Transformer(nn.Module):
             block.attn.reach = reach
             block.attn.softcap = attn_softcap
         self.attn_softcap = attn_softcap
+        bind = getattr(encoding, "bind_layers", None)
+        if bind is not None:  # parameters per layer (SSMax's s)
+            bind(config.n_layers)
         self.final_norm = nn.LayerNorm(config.d_model, bias=False)
         self.encoding = encoding
         # Tests lower this to exercise the query-block path on short sequences.
@@ -141,6 +144,16 @@ class Transformer(nn.Module):
             return factors
         return own if factors is None else own * factors
 
+    def layer_factors(self, layer: int, positions: Tensor, factors: Tensor | None) -> Tensor | None:
+        """A layer's query factors: its kind's (``factors``) times what the encoding
+        scales that layer's queries by (SSMax: s x log of the keys each query sees), per
+        head where the encoding's are."""
+        scale = getattr(self.encoding, "query_scale", None)
+        own = None if scale is None else scale(layer, positions, self.blocks[layer].attn.reach)
+        if own is None:
+            return factors
+        return own if factors is None else own * factors
+
     def forward(self, tokens: Tensor) -> Tensor:
         batch, length = tokens.shape
         positions = self.encoding.positions(batch, length, tokens.device)
@@ -187,7 +200,8 @@ class Transformer(nn.Module):
             )
         for i, (block, kind) in enumerate(zip(self.blocks, self.layer_kinds, strict=True)):
             probe = LayerProbe(self.probe, i) if self.probe is not None else None
-            x = block(x, every_tables[kind], attn_bias, every_factors[kind], probe, kernel)
+            layer_factors = self.layer_factors(i, positions, every_factors[kind])
+            x = block(x, every_tables[kind], attn_bias, layer_factors, probe, kernel)
         x = self.final_norm(x)
         # Weight tying: the output layer is the token embedding (Press & Wolf 2017). In
         # float32 even under bf16 autocast: bf16 logits bias the loss (by up to 6e-4

@@ -291,6 +291,29 @@ REGISTRY: dict[str, EncodingInfo] = {
             check=_randomized_range,
         ),
         EncodingInfo(
+            name="ssmax",
+            family="rotary",
+            summary="RoPE with scalable softmax: each query's logits times s·log n (n keys it "
+            "sees), s learned per layer and head, so attention does not fade with length.",
+            reference="Nakanishi 2025, Scalable-Softmax Is Superior for Attention "
+            "(arXiv:2501.19399)",
+            implementation="worker.encodings.ssmax:SSMax",
+            params=(
+                _ROPE_BASE,
+                Param(
+                    "init_s",
+                    float,
+                    None,
+                    "the starting s of every layer and head (default: 1 / log of the "
+                    "training length, plain softmax there at the start)",
+                    low=0.0,
+                    high=10.0,
+                    derived="1 / log(train_length)",
+                ),
+            ),
+            scalable=True,
+        ),
+        EncodingInfo(
             name="local_global",
             family="rotary",
             summary="Local layers (RoPE, a sliding window) and global ones (RoPE of a larger "
