@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from cli.common import (
     RunOption,
@@ -67,7 +68,7 @@ def encodings(
     for row in encoding_rows():
         table.add_row(*row)
     console.print(table)
-    echo(shared_params_line().replace("`", ""))
+    console.print(Text(shared_params_line().replace("`", "")))  # wrapped to the terminal
     scalings = Table(title=f"RoPE inference-time scalings ({scalable_names()})")
     for column in SCALING_COLUMNS:
         scalings.add_column(column)
