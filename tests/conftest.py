@@ -61,6 +61,17 @@ def dims(n_heads: int = 4, head_dim: int = 16, train_length: int = 32) -> dict[s
     }
 
 
+def loss_gradients(model, forward, tokens) -> dict:
+    """Every parameter's gradient of the next-byte loss of ``forward(tokens)`` (the model
+    itself, or a reference that computes the same logits from its weights)."""
+    import torch.nn.functional as F
+
+    model.zero_grad()
+    logits = forward(tokens)
+    F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

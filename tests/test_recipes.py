@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import loss_gradients
 from transformers import Cohere2Config, Gemma3TextConfig, Llama4TextConfig, SmolLM3Config
 
 from core.spec import SpecError, parse_spec
@@ -136,12 +137,10 @@ def test_each_recipe_equals_the_dense_reference(
 def test_training_gradients_of_a_recipe_equal_the_reference(name: str, params: dict) -> None:
     model = _recipe(name, params, seed=4).train()
     tokens = _tokens(TRAIN)
-    grads = []
-    for forward in (model, lambda t: reference_logits(model, t, (name, params))):
-        model.zero_grad()
-        logits = forward(tokens)
-        F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    grads = [
+        loss_gradients(model, forward, tokens)
+        for forward in (model, lambda t: reference_logits(model, t, (name, params)))
+    ]
     for name_, grad in grads[0].items():
         torch.testing.assert_close(grad, grads[1][name_], rtol=1e-4, atol=1e-6, msg=name_)
 

@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import loss_gradients
 
 from core.catalog.encodings import REGISTRY
 from core.spec import SpecError, parse_spec
@@ -91,12 +92,10 @@ def test_the_cap_changes_the_model_and_trains_with_the_references_gradients() ->
     tokens = _tokens(TRAIN)
     with torch.no_grad():
         assert not torch.allclose(plain(tokens), capped(tokens), atol=1e-3)
-    grads = []
-    for forward in (capped, lambda t: reference_logits(capped, t, CAP)):
-        capped.zero_grad()
-        logits = forward(tokens)
-        F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).backward()
-        grads.append({n: p.grad.clone() for n, p in capped.named_parameters()})
+    grads = [
+        loss_gradients(capped, forward, tokens)
+        for forward in (capped, lambda t: reference_logits(capped, t, CAP))
+    ]
     for name, grad in grads[0].items():
         torch.testing.assert_close(grad, grads[1][name], rtol=1e-4, atol=1e-6, msg=name)
 

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import loss_gradients
 
 from core.spec import parse_spec
 from worker.decode import decode_logits
@@ -88,12 +89,10 @@ def test_ssmax_equals_the_papers_formula(implementation: str, window: int | None
 def test_the_gradient_reaches_s_as_in_the_reference() -> None:
     model = _model(seed=2).train()
     tokens = _tokens(TRAIN)
-    grads = []
-    for forward in (model, lambda t: reference_logits(model, t)):
-        model.zero_grad()
-        logits = forward(tokens)
-        F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).backward()
-        grads.append(model.encoding.s.grad.clone())
+    grads = [
+        loss_gradients(model, forward, tokens)["encoding.s"]
+        for forward in (model, lambda t: reference_logits(model, t))
+    ]
     assert float(grads[0].abs().min()) > 0  # every layer's and head's s learns
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-7)
 

@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import loss_gradients
 
 from core.catalog.encodings import REGISTRY, WINDOW
 from core.catalog.params import EncodingConfigError
@@ -139,12 +140,10 @@ def test_training_gradients_with_a_window_equal_the_reference(encoding: str) -> 
     the reference's gradients, the encoding's own parameters included."""
     model = build_model(TINY, encoding, train_length=TRAIN, seed=4, window=5).train()
     tokens = _tokens(TRAIN)
-    grads = []
-    for forward in (model, lambda t: reference_logits(model, t)):
-        model.zero_grad()
-        logits = forward(tokens)
-        F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    grads = [
+        loss_gradients(model, forward, tokens)
+        for forward in (model, lambda t: reference_logits(model, t))
+    ]
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
         torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-6)
