@@ -179,7 +179,17 @@ def _model_input(base: dict[str, Any], key: Keys) -> str | dict[str, Any]:
         "sdpa otherwise), eager (scores written out), sdpa or flex_attention; no number "
         "changes beyond rounding, and each run records what ran",
     )
-    chosen = {} if attention == "auto" else {"attn_implementation": attention}
+    chosen: dict[str, Any] = {} if attention == "auto" else {"attn_implementation": attention}
+    # Gemma 2's soft cap: unbounded here (the spec's bound is strict), refused there.
+    if st.checkbox("Soft-cap attention logits", key=key("softcapped")):
+        chosen["attn_softcap"] = float(
+            st.number_input(
+                "attn_softcap",
+                value=50.0,
+                key=key("attn_softcap"),
+                help="cap x tanh(logit / cap) on every layer's logits (Gemma 2: 50)",
+            )
+        )
     if model != "custom":
         return {"preset": model, **chosen} if chosen else model
     a, b, c = st.columns(3)

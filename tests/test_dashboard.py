@@ -137,6 +137,16 @@ def test_presets_fill_the_form(settings, monkeypatch: pytest.MonkeyPatch) -> Non
     assert any("train: min_length = 4096 exceeds length = 512" in plain(e.value) for e in app.error)
 
 
+def test_the_soft_cap_reaches_the_spec_and_a_bad_one_is_refused(settings) -> None:
+    app = AppTest.from_file(APP, default_timeout=60).run()
+    assert "attn_softcap" not in app.code[0].value  # unset until asked for
+    app.checkbox(key="custom:softcapped").check().run()
+    assert "attn_softcap: 50.0" in app.code[0].value and not app.error
+    app.number_input(key="custom:attn_softcap").set_value(0.0).run()
+    assert any("attn_softcap" in plain(e.value) for e in app.error)
+    assert app.button(key="submit").disabled is True
+
+
 def test_encoding_parameters_come_from_the_registry(settings) -> None:
     app = AppTest.from_file(APP, default_timeout=60).run()
     app.multiselect(key="custom:encodings").set_value(["rope", "t5", "alibi"]).run()
