@@ -287,3 +287,13 @@ def test_a_study_of_each_recipe_trains_and_evaluates_finite_curves() -> None:
         evaluations = run_here(spec, run).evaluations
         assert [e.length for e in evaluations] == [16, 32, 64, 128], run.encoding.label
         assert all(math.isfinite(e.loss) for e in evaluations), run.encoding.label
+
+
+def test_export_refuses_a_recipe_with_its_reason() -> None:
+    from core.catalog.encodings import REGISTRY
+    from core.catalog.params import EncodingConfigError
+
+    for name in ("local_global", "irope"):
+        entry = REGISTRY[name]
+        with pytest.raises(EncodingConfigError, match="mixes kinds of layers: GPT-NeoX"):
+            entry.hf_rotary(entry.resolve({}), 16, TRAIN)

@@ -137,6 +137,13 @@ class EncodingInfo:
         """The rotary part a GPT-NeoX export of this encoding with resolved ``params`` states:
         its base, how many dimensions it rotates (0: none, no position signal) and the
         training length; refused for an encoding no HF architecture computes."""
+        if self.recipe:
+            raise EncodingConfigError(
+                f"{self.name} mixes kinds of layers: GPT-NeoX, the transformers family that "
+                "computes posbench's block, has one rotary setting for every layer and no "
+                "window, and the families that mix layers (Gemma 3, Cohere2, SmolLM3, "
+                "Llama 4) compute another block (RMSNorm, gated MLPs)"
+            )
         if not self.hf_export:
             raise EncodingConfigError(
                 f"encoding {short_repr(self.name)} has no HF transformers form (those with "
