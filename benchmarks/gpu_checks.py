@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from worker.attention import compiled_shapes
+from worker.fused import compiled_shapes
 from worker.model import build_model
 
 BIASED = ["alibi", "t5", "kerple_log", "kerple_power", "fire"]

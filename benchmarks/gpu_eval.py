@@ -50,8 +50,8 @@ from benchmarks.harness import (
 )
 from core.catalog.encodings import REGISTRY
 from core.tables import markdown_rows
-from worker.attention import compiled_shapes
 from worker.encodings.base import PositionOutOfRange
+from worker.fused import compiled_shapes
 from worker.model import PRESETS, build_model
 
 MIB = 2**20

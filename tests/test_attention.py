@@ -13,10 +13,11 @@ import pytest
 import torch
 from conftest import dims
 
-from worker import attention
-from worker.attention import AttentionBias, Kernel, choose, flex, score_mod
+from worker import attention, fused
+from worker.attention import AttentionBias, choose
 from worker.encodings import build
 from worker.encodings.base import PositionEncoding
+from worker.fused import Kernel, flex, score_mod
 from worker.layers import CausalSelfAttention, ModelConfig
 from worker.model import build_model
 from worker.reach import Reach
@@ -129,17 +130,17 @@ def test_the_tiles_reach_the_kernel_on_a_gpu_only(monkeypatch) -> None:
     """On the CPU flex_attention is called without kernel options (its kernel has none of
     these); on a GPU with a copy of the encoding's; through the model's pass both ways."""
     t5 = build("t5", **dims())
-    assert attention.kernel_options(t5.flex_tiles, torch.device("cpu")) is None
-    on_gpu = attention.kernel_options(t5.flex_tiles, torch.device("cuda"))
+    assert fused.kernel_options(t5.flex_tiles, torch.device("cpu")) is None
+    on_gpu = fused.kernel_options(t5.flex_tiles, torch.device("cuda"))
     assert on_gpu == t5.flex_tiles and on_gpu is not t5.flex_tiles
-    assert attention.kernel_options(None, torch.device("cuda")) is None
+    assert fused.kernel_options(None, torch.device("cuda")) is None
     calls = []
 
     def kernel(q, k, v, *, score_mod, block_mask, kernel_options):
         calls.append(kernel_options)
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    monkeypatch.setattr(attention, "_compiled_kernel", lambda: kernel)
+    monkeypatch.setattr(fused, "_compiled_kernel", lambda: kernel)
     model = build_model("tiny", "t5", train_length=TRAIN, attn_implementation="flex_attention")
     with torch.no_grad():  # evaluation: flex on the CPU too
         pass_kernel = model.attention_kernel(1, TRAIN, CPU, torch.float32)
@@ -266,7 +267,7 @@ def test_a_sliding_window_masks_exactly_the_keys_out_of_reach() -> None:
 
 @pytest.mark.slow
 def test_past_the_shape_limit_flex_runs_on_sdpa_with_a_note(monkeypatch, caplog) -> None:
-    monkeypatch.setattr(attention, "_shapes", set())
+    monkeypatch.setattr(fused, "_shapes", set())
     monkeypatch.setattr("worker.model.fits_compiled", lambda key: False)
     model = _varied("alibi")
     tokens = torch.randint(0, 256, (1, TRAIN))
@@ -278,12 +279,12 @@ def test_past_the_shape_limit_flex_runs_on_sdpa_with_a_note(monkeypatch, caplog)
 
 
 def test_the_compiled_kernel_counts_its_shapes(monkeypatch) -> None:
-    monkeypatch.setattr(attention, "_shapes", set())
-    monkeypatch.setattr(attention, "MAX_FLEX_SHAPES", 2)
-    assert attention.fits_compiled(("a",)) and attention.fits_compiled(("b",))
-    assert attention.fits_compiled(("a",))  # compiled already
-    assert not attention.fits_compiled(("c",))
-    assert attention.compiled_shapes() == 2
+    monkeypatch.setattr(fused, "_shapes", set())
+    monkeypatch.setattr(fused, "MAX_FLEX_SHAPES", 2)
+    assert fused.fits_compiled(("a",)) and fused.fits_compiled(("b",))
+    assert fused.fits_compiled(("a",))  # compiled already
+    assert not fused.fits_compiled(("c",))
+    assert fused.compiled_shapes() == 2
 
 
 # -- a study under each implementation ---------------------------------------------------------

@@ -15,9 +15,10 @@ from conftest import loss_gradients
 
 from core.catalog.encodings import REGISTRY
 from core.spec import SpecError, parse_spec
-from worker.attention import FLEX_AVAILABLE, choose, softcapped
+from worker.attention import choose, softcapped
 from worker.decode import decode_logits
 from worker.diagnostics import AttentionProbe
+from worker.fused import FLEX_AVAILABLE
 from worker.layers import ModelConfig
 from worker.model import Transformer, build_model
 

@@ -24,16 +24,15 @@ from core.catalog.params import is_positive_int
 from worker.attention import (
     MAX_BLOCK_ROWS,
     AttentionBias,
-    Kernel,
     biased_attention,
     causal_attention,
     decayed_attention,
-    flex,
     reached_bias,
     written_out_causal_attention,
 )
 from worker.diagnostics import LayerProbe, scale_rows
 from worker.encodings.rotary import RotaryTables, rotate_pairs, rotate_pairs_into, rotated
+from worker.fused import Kernel, flex
 from worker.reach import CAUSAL, Reach
 
 

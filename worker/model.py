@@ -26,22 +26,18 @@ from core.catalog.encodings import WINDOW
 from core.catalog.models import MODEL_PRESETS
 from core.catalog.params import is_positive_int
 from worker.attention import (
-    MAX_FLEX_SHAPES,
     SCORE_BUDGET,
     AttentionBias,
     Choice,
-    Kernel,
     Notes,
-    block_mask,
     check_implementation,
     choose,
-    fits_compiled,
-    score_mod,
 )
 from worker.diagnostics import AttentionProbe, LayerProbe, logn_factors
 from worker.encodings import build, info
 from worker.encodings.base import PositionEncoding
 from worker.encodings.layered import Layered
+from worker.fused import MAX_FLEX_SHAPES, Kernel, block_mask, fits_compiled, score_mod
 from worker.layers import Block, ModelConfig
 from worker.reach import Reach
 
