@@ -247,6 +247,14 @@ def fused_biased_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Ten
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.unsqueeze(0))
 
 
+def additive_mask(seen: Tensor, dtype: torch.dtype) -> Tensor:
+    """Booleans (True: attend) as an additive mask of ``dtype``: 0 where a key is seen,
+    -inf where it is hidden, for the paths that add a mask to written-out scores."""
+    return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(
+        ~seen, float("-inf")
+    )
+
+
 def softcapped(scores: Tensor, cap: float | None) -> Tensor:
     """cap x tanh(scores / cap), Gemma 2's attention logit soft-capping, on the logits
     with their bias; a hidden (-inf) score stays hidden. ``cap`` None: unchanged."""
@@ -314,7 +322,7 @@ def causal_attention(
         seen = reach.visible(start, end, q.device)
         q_block, k_block, v_block = q[:, :, start:end], k[:, :, lo:end], v[:, :, lo:end]
         if written:
-            mask = q.new_zeros(seen.shape).masked_fill(~seen, float("-inf"))
+            mask = additive_mask(seen, q.dtype)
             blocks.append(written_out_biased_attention(q_block, k_block, v_block, mask, softcap))
         else:
             blocks.append(F.scaled_dot_product_attention(q_block, k_block, v_block, attn_mask=seen))
@@ -361,7 +369,7 @@ def decayed_attention(
         k_block = scale_pairs(k[:, :, lo:end], key_scale[..., lo:, :])
         seen = reach.visible(start, end, q.device)
         if softcap is not None:  # written out: SDPA has no cap
-            mask = q.new_zeros(seen.shape).masked_fill(~seen, float("-inf"))
+            mask = additive_mask(seen, q.dtype)
             blocks.append(
                 written_out_biased_attention(q_block, k_block, v[:, :, lo:end], mask, softcap)
             )

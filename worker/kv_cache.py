@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from worker.attention import written_out_biased_attention
+from worker.attention import additive_mask, written_out_biased_attention
 from worker.diagnostics import logn_factors, scale_rows
 from worker.encodings.base import PositionEncoding
 from worker.encodings.layered import Layered
@@ -303,7 +303,7 @@ def _attend(
         if softcap is not None:  # written out: SDPA has no cap
             additive = q_block.new_zeros(q_block.shape[-2], visible) if mask is None else mask
             if additive.dtype == torch.bool:
-                additive = q_block.new_zeros(additive.shape).masked_fill(~additive, float("-inf"))
+                additive = additive_mask(additive, q_block.dtype)
             blocks.append(
                 written_out_biased_attention(
                     q_block, k_block, values[:, :, :visible], additive, softcap

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from worker.attention import additive_mask
 from worker.diagnostics import ROWS_AT_ONCE, AttentionProbe, scale_rows
 from worker.reach import Reach
 
@@ -34,7 +35,7 @@ def _additive(mask: Tensor | None) -> Tensor | None:
     """HF's mask as additive float rows (bool: True attends), or None."""
     if mask is None or mask.dtype != torch.bool:
         return mask
-    return torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
+    return additive_mask(mask, torch.float32)
 
 
 def _posbench_attention(
