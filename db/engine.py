@@ -34,6 +34,20 @@ POSTGRES_NETWORK = {
     "keepalives_count": 3,
     "tcp_user_timeout": 15_000,
 }
+# The same from the server's end, sent as the session's settings (libpq's ``options``):
+# a backend whose client vanished in the middle of a transaction (its host cut off, or
+# dead) would otherwise hold that transaction's row locks until the server's own TCP
+# keepalive, two hours by default, and every other worker's write to the run, and the
+# reconciler's requeue of it, would wait that long. Probed after 5 s idle, every 2 s, and
+# dropped once 10 s go unanswered, it rolls back and lets go. A transaction left idle for
+# a minute by a live client is ended too: none of ours waits that long between statements.
+POSTGRES_SERVER_SIDE = {
+    "tcp_keepalives_idle": 5,
+    "tcp_keepalives_interval": 2,
+    "tcp_keepalives_count": 3,
+    "tcp_user_timeout": 10_000,
+    "idle_in_transaction_session_timeout": 60_000,
+}
 T = TypeVar("T")
 
 
@@ -45,13 +59,22 @@ def normalize_url(url: str) -> str:
     return url
 
 
+def server_side_options() -> str:
+    """``POSTGRES_SERVER_SIDE`` as libpq's ``options`` (``-c name=value`` each)."""
+    return " ".join(f"-c {name}={value}" for name, value in POSTGRES_SERVER_SIDE.items())
+
+
 def make_engine(url: str) -> Engine:
     url = normalize_url(url)
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
         # Options the URL does not set itself: a server cut off by the network is noticed
         # in seconds, not after the kernel's 15 minutes of retransmissions.
-        network = {k: v for k, v in POSTGRES_NETWORK.items() if k not in parsed.query}
+        network: dict[str, Any] = {
+            k: v for k, v in POSTGRES_NETWORK.items() if k not in parsed.query
+        }
+        if "options" not in parsed.query:  # a URL's own (say, for a pooler) wins whole
+            network["options"] = server_side_options()
         return create_engine(url, pool_pre_ping=True, future=True, connect_args=network)
     if parsed.database and parsed.database != ":memory:":
         database = Path(parsed.database).expanduser()

@@ -17,7 +17,7 @@ from sqlalchemy import event
 from sqlalchemy.exc import OperationalError
 
 from core.settings import Settings
-from db.engine import POSTGRES_NETWORK, make_engine
+from db.engine import POSTGRES_NETWORK, make_engine, server_side_options
 from jobs.lifecycle import ClaimedRun, LeaseClock, LeaseLost, under_lease
 from worker.runtime.execute import StoreHooks, failure_reason
 from worker.training.checkpoint import _save
@@ -182,3 +182,10 @@ def test_postgres_connections_notice_a_cut_network_in_seconds() -> None:
     # An option the URL sets itself wins.
     own = connection_options("postgresql://u@db.example/posbench?connect_timeout=3")
     assert own["connect_timeout"] == "3" and own["keepalives_idle"] == 10
+    # And the server is asked to drop a vanished client's transaction in seconds, unless
+    # the URL sets the session options itself.
+    assert own["options"] == server_side_options()
+    assert "-c tcp_user_timeout=10000" in own["options"]
+    assert "-c idle_in_transaction_session_timeout=60000" in own["options"]
+    pooled = connection_options("postgresql://u@db.example/posbench?options=-cjit%3Doff")
+    assert pooled["options"] == "-cjit=off"

@@ -207,7 +207,11 @@ def expire(
             dead = (Run.started_at < started_before) & (Run.heartbeat_at < stale_before)
             guard = dead | (Run.started_at < overdue_before)
             expired = list(
-                session.scalars(select(Run.id).where(Run.status == RunStatus.RUNNING, guard))
+                session.scalars(
+                    select(Run.id)
+                    .where(Run.status == RunStatus.RUNNING, guard)
+                    .with_for_update(skip_locked=True)
+                )
             )
             _end(session, expired, RunStatus.FAILED, reason, guard)
             return expired
@@ -220,14 +224,19 @@ def reconcile(url: str, *, stale_before: dt.datetime, max_attempts: int) -> Reco
     died (kill -9, OOM, lost node). Each is requeued (it resumes from its checkpoint),
     failed after ``max_attempts`` claims, or ended cancelled when a cancel was asked of
     it (honoured, not lost). Call ``expire`` first: a run past its deadline is not
-    requeued."""
+    requeued.
+
+    A run whose row another transaction holds is left for the next pass (``SKIP LOCKED``)
+    rather than waited for: the holder may be a worker cut off in the middle of a write,
+    whose lock the server drops only once it notices (``db.engine.POSTGRES_SERVER_SIDE``),
+    and one such run must not stall the pass for every other."""
 
     def attempt() -> Reconciled:
         with transaction(url) as session:
             stale = session.execute(
-                select(Run.id, Run.attempts, Run.cancel_requested).where(
-                    Run.status == RunStatus.RUNNING, Run.heartbeat_at < stale_before
-                )
+                select(Run.id, Run.attempts, Run.cancel_requested)
+                .where(Run.status == RunStatus.RUNNING, Run.heartbeat_at < stale_before)
+                .with_for_update(skip_locked=True)
             ).all()
             cancelled = [run_id for run_id, _, asked in stale if asked]
             live = [(run_id, attempts) for run_id, attempts, asked in stale if not asked]

@@ -3,13 +3,14 @@ of docs/service.md#faults), at the default lease settings."""
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from .checks import assert_whole, last_audit_id, recovery, writes_after
-from .conftest import Site, Stage, end_stage, make_stage
+from .conftest import ROOT, Site, Stage, end_stage, make_stage
 from .hosts import wait_until
 
 pytestmark = pytest.mark.faults
@@ -48,22 +49,42 @@ def test_a_killed_worker_host_is_taken_over_within_a_minute(stage: Stage, site: 
 # A worker cut off longer than the stale window presumes its lease lost and stops
 # (jobs.lifecycle.under_lease). One that keeps trying (its clock slow, or its window
 # configured longer: here 300 s on w1 alone) is stopped by the database's fence instead.
+# The third: the link goes down while a transaction from w1 holds the run's row (a write
+# in flight; once, by chance, the CI's 'still trying' run cut w1 there, and the row stayed
+# locked past the takeover: the server kept the vanished client's transaction open).
 PARTITIONS = {
-    "shorter-than-the-lease": (10, {}),
-    "longer-than-the-lease": (50, {}),
-    "longer-and-still-trying": (50, {"POSBENCH_STALE_AFTER_SECONDS": "300"}),
+    "shorter-than-the-lease": (10, {}, False),
+    "longer-than-the-lease": (50, {}, False),
+    "longer-and-still-trying": (50, {"POSBENCH_STALE_AFTER_SECONDS": "300"}, False),
+    "longer-with-a-write-in-flight": (50, {}, True),
 }
+# On w1, with posbench's own connection settings: lock the run's row and never commit.
+HOLD_THE_ROW = (
+    "import sys, time; from sqlalchemy import text; from db.engine import engine_for; "
+    "c = engine_for(sys.argv[1]).connect(); "
+    "c.execute(text('UPDATE runs SET step = step WHERE id = :i'), {'i': int(sys.argv[2])}); "
+    "print('holding the row', flush=True); time.sleep(3600)"
+)
 
 
 @pytest.mark.parametrize("case", PARTITIONS)
 def test_a_partitioned_worker_host(stage: Stage, site: Site, case: str) -> None:
-    down_s, w1_settings = PARTITIONS[case]
+    down_s, w1_settings, held = PARTITIONS[case]
     stage.start_worker("w1", **w1_settings)
     stage.wait_ready("w1")
     (run_id,) = stage.submit(f"cut-{case}", STEPS * 3)
     stage.wait_run(run_id, lambda r: r["step"] >= 60, 120, "60 steps on w1")
     stage.start_worker("w2")  # idle, ready to take the run over
     stage.wait_ready("w2")
+    if held:
+        stage.workers["holder"] = site.net.spawn(
+            "w1",
+            [sys.executable, "-c", HOLD_THE_ROW, stage.url("w1"), str(run_id)],
+            env=stage.env("w1"),
+            log=stage.log("holder"),
+            cwd=ROOT,
+        )
+        wait_until(lambda: b"holding" in stage.log("holder").read_bytes(), 30, "the row held")
     site.net.cut("w1")
     fault_at = time.monotonic()
     cut_at = stage.run(run_id)["step"]
