@@ -46,10 +46,13 @@ def similarity_by_offset(
             row = encoding.bias(1, length)[:, 0].flip(-1).float().numpy()
             return offsets, {f"head {h}": row[h] for h in range(row.shape[0])}
         if family == "rotary":
-            ones = torch.ones(1, 1, length, head_dim)
+            # Every head: FoPE's tables differ by head (RoPE's are one table for all).
+            ones = torch.ones(1, n_heads, length, head_dim)
             q, k = encoding.rotate(ones, ones, torch.arange(length))
-            score = (q[0, 0] @ k[0, 0, 0]) / head_dim
-            return offsets, {"q·k / d (q = k = 1)": score.numpy()}
+            scores = torch.einsum("htd,hd->ht", q[0], k[0, :, 0]) / head_dim
+            if torch.equal(scores, scores[:1].expand_as(scores)):
+                return offsets, {"q·k / d (q = k = 1)": scores[0].numpy()}
+            return offsets, {f"head {h} q·k / d": scores[h].numpy() for h in range(n_heads)}
         if family == "none":
             return offsets, {"no position signal": np.zeros(length)}
         positions = encoding.positions(1, length, torch.device("cpu"))  # randomized: a draw

@@ -75,7 +75,7 @@ def test_submit_form_validates_inline_and_enqueues_nothing_while_invalid(setting
     app.multiselect(key="custom:encodings").set_value(["alibi"]).run()
     app.multiselect(key="custom:variants").set_value(["yarn:auto"]).run()
     assert any(
-        "scales RoPE and applies to rope, xpos, ssmax, local_global, irope" in plain(e.value)
+        "scales RoPE and applies to rope, xpos, ssmax, fope, local_global, irope" in plain(e.value)
         for e in app.error
     )
     app.multiselect(key="custom:variants").set_value([]).run()

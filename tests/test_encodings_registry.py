@@ -108,7 +108,8 @@ def test_a_new_rotary_entry_is_picked_up_without_further_edits(
     monkeypatch.setitem(REGISTRY, entry.name, entry)
     check_entry(entry.name)
     assert "| half_speed_rope | rotary | base=10000.0, rotary_fraction=1.0 |" in catalog_markdown()
-    assert "apply to rope, xpos, ssmax, local_global, irope, half_speed_rope" in catalog_markdown()
+    scalable = "apply to rope, xpos, ssmax, fope, local_global, irope, half_speed_rope"
+    assert scalable in catalog_markdown()
     with pytest.raises(Exception, match="fewer than 2 dimensions"):
         parse_spec(
             {

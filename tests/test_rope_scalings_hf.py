@@ -357,7 +357,7 @@ def test_spec_notes_name_variants_that_give_the_same_numbers() -> None:
         (
             ["llama3:4"],
             ["alibi"],
-            "'llama3:4' scales RoPE and applies to rope, xpos, ssmax, local_global, irope",
+            "'llama3:4' scales RoPE and applies to rope, xpos, ssmax, fope, local_global, irope",
         ),
         (
             [{"method": "longrope", "short_factor": [1.0] * 8}],

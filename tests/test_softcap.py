@@ -6,12 +6,10 @@ cache, the probe, FlexAttention's score_mod) against a dense reference."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import loss_gradients
+from dense import dense_logits
 
 from core.catalog.encodings import REGISTRY
 from core.spec import SpecError, parse_spec
@@ -20,40 +18,12 @@ from worker.decode import decode_logits
 from worker.diagnostics import AttentionProbe
 from worker.fused import FLEX_AVAILABLE
 from worker.layers import ModelConfig
-from worker.model import Transformer, build_model
+from worker.model import build_model
 
 TINY = ModelConfig(d_model=32, n_layers=2, n_heads=2)
 TRAIN = 32
 CAP = 0.5  # small enough that the cap changes every logit of these random models
 PLAIN = sorted(name for name, entry in REGISTRY.items() if not entry.recipe)
-
-
-def reference_logits(model: Transformer, tokens: torch.Tensor, cap: float) -> torch.Tensor:
-    """The forward written out densely: scores plus bias, capped, masked, softmax."""
-    enc, config = model.encoding, model.config
-    batch, length = tokens.shape
-    positions = enc.positions(batch, length, tokens.device)
-    x = enc.embed(model.token_embedding(tokens) * math.sqrt(config.d_model), positions)
-    tables = enc.rotary_tables(positions)
-    bias = enc.bias(length, length)
-    future = torch.ones(length, length, dtype=torch.bool).triu(1)
-    for layer, block in enumerate(model.blocks):
-        attn = block.attn
-        qkv = attn.qkv(block.attn_norm(x)).view(batch, length, 3, config.n_heads, -1)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)
-        if tables is not None:
-            q, k = tables.rotate(q, k)
-        scale = model.layer_factors(layer, torch.arange(length), None)  # SSMax's s log n
-        if scale is not None:  # its formula: tests/test_ssmax.py
-            q = q * scale[..., None]
-        scores = q @ k.transpose(-1, -2) / math.sqrt(config.head_dim)
-        if bias is not None:
-            scores = scores + bias.masked_fill(future, 0.0)
-        capped = cap * torch.tanh(scores / cap)
-        y = torch.softmax(capped.masked_fill(future, float("-inf")), -1) @ v
-        x = x + attn.proj(y.transpose(1, 2).reshape(batch, length, -1))
-        x = x + block.mlp(block.mlp_norm(x))
-    return F.linear(model.final_norm(x), model.token_embedding.weight)
 
 
 def _tokens(length: int) -> torch.Tensor:
@@ -81,7 +51,7 @@ def test_each_encoding_with_a_cap_equals_the_dense_reference(
         torch.manual_seed(0)
         fast = model(tokens)
         torch.manual_seed(0)
-        reference = reference_logits(model, tokens, CAP)
+        reference = dense_logits(model, tokens, CAP)
     torch.testing.assert_close(fast, reference, rtol=1e-5, atol=2e-5)
     # SDPA has no cap: asked for, it ran written out, and said so.
     assert model.attention_ran["eval"] == ["eager"]
@@ -95,7 +65,7 @@ def test_the_cap_changes_the_model_and_trains_with_the_references_gradients() ->
         assert not torch.allclose(plain(tokens), capped(tokens), atol=1e-3)
     grads = [
         loss_gradients(capped, forward, tokens)
-        for forward in (capped, lambda t: reference_logits(capped, t, CAP))
+        for forward in (capped, lambda t: dense_logits(capped, t, CAP))
     ]
     for name, grad in grads[0].items():
         torch.testing.assert_close(grad, grads[1][name], rtol=1e-4, atol=1e-6, msg=name)
@@ -156,7 +126,7 @@ def test_flex_with_a_cap_equals_the_reference() -> None:
     tokens = _tokens(2 * TRAIN)[:1]
     with torch.no_grad():
         fused = model(tokens)
-        reference = reference_logits(model, tokens, CAP)
+        reference = dense_logits(model, tokens, CAP)
     assert model.attention_ran["eval"] == ["flex_attention"]
     torch.testing.assert_close(fused, reference, rtol=1e-5, atol=2e-5)
 

@@ -133,7 +133,7 @@ def test_cross_field_limits() -> None:
         ),
         (
             {**BASE, "encodings": ["alibi"], "eval": {"variants": ["yarn:4"]}},
-            "'yarn:4' scales RoPE and applies to rope, xpos, ssmax, local_global, irope; "
+            "'yarn:4' scales RoPE and applies to rope, xpos, ssmax, fope, local_global, irope; "
             "this study trains none of them",
         ),
         (with_value("eval.variants", ["pi:0.5"]), "factor must be in [1, 1024] or 'auto', got 0.5"),

@@ -13,8 +13,8 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import loss_gradients
+from dense import dense_logits
 
 from core.catalog.encodings import REGISTRY, WINDOW
 from core.catalog.params import EncodingConfigError
@@ -22,66 +22,14 @@ from core.spec import SpecError, parse_spec
 from tests.test_evaluate import run_here
 from worker.decode import decode_logits
 from worker.encodings import build
-from worker.encodings.rope import Rope
-from worker.encodings.rotary import decay_scale, scale_pairs
-from worker.encodings.xpos import XPos
 from worker.layers import ModelConfig
-from worker.model import Transformer, build_model
+from worker.model import build_model
 from worker.reach import Reach
 
 TINY = ModelConfig(d_model=32, n_layers=2, n_heads=2)
 # One encoding in every layer; the recipes' layers are held to theirs in test_recipes.py.
 PLAIN = sorted(name for name, entry in REGISTRY.items() if not entry.recipe)
 TRAIN = 32
-
-
-def reference_logits(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
-    """``model``'s logits computed densely, each layer's window applied as a mask."""
-    enc, config = model.encoding, model.config
-    batch, length = tokens.shape
-    heads, head_dim = config.n_heads, config.head_dim
-    positions = enc.positions(batch, length, tokens.device)
-    x = enc.embed(model.token_embedding(tokens) * math.sqrt(config.d_model), positions)
-    tables = enc.rotary_tables(positions)
-    bias = enc.bias(length, length)
-    query = torch.arange(length)[:, None]
-    key = torch.arange(length)[None, :]
-    for layer, block in enumerate(model.blocks):
-        attn = block.attn
-        qkv = attn.qkv(block.attn_norm(x)).view(batch, length, 3, heads, head_dim)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)
-        if tables is not None and tables.decay is not None:
-            q, k = _xpos_in_float64(enc, positions, q, k)
-        elif tables is not None:
-            q, k = tables.rotate(q, k)
-        scale = model.layer_factors(layer, torch.arange(length), None)  # SSMax's s log n
-        if scale is not None:  # its formula: tests/test_ssmax.py
-            q = q * scale[..., None]
-        scores = (q @ k.transpose(-1, -2) / math.sqrt(head_dim)).float()
-        if bias is not None:
-            scores = scores + bias
-        hidden = key > query
-        if attn.reach.window is not None:
-            hidden |= query - key >= attn.reach.window
-        if attn.reach.chunk is not None:
-            hidden |= query // attn.reach.chunk != key // attn.reach.chunk
-        y = torch.softmax(scores.masked_fill(hidden, float("-inf")), -1) @ v
-        x = x + attn.proj(y.transpose(1, 2).reshape(batch, length, -1))
-        x = x + block.mlp(block.mlp_norm(x))
-    return F.linear(model.final_norm(x), model.token_embedding.weight)
-
-
-def _xpos_in_float64(
-    enc: XPos, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """xPos's q zeta^(n / scale_base) and k zeta^(-m / scale_base), rotated, in float64,
-    where one float32 table past its span would overflow (the model decays per block)."""
-    q, k = Rope.rotary_tables(enc, positions).rotate(q, k)
-    zeta, at = enc.zeta.double(), positions.double()
-    return (
-        scale_pairs(q.double(), decay_scale(zeta, at, enc.scale_base)),
-        scale_pairs(k.double(), decay_scale(zeta, -at, enc.scale_base)),
-    )
 
 
 def _tokens(length: int, batch: int = 2) -> torch.Tensor:
@@ -115,7 +63,7 @@ def test_each_encoding_with_a_window_equals_the_dense_reference(
         torch.manual_seed(0)
         fast = model(tokens)
         torch.manual_seed(0)
-        reference = reference_logits(model, tokens)
+        reference = dense_logits(model, tokens)
     torch.testing.assert_close(fast, reference, rtol=1e-5, atol=2e-5)
 
 
@@ -129,7 +77,7 @@ def test_flex_skips_the_tiles_outside_the_window_and_equals_the_reference(encodi
     tokens = _tokens(4 * TRAIN, batch=1)
     with torch.no_grad():
         fused = model(tokens)
-        reference = reference_logits(model, tokens)
+        reference = dense_logits(model, tokens)
     assert model.attention_ran["eval"] == ["flex_attention"]
     torch.testing.assert_close(fused, reference, rtol=1e-5, atol=2e-5)
 
@@ -142,7 +90,7 @@ def test_training_gradients_with_a_window_equal_the_reference(encoding: str) -> 
     tokens = _tokens(TRAIN)
     grads = [
         loss_gradients(model, forward, tokens)
-        for forward in (model, lambda t: reference_logits(model, t))
+        for forward in (model, lambda t: dense_logits(model, t))
     ]
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:

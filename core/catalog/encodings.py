@@ -314,6 +314,30 @@ REGISTRY: dict[str, EncodingInfo] = {
             scalable=True,
         ),
         EncodingInfo(
+            name="fope",
+            family="rotary",
+            summary="RoPE whose frequencies that do not finish a period in training are "
+            "zeroed, and whose cos / sin per pair are Fourier series over the kept ones "
+            "(fixed random harmonics per layer and head).",
+            reference="Hua et al. 2024, Fourier Position Embedding: Enhancing Attention's "
+            "Periodic Extension for Length Generalization (arXiv:2412.17739)",
+            implementation="worker.encodings.fope:FoPE",
+            params=(
+                _ROPE_BASE,
+                Param(
+                    "sigma",
+                    float,
+                    0.3,
+                    "gain of the harmonics' xavier-normal draw, sigma sqrt(2 / (K^2 + H K)) "
+                    "for K kept frequencies and H heads (the paper: 0.3 at 60M parameters, "
+                    "0.4 at 180M, 0.6 at 1.2B; 0 with nothing clipped is RoPE)",
+                    low=0.0,
+                    high=4.0,
+                ),
+            ),
+            scalable=True,
+        ),
+        EncodingInfo(
             name="local_global",
             family="rotary",
             summary="Local layers (RoPE, a sliding window) and global ones (RoPE of a larger "
