@@ -55,6 +55,8 @@ XT_CONFIGS: dict[str, tuple[dict, dict, bool]] = {
     "kerple_log": ({"use_abs_pos_emb": False}, {"alibi_pos_bias": True}, True),
     "kerple_power": ({"use_abs_pos_emb": False}, {"alibi_pos_bias": True}, True),
     "fire": ({"use_abs_pos_emb": False}, {"dynamic_pos_bias": True}, False),
+    # CoPE's term reads the scores: no flash kernel on either side.
+    "cope": ({"use_abs_pos_emb": False}, {"attn_use_cope": True, "attn_cope_max_pos": 64}, False),
     "randomized": (
         {"use_abs_pos_emb": False},
         {"rotary_pos_emb": True, "rotary_emb_dim": HEAD_DIM},

@@ -55,6 +55,8 @@ def similarity_by_offset(
             return offsets, {f"head {h} q·k / d": scores[h].numpy() for h in range(n_heads)}
         if family == "none":
             return offsets, {"no position signal": np.zeros(length)}
+        if family == "contextual":  # CoPE: positions the content counts, none before it
+            return offsets, {"counted from the content: no fixed curve": np.zeros(length)}
         positions = encoding.positions(1, length, torch.device("cpu"))  # randomized: a draw
         positions = positions if positions.dim() == 1 else positions[0]
         table = encoding.embed(torch.zeros(1, length, n_heads * head_dim), positions)[0]

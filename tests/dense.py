@@ -55,7 +55,11 @@ def dense_logits(
             hidden = hidden | (query - key >= attn.reach.window)
         if attn.reach.chunk is not None:
             hidden = hidden | (query // attn.reach.chunk != key // attn.reach.chunk)
-        y = torch.softmax(scores.masked_fill(hidden, float("-inf")), -1) @ v
+        scores = scores.masked_fill(hidden, float("-inf"))
+        if attn.terms is not None and attn.terms.contextual is not None:
+            # CoPE's counted positions (pinned to x-transformers in tests/test_cope.py).
+            scores = scores + attn.terms.contextual(q, scores)
+        y = torch.softmax(scores, -1) @ v
         x = x + attn.proj(y.transpose(1, 2).reshape(batch, length, -1))
         x = x + block.mlp(block.mlp_norm(x))
     return F.linear(model.final_norm(x), model.token_embedding.weight)

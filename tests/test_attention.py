@@ -184,7 +184,9 @@ def test_eager_and_sdpa_agree_for_every_encoding_in_value_and_gradient() -> None
             grads[implementation] = [p.grad.clone() for p in model.parameters()]
         for eager, sdpa in zip(grads["eager"], grads["sdpa"], strict=True):
             torch.testing.assert_close(sdpa, eager, rtol=1e-4, atol=1e-5, msg=name)
-        assert model.attention_ran["train"] == ["eager", "sdpa"], name
+        # CoPE's term has no fused form: asked for sdpa, it is written out (with a note).
+        ran = ["eager"] if REGISTRY[name].family == "contextual" else ["eager", "sdpa"]
+        assert model.attention_ran["train"] == ran, name
 
 
 @pytest.mark.parametrize("name", BIASED)

@@ -56,7 +56,7 @@ def check_entry(name: str) -> None:
     there, at 4x; a study spec with it (and every scaling, when scalable) validates."""
     entry = REGISTRY[name]
     assert entry.reference and entry.summary
-    assert entry.family in {"none", "absolute", "rotary", "bias"}
+    assert entry.family in {"none", "absolute", "rotary", "bias", "contextual"}
     encoding = build(name, **dims())
     assert isinstance(encoding, PositionEncoding)
     assert encoding.name == name

@@ -8,7 +8,8 @@ from torch import nn
 
 from core.catalog.encodings import REGISTRY
 from worker.data.base import Batch, Task
-from worker.probes import equivariance_table, order_probe
+from worker.encodings import build
+from worker.probes import equivariance_error, equivariance_table, order_probe
 
 LENGTH = 32
 
@@ -85,7 +86,14 @@ def test_equivariance_table_separates_order_blind_attention_from_the_rest() -> N
     assert rows["nope"]["bidirectional"] < 1e-5
     # The causal mask alone breaks the symmetry, and so does every encoding.
     assert all(row["causal"] > 0.05 for row in rows.values())
-    assert all(rows[name]["bidirectional"] > 0.005 for name in set(REGISTRY) - {"nope"})
+    # CoPE starts with a zero table (as its paper and x-transformers do): NoPE until it
+    # learns one; with one, the counted positions break the symmetry both ways too.
+    assert rows["cope"]["bidirectional"] < 1e-5
+    assert all(rows[name]["bidirectional"] > 0.005 for name in set(REGISTRY) - {"nope", "cope"})
+    cope = build("cope", n_heads=4, head_dim=16, d_model=64, train_length=16)
+    with torch.no_grad():
+        cope.pos_emb.normal_(generator=torch.Generator().manual_seed(0))
+    assert equivariance_error(cope, 16, causal=False) > 0.005
 
 
 class RandomPositions(nn.Module):

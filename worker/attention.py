@@ -27,6 +27,7 @@ one table's span overflows a ``score_mod`` and stays on query blocks.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +72,7 @@ def choose(
     decay: bool = False,
     windowed: bool = False,
     softcap: bool = False,
+    contextual: bool = False,
 ) -> Choice:
     """The implementation a pass runs with: ``requested`` (auto, eager, sdpa,
     flex_attention) for an encoding with an additive bias (``has_bias``; ``learned``: with
@@ -78,7 +80,8 @@ def choose(
     without a ``backward`` to follow; ``decay``: xPos's per-block decay is in use;
     ``windowed``: a layer attends through a sliding window or chunks (flex skips the
     tiles outside them where SDPA masks them); ``softcap``: the logits are soft-capped,
-    which SDPA cannot do (written out, or flex's score_mod)."""
+    which SDPA cannot do (written out, or flex's score_mod); ``contextual``: a term of the
+    scores themselves is added (CoPE), which neither fused kernel can do (written out)."""
     check_implementation(requested)
     choice = _choose(
         requested,
@@ -91,6 +94,11 @@ def choose(
         windowed=windowed,
         softcap=softcap,
     )
+    if contextual and choice.implementation != "eager":
+        why = choice.note or f"{choice.implementation} was chosen"
+        return Choice(
+            "eager", f"a contextual logit term (CoPE) has no fused form: written out ({why})"
+        )
     if softcap and not decay and choice.implementation == "sdpa":
         # xPos's block decay writes capped logits out itself; elsewhere SDPA has no cap.
         why = choice.note or f"{requested} was asked"
@@ -255,6 +263,26 @@ def additive_mask(seen: Tensor, dtype: torch.dtype) -> Tensor:
     )
 
 
+@dataclass(frozen=True)
+class LogitTerms:
+    """What a layer does to its logits beyond q.k / sqrt(d) + bias, which SDPA cannot do,
+    so the scores are written out wherever a layer has any: Gemma 2's soft ``cap``, and a
+    ``contextual`` term that depends on the masked scores themselves (CoPE's positions
+    counted by gates; x-transformers adds it after the mask), called with the unscaled
+    queries ``[..., Q, d]`` and the masked logits ``[..., Q, K]``."""
+
+    cap: float | None = None
+    contextual: Callable[[Tensor, Tensor], Tensor] | None = None
+
+    def apply(self, q: Tensor, scores: Tensor) -> Tensor:
+        """``scores`` (biased, masked with -inf) capped, then the contextual term added;
+        a hidden score stays hidden."""
+        scores = softcapped(scores, self.cap)
+        if self.contextual is not None:
+            scores = scores + self.contextual(q, scores)
+        return scores
+
+
 def softcapped(scores: Tensor, cap: float | None) -> Tensor:
     """cap x tanh(scores / cap), Gemma 2's attention logit soft-capping, on the logits
     with their bias; a hidden (-inf) score stays hidden. ``cap`` None: unchanged."""
@@ -265,15 +293,17 @@ def softcapped(scores: Tensor, cap: float | None) -> Tensor:
 
 
 def written_out_biased_attention(
-    q: Tensor, k: Tensor, v: Tensor, bias: Tensor, softcap: float | None = None
+    q: Tensor, k: Tensor, v: Tensor, bias: Tensor, terms: LogitTerms | None = None
 ) -> Tensor:
     """The same in three ops. q is scaled before the product (queries x head_dim
     multiplies instead of queries x keys) and the bias added in place into the
-    fresh score tensor, which saves a pass and an allocation per block; ``softcap``
-    caps the biased logits (``softcapped``)."""
+    fresh score tensor, which saves a pass and an allocation per block; ``terms``
+    act on the biased, masked logits (``LogitTerms.apply``)."""
     scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-1, -2))
     scores.add_(bias)
-    return torch.matmul(torch.softmax(softcapped(scores, softcap), dim=-1), v)
+    if terms is not None:
+        scores = terms.apply(q, scores)
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
 def biased_attention(
@@ -282,15 +312,15 @@ def biased_attention(
     v: Tensor,
     bias: Tensor,
     written: bool | None = None,
-    softcap: float | None = None,
+    terms: LogitTerms | None = None,
 ) -> Tensor:
     """softmax(q k^T / sqrt(d) + bias) v for ``bias`` of shape [heads, queries, keys],
     written out or through SDPA (``written``; None: whichever ``written_out`` picks);
     soft-capped logits are always written out (SDPA has no cap)."""
     if written is None:
         written = written_out(q.device, bias.requires_grad)
-    if written or softcap is not None:
-        return written_out_biased_attention(q, k, v, bias, softcap)
+    if written or terms is not None:
+        return written_out_biased_attention(q, k, v, bias, terms)
     return fused_biased_attention(q, k, v, bias)
 
 
@@ -304,13 +334,13 @@ def causal_attention(
     *,
     written: bool,
     reach: Reach = CAUSAL,
-    softcap: float | None = None,
+    terms: LogitTerms | None = None,
 ) -> Tensor:
     """Causal attention without a bias: SDPA's causal kernel (flash on a GPU) when every
     earlier key is visible and the scores need not be written out; otherwise in blocks of
     query rows, block [s, e) over keys [reach.first_key(s), e) under its mask, written
-    out (``eager``; always with a ``softcap``) or through SDPA."""
-    written = written or softcap is not None
+    out (``eager``; always with ``terms``) or through SDPA."""
+    written = written or terms is not None
     if not reach.limited and not written:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     length = q.shape[-2]
@@ -323,21 +353,21 @@ def causal_attention(
         q_block, k_block, v_block = q[:, :, start:end], k[:, :, lo:end], v[:, :, lo:end]
         if written:
             mask = additive_mask(seen, q.dtype)
-            blocks.append(written_out_biased_attention(q_block, k_block, v_block, mask, softcap))
+            blocks.append(written_out_biased_attention(q_block, k_block, v_block, mask, terms))
         else:
             blocks.append(F.scaled_dot_product_attention(q_block, k_block, v_block, attn_mask=seen))
     return torch.cat(blocks, dim=2)
 
 
 def written_out_causal_attention(
-    q: Tensor, k: Tensor, v: Tensor, causal: bool, softcap: float | None = None
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, terms: LogitTerms | None = None
 ) -> Tensor:
     """Attention without a bias, the scores written out (``eager``): causal in blocks of
     query rows (block [s, e) needs keys [0, e) only), or both ways at once."""
     if causal:
-        return causal_attention(q, k, v, written=True, softcap=softcap)
+        return causal_attention(q, k, v, written=True, terms=terms)
     length = q.shape[-2]
-    return written_out_biased_attention(q, k, v, q.new_zeros(1, length, length), softcap)
+    return written_out_biased_attention(q, k, v, q.new_zeros(1, length, length), terms)
 
 
 def reached_bias(bias: Tensor, start: int, end: int, reach: Reach) -> Tensor:
@@ -355,7 +385,7 @@ def decayed_attention(
     v: Tensor,
     decay: BlockDecay,
     reach: Reach = CAUSAL,
-    softcap: float | None = None,
+    terms: LogitTerms | None = None,
 ) -> Tensor:
     """Causal attention of rotated q, k with xPos's decay applied per block of queries
     (``BlockDecay``): block [s, e) attends keys [reach.first_key(s), e) under its mask."""
@@ -368,10 +398,10 @@ def decayed_attention(
         q_block = scale_pairs(q[:, :, start:end], query_scale)
         k_block = scale_pairs(k[:, :, lo:end], key_scale[..., lo:, :])
         seen = reach.visible(start, end, q.device)
-        if softcap is not None:  # written out: SDPA has no cap
+        if terms is not None:  # written out: SDPA has no cap, no contextual term
             mask = additive_mask(seen, q.dtype)
             blocks.append(
-                written_out_biased_attention(q_block, k_block, v[:, :, lo:end], mask, softcap)
+                written_out_biased_attention(q_block, k_block, v[:, :, lo:end], mask, terms)
             )
             continue
         blocks.append(

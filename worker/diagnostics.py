@@ -233,15 +233,16 @@ class AttentionProbe:
         scale: float | None = None,
         source: object = None,
         reach: Any = None,
-        softcap: float | None = None,
+        terms: Any = None,
     ) -> None:
         """Write out and record the logits of the sampled queries of ``q``, ``k``
         ``[B, H, T, d]`` (q already scaled by ``factors``), block by block of
         ``block_rows`` queries: with ``bias_rows(start, end)`` (the causal bias of
         queries [start, end) over keys [0, end)), scaled by ``factors`` as attention
         scales it, or with xPos's block ``decay``; causal in any case, and the keys a layer's
-        ``reach`` hides (a sliding window, chunks) masked too; ``softcap`` caps the
-        logits as attention does (cap x tanh(logit / cap)). The bias and
+        ``reach`` hides (a sliding window, chunks) masked too; ``terms`` (a layer's
+        ``worker.attention.LogitTerms``) act on them as attention's do: the soft cap
+        before the mask, a contextual term (CoPE) after it. The bias and
         the decay are built once per ``source`` (what every layer of a forward pass
         shares: its AttentionBias, its tables), not once per layer."""
         length = q.shape[-2]
@@ -272,13 +273,17 @@ class AttentionProbe:
                     partial(_sampled_bias, bias_rows, start, end, picked, windows, factors),
                 )
                 logits = logits + bias
-            if softcap is not None:
-                logits = torch.tanh(logits / softcap) * softcap
+            cap = None if terms is None else terms.cap
+            if cap is not None:
+                logits = torch.tanh(logits / cap) * cap
             keys = torch.arange(end, device=q.device)[None, :]
             if reach is None:
                 hidden = keys > picked[:, None]
             else:
                 hidden = reach.hidden(picked[:, None], keys)
+            logits = logits.masked_fill(hidden, float("-inf"))
+            if terms is not None and terms.contextual is not None:
+                logits = logits + terms.contextual(qb, logits)
             self.record(layer, logits.masked_fill(hidden, MASKED), picked, reach)
 
 

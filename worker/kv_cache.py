@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from worker.attention import additive_mask, written_out_biased_attention
+from worker.attention import LogitTerms, additive_mask, written_out_biased_attention
 from worker.diagnostics import logn_factors, scale_rows
 from worker.encodings.base import PositionEncoding
 from worker.encodings.layered import Layered
@@ -263,7 +263,7 @@ def _attend(
     factors: Tensor | None = None,
     reach: Reach = CAUSAL,
     kind: int = 0,
-    softcap: float | None = None,
+    terms: LogitTerms | None = None,
 ) -> Tensor:
     """Write the new k, v into the cache and attend the new queries over every live key
     (each query's logits multiplied by its log-n ``factors``, when given) that the
@@ -300,13 +300,13 @@ def _attend(
         mask = step.masks[first, last, reach]
         if factors is not None and mask is not None and mask.dtype != torch.bool:
             mask = scale_rows(mask, factors[..., first:last])
-        if softcap is not None:  # written out: SDPA has no cap
+        if terms is not None:  # written out: SDPA has no cap, no contextual term
             additive = q_block.new_zeros(q_block.shape[-2], visible) if mask is None else mask
             if additive.dtype == torch.bool:
                 additive = additive_mask(additive, q_block.dtype)
             blocks.append(
                 written_out_biased_attention(
-                    q_block, k_block, values[:, :, :visible], additive, softcap
+                    q_block, k_block, values[:, :, :visible], additive, terms
                 )
             )
             continue
@@ -393,7 +393,7 @@ def _forward(model: Transformer, tokens: Tensor, cache: KVCache) -> Tensor:
         qkv = attn.qkv(block.attn_norm(x))
         q, k, v = qkv.view(batch, count, 3, heads, -1).permute(2, 0, 3, 1, 4)
         layer_factors = model.layer_factors(layer, positions, every_factors[kind])
-        y = _attend(cache, layer, q, k, v, step, layer_factors, attn.reach, kind, attn.softcap)
+        y = _attend(cache, layer, q, k, v, step, layer_factors, attn.reach, kind, attn.terms)
         x = x + attn.proj(y.transpose(1, 2).reshape(batch, count, -1))
         x = x + block.mlp(block.mlp_norm(x))
     cache.length = step.start + count

@@ -24,6 +24,7 @@ from core.catalog.params import is_positive_int
 from worker.attention import (
     MAX_BLOCK_ROWS,
     AttentionBias,
+    LogitTerms,
     biased_attention,
     causal_attention,
     decayed_attention,
@@ -130,8 +131,9 @@ class CausalSelfAttention(nn.Module):
         # Which earlier keys its queries see (worker.attention.Reach: a sliding window,
         # chunks; plain causal by default). Set by the model from its encoding.
         self.reach: Reach = CAUSAL
-        # Gemma 2's attention logit soft-capping, cap x tanh(logit / cap) (None: none).
-        self.softcap: float | None = None
+        # What it does to its logits beyond the bias (worker.attention.LogitTerms: Gemma
+        # 2's soft cap, CoPE's contextual positions; None: nothing).
+        self.terms: LogitTerms | None = None
 
     def forward(
         self,
@@ -165,16 +167,16 @@ class CausalSelfAttention(nn.Module):
                 factors=factors,
                 source=attn_bias if attn_bias is not None else tables,
                 reach=self.reach,
-                softcap=self.softcap,
+                terms=self.terms,
             )
         written = attn_bias.written if attn_bias is not None else None
         reach = self.reach if causal else CAUSAL  # the two-way probes see every key
         eager = kernel is not None and kernel.implementation == "eager"
-        cap = self.softcap
+        terms = self.terms
         if decay is not None:
             if not causal:
                 raise ValueError("xPos's decay beyond one table's span is causal only")
-            y = decayed_attention(q, k, v, decay, reach, cap)
+            y = decayed_attention(q, k, v, decay, reach, terms)
         elif kernel is not None and kernel.implementation == "flex_attention":
             mask = kernel.block_mask(reach) if causal else None
             y = flex(
@@ -189,13 +191,13 @@ class CausalSelfAttention(nn.Module):
             )
         elif attn_bias is None:
             if causal:  # no bias: the fused causal kernel (flash) serves, unlimited
-                y = causal_attention(q, k, v, written=eager, reach=reach, softcap=cap)
-            elif eager or cap is not None:
-                y = written_out_causal_attention(q, k, v, causal, cap)
+                y = causal_attention(q, k, v, written=eager, reach=reach, terms=terms)
+            elif eager or terms is not None:
+                y = written_out_causal_attention(q, k, v, causal, terms)
             else:
                 y = F.scaled_dot_product_attention(q, k, v)
         elif not causal:
-            y = biased_attention(q, k, v, attn_bias.full, written, cap)
+            y = biased_attention(q, k, v, attn_bias.full, written, terms)
         else:
             # Queries in blocks; block [s, e) only needs keys [reach.first_key(s), e).
             blocks = []
@@ -207,7 +209,7 @@ class CausalSelfAttention(nn.Module):
                     bias = scale_rows(bias, factors[..., start:end])
                 blocks.append(
                     biased_attention(
-                        q[:, :, start:end], k[:, :, lo:end], v[:, :, lo:end], bias, written, cap
+                        q[:, :, start:end], k[:, :, lo:end], v[:, :, lo:end], bias, written, terms
                     )
                 )
             y = torch.cat(blocks, dim=2)

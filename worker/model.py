@@ -17,6 +17,7 @@ import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import replace
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,7 @@ from worker.attention import (
     SCORE_BUDGET,
     AttentionBias,
     Choice,
+    LogitTerms,
     Notes,
     check_implementation,
     choose,
@@ -75,16 +77,20 @@ class Transformer(nn.Module):
             if isinstance(encoding, Layered)
             else [0] * config.n_layers
         )
-        for block, kind in zip(self.blocks, self.layer_kinds, strict=True):
+        bind = getattr(encoding, "bind_layers", None)
+        if bind is not None:  # parameters per layer (SSMax's s, FoPE's, CoPE's)
+            bind(config.n_layers)
+        contextual = getattr(encoding, "contextual", None)  # CoPE: a term of the scores
+        for layer, (block, kind) in enumerate(zip(self.blocks, self.layer_kinds, strict=True)):
             reach = encoding.reach(kind) if isinstance(encoding, Layered) else Reach()
             if window is not None and reach.window is None:
                 reach = replace(reach, window=window)
             block.attn.reach = reach
-            block.attn.softcap = attn_softcap
+            term = None if contextual is None else partial(contextual, layer)
+            if attn_softcap is not None or term is not None:
+                block.attn.terms = LogitTerms(attn_softcap, term)
         self.attn_softcap = attn_softcap
-        bind = getattr(encoding, "bind_layers", None)
-        if bind is not None:  # parameters per layer (SSMax's s)
-            bind(config.n_layers)
+        self.contextual = contextual is not None
         self.final_norm = nn.LayerNorm(config.d_model, bias=False)
         self.encoding = encoding
         # Tests lower this to exercise the query-block path on short sequences.
@@ -217,6 +223,7 @@ class Transformer(nn.Module):
             has_bias=encoding.has_bias,
             windowed=any(reach.limited for reach in self.reaches),
             softcap=self.attn_softcap is not None,
+            contextual=self.contextual,
             fusable=encoding.fusable,
             backward=torch.is_grad_enabled() if backward is None else backward,
             learned=any(p.requires_grad for p in encoding.parameters()),

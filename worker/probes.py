@@ -11,13 +11,14 @@ cannot know order. An encoding breaks that symmetry; so does a causal mask.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from worker import liveness
-from worker.attention import AttentionBias
+from worker.attention import AttentionBias, LogitTerms
 from worker.data.base import Task
 from worker.encodings import build
 from worker.encodings.base import PositionEncoding
@@ -38,6 +39,8 @@ def attention_layer(
         bias = AttentionBias(
             encoding, length, batch, x.dtype, x.device, budget=1 << 62, causal=causal
         )
+    contextual = getattr(encoding, "contextual", None)  # CoPE: its first layer's table
+    attention.terms = None if contextual is None else LogitTerms(contextual=partial(contextual, 0))
     return attention(x, encoding.rotary_tables(positions), bias, causal=causal)
 
 

@@ -30,7 +30,7 @@ WINDOW = Param(
 )
 SHARED_PARAMS: tuple[Param, ...] = (WINDOW,)
 
-Family = Literal["none", "absolute", "rotary", "bias"]
+Family = Literal["none", "absolute", "rotary", "bias", "contextual"]
 
 
 @dataclass(frozen=True)

@@ -338,6 +338,28 @@ REGISTRY: dict[str, EncodingInfo] = {
             scalable=True,
         ),
         EncodingInfo(
+            name="cope",
+            family="contextual",
+            summary="Positions counted by the content: key j sits at the sum of the query's "
+            "sigmoid gates from j to itself, and a learned table, interpolated there, adds "
+            "q·e[p] to the logit.",
+            reference="Golovneva et al. 2024, Contextual Position Encoding: Learning to Count "
+            "What's Important (arXiv:2405.18719)",
+            implementation="worker.encodings.cope:CoPE",
+            params=(
+                Param(
+                    "max_pos",
+                    int,
+                    64,
+                    "entries of each layer's position table: counted positions are clamped "
+                    "to max_pos - 1 (x-transformers' default: 16)",
+                    low=2,
+                    high=1 << 16,
+                ),
+            ),
+            attention_note="eager (its term depends on the scores: no fused form)",
+        ),
+        EncodingInfo(
             name="local_global",
             family="rotary",
             summary="Local layers (RoPE, a sliding window) and global ones (RoPE of a larger "
